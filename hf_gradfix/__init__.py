@@ -1,0 +1,61 @@
+"""hf_gradfix: exact loss normalization for the Hugging Face training stack.
+
+Three ways in:
+
+- ``hf_gradfix.patch()`` once, before building a ``transformers.Trainer`` (or TRL trainer);
+- ``trainer.add_callback(hf_gradfix.GradFixCallback())`` for one trainer;
+- a configuration (``hf_gradfix.GradFixConfig``, a dict, or the ``hf_gradfix:`` section of a YAML file).
+
+>>> import hf_gradfix
+>>> cfg = hf_gradfix.patch()
+>>> hf_gradfix.is_patched()
+True
+>>> hf_gradfix.unpatch()
+"""
+
+from __future__ import annotations
+
+import logging as _logging
+
+from .config import ConfigError, GradFixConfig, LossConfig, load_config
+
+__version__ = "0.1.0"
+
+_logger = _logging.getLogger("hf_gradfix")
+if not _logger.handlers:
+    # One visible line per fixed trainer by default; silence with config `log_fixes: false`.
+    _handler = _logging.StreamHandler()
+    _handler.setFormatter(_logging.Formatter("[%(name)s] %(levelname)s: %(message)s"))
+    _logger.addHandler(_handler)
+    _logger.setLevel(_logging.INFO)
+    _logger.propagate = False
+
+
+def __getattr__(name: str):
+    # The integration layer imports transformers; load it only when asked for.
+    if name in ("patch", "unpatch", "is_patched"):
+        from .integration import patching
+
+        return getattr(patching, name)
+    if name == "GradFixCallback":
+        from .integration.callback import GradFixCallback
+
+        return GradFixCallback
+    if name in ("GradFixError", "install", "uninstall"):
+        from .integration import trainer_fix
+
+        return getattr(trainer_fix, name)
+    raise AttributeError(f"module 'hf_gradfix' has no attribute {name!r}")
+
+
+__all__ = [
+    "ConfigError",
+    "GradFixCallback",
+    "GradFixConfig",
+    "GradFixError",
+    "LossConfig",
+    "is_patched",
+    "load_config",
+    "patch",
+    "unpatch",
+]

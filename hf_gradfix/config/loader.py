@@ -1,0 +1,609 @@
+"""Load and validate the ``hf_gradfix`` configuration.
+
+Sources, in order of precedence (the first one present wins; they are never
+merged):
+
+1. the ``source`` argument of :func:`load_config`: a :class:`GradFixConfig`, a
+   ``dict`` or the path of a YAML file;
+2. the file named by the environment variable ``HF_GRADFIX_CONFIG``;
+3. the defaults of :class:`GradFixConfig` (right for most users).
+
+A YAML file (or dict) is either the ``hf_gradfix`` section itself, or an
+accelerate config file with an ``hf_gradfix:`` key next to accelerate's own
+keys (``compute_environment``, ``distributed_type``, ``num_processes``, ...),
+which are ignored here::
+
+    compute_environment: LOCAL_MACHINE
+    distributed_type: MULTI_GPU
+    num_processes: 4
+    hf_gradfix:
+      loss:
+        count_rule: shifted
+      log_fixes: false
+
+Settings left out keep their defaults; an empty file, or ``hf_gradfix:`` with
+nothing under it, gives the defaults.  Validation is strict and generic (it
+introspects the dataclasses of :mod:`hf_gradfix.config.schema`): an unknown key
+or a value of the wrong type raises :class:`ConfigError` naming the dotted key
+(e.g. ``hf_gradfix.loss.count_rule``), the file and line when there is one, the
+bad value, what is allowed, and the closest valid spelling.
+
+This module imports only the standard library and ``yaml``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, Union
+
+import yaml
+
+from .schema import ConfigError, GradFixConfig
+
+__all__ = ["ENV_VAR", "SECTION", "load_config", "config_from_dict", "config_to_dict"]
+
+ENV_VAR = "HF_GRADFIX_CONFIG"
+"""Environment variable naming a YAML config file, used when ``load_config()`` gets no source."""
+
+SECTION = "hf_gradfix"
+"""Name of the plugin's section (top-level key) in an accelerate config file."""
+
+# Top-level keys of accelerate's own config files: only used to give a better hint
+# when someone points us at an accelerate config that has no ``hf_gradfix:`` key.
+_ACCELERATE_KEYS = frozenset(
+    {
+        "compute_environment", "distributed_type", "num_processes", "num_machines",
+        "machine_rank", "mixed_precision", "use_cpu", "gpu_ids", "main_training_function",
+        "downcast_bf16", "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster",
+        "tpu_use_sudo", "debug", "enable_cpu_affinity", "fsdp_config", "deepspeed_config",
+        "megatron_lm_config", "dynamo_config", "main_process_ip", "main_process_port",
+        "ipex_config", "mpirun_config", "parallelism_config", "fp8_config", "dynamo_backend",
+    }
+)
+
+_INVALID = object()  # sentinel: the value did not validate (a problem was recorded)
+
+Path = tuple  # a key path inside the section: tuple of str (keys) and int (list indices)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def load_config(source: GradFixConfig | Mapping[str, Any] | str | os.PathLike | None = None) -> GradFixConfig:
+    """Return a validated :class:`GradFixConfig` from ``source``.
+
+    ``source`` may be:
+
+    * ``None``: the YAML file named by ``$HF_GRADFIX_CONFIG`` if that variable is
+      set (non-empty), else the defaults;
+    * a :class:`GradFixConfig`: validated, and a copy returned;
+    * a ``dict``: the ``hf_gradfix`` section itself, or a dict with an
+      ``hf_gradfix`` key (its other keys are ignored);
+    * a ``str`` / ``os.PathLike``: path of a YAML file, either the section itself
+      or an accelerate config file with an ``hf_gradfix:`` key.
+
+    Raises :class:`ConfigError` (a ``ValueError``) on any problem.
+
+    Example::
+
+        >>> from hf_gradfix.config import load_config
+        >>> load_config({"loss": {"count_rule": "shifted"}}).loss.count_rule
+        'shifted'
+        >>> load_config().loss.enabled   # defaults (when $HF_GRADFIX_CONFIG is unset)
+        True
+    """
+    if source is None:
+        env_value = os.environ.get(ENV_VAR, "")
+        if not env_value.strip():
+            return GradFixConfig()
+        return _load_file(env_value.strip(), via_env=True)
+    if isinstance(source, GradFixConfig):
+        return _build_root(type(source), _to_plain(source))
+    if isinstance(source, Mapping):
+        return config_from_dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        return _load_file(source)
+    raise ConfigError(
+        f"load_config(): unsupported source of type {type(source).__name__} ({_short_repr(source)}); "
+        "expected None (use $HF_GRADFIX_CONFIG or the defaults), a GradFixConfig, a dict, "
+        "or the path (str or os.PathLike) of a YAML file"
+    )
+
+
+def config_from_dict(d: Mapping[str, Any] | None) -> GradFixConfig:
+    """Build a validated :class:`GradFixConfig` from a plain (nested) dict.
+
+    ``d`` is the ``hf_gradfix`` section itself; if it has a top-level
+    ``hf_gradfix`` key, that section is used and the other keys (accelerate's)
+    are ignored.  Missing settings keep their defaults; ``None`` gives the
+    defaults.  Raises :class:`ConfigError` on unknown keys or bad values.
+
+    Example::
+
+        >>> from hf_gradfix.config import config_from_dict
+        >>> cfg = config_from_dict({"loss": {"on_undetermined": "warn"}, "log_fixes": False})
+        >>> cfg.loss.on_undetermined, cfg.log_fixes
+        ('warn', False)
+    """
+    section, _ = _select_section(d)
+    return _build_root(GradFixConfig, section)
+
+
+def config_to_dict(cfg: GradFixConfig) -> dict[str, Any]:
+    """Return ``cfg`` as a plain nested dict (YAML/JSON friendly).
+
+    The result round-trips: ``config_from_dict(config_to_dict(cfg)) == cfg``.
+    Raises ``TypeError`` if ``cfg`` is not a dataclass instance.
+
+    Example::
+
+        >>> from hf_gradfix.config import GradFixConfig, config_from_dict, config_to_dict
+        >>> d = config_to_dict(GradFixConfig())
+        >>> d["loss"]["count_rule"], d["log_fixes"]
+        ('auto', True)
+        >>> config_from_dict(d) == GradFixConfig()
+        True
+    """
+    if not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)):
+        raise TypeError(f"config_to_dict() expects a GradFixConfig instance, got {type(cfg).__name__}")
+    return _to_plain(cfg)
+
+
+# --------------------------------------------------------------------------- dict helpers
+
+
+def _select_section(d: Any) -> tuple[Any, Path]:
+    """Return (section, path of the section inside ``d``): unwraps an ``hf_gradfix`` key."""
+    if isinstance(d, Mapping) and SECTION in d:
+        return d[SECTION], (SECTION,)
+    return d, ()
+
+
+def _to_plain(obj: Any) -> Any:
+    """Dataclasses -> dicts, tuples -> lists, recursively; other values are copied as they are."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return copy.deepcopy(obj)
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _dotted(path: Path) -> str:
+    out = SECTION
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _quoted_list(values: typing.Iterable[Any]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+class _Validator:
+    """Converts plain data into schema dataclasses, collecting every problem found."""
+
+    def __init__(self) -> None:
+        self.problems: list[tuple[Path, str]] = []
+
+    def add(self, path: Path, message: str) -> None:
+        self.problems.append((path, f"{_dotted(path)}: {message}"))
+
+    # -- dispatch on the type hint
+    def convert(self, tp: Any, value: Any, path: Path) -> Any:
+        if tp is Any or tp is object:
+            return copy.deepcopy(value)
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            return self.section(tp, value, path)
+        origin = typing.get_origin(tp)
+        if origin is Literal:
+            return self.literal(typing.get_args(tp), value, path)
+        if origin is Union or (hasattr(types, "UnionType") and origin is getattr(types, "UnionType")):
+            return self.union(typing.get_args(tp), value, path)
+        if origin in (list, tuple):
+            return self.sequence(tp, origin, value, path)
+        if origin is dict:
+            return self.mapping(tp, value, path)
+        if tp is bool:
+            return self.boolean(value, path)
+        if tp is int:
+            return self.integer(value, path)
+        if tp is float:
+            return self.number(value, path)
+        if tp is str:
+            return self.string(value, path)
+        if tp is type(None):
+            if value is None:
+                return None
+            self.add(path, f"invalid value {_short_repr(value)}; expected null")
+            return _INVALID
+        raise TypeError(f"hf_gradfix config schema: unsupported type {tp!r} for {_dotted(path)}")
+
+    # -- sections
+    def section(self, cls: type, value: Any, path: Path) -> Any:
+        if value is None:  # "loss:" with nothing under it -> defaults
+            return cls()
+        if isinstance(value, cls):
+            value = _to_plain(value)
+        fields = [f for f in dataclasses.fields(cls) if f.init]
+        names = [f.name for f in fields]
+        if not isinstance(value, Mapping):
+            if not path:
+                hint = f"write the settings as keys of the {SECTION} section, e.g. '{names[0]}: ...'"
+            else:
+                hint = f"write its settings as keys indented under '{path[-1]}:', e.g. '{names[0]}: ...'"
+                if isinstance(value, bool) and "enabled" in names:
+                    hint = f"to turn it on or off write '{path[-1]}: {{enabled: {str(value).lower()}}}'"
+            self.add(
+                path,
+                f"expected a mapping (a section with keys {_quoted_list(names)}), got "
+                f"{type(value).__name__} {_short_repr(value)}; {hint}",
+            )
+            return _INVALID
+        hints = _type_hints(cls)
+        before = len(self.problems)
+        kwargs: dict[str, Any] = {}
+        unknown_accelerate: list[str] = []
+        for key, sub in value.items():
+            if not isinstance(key, str):
+                self.add(path, f"key {_short_repr(key)} is not a string; allowed keys: {_quoted_list(names)}")
+                continue
+            if key not in names:
+                if not path and key in _ACCELERATE_KEYS:
+                    unknown_accelerate.append(key)
+                    continue
+                self.add(path + (key,), _unknown_key_message(key, names, path))
+                continue
+            converted = self.convert(hints[key], sub, path + (key,))
+            if converted is not _INVALID:
+                kwargs[key] = converted
+        if unknown_accelerate:
+            self.add(
+                path,
+                f"unknown keys {_quoted_list(unknown_accelerate)}: these are accelerate settings; "
+                f"in an accelerate config file put the plugin settings under an '{SECTION}:' key "
+                f"(allowed keys in the {SECTION} section: {_quoted_list(names)})",
+            )
+        if len(self.problems) != before:
+            return _INVALID
+        return cls(**kwargs)
+
+    # -- leaves
+    def literal(self, allowed: tuple, value: Any, path: Path) -> Any:
+        for option in allowed:
+            if value == option and type(value) is type(option):
+                return option
+        message = f"invalid value {_short_repr(value)}; allowed values: {_quoted_list(allowed)}"
+        str_options = [o for o in allowed if isinstance(o, str)]
+        if isinstance(value, str) and str_options:
+            lowered = {o.lower(): o for o in str_options}
+            if value.lower() in lowered:
+                match = [lowered[value.lower()]]
+            else:
+                match = difflib.get_close_matches(value, str_options, n=1, cutoff=0.6)
+                if not match:
+                    match = difflib.get_close_matches(value.lower(), list(lowered), n=1, cutoff=0.6)
+                    match = [lowered[m] for m in match]
+            if match:
+                message += f" (did you mean {match[0]!r}?)"
+        elif isinstance(value, bool) and str_options:
+            message += " (YAML reads unquoted yes/no/on/off/true/false as booleans; quote the value)"
+        self.add(path, message)
+        return _INVALID
+
+    def union(self, arms: tuple, value: Any, path: Path) -> Any:
+        if value is None and type(None) in arms:
+            return None
+        real = [a for a in arms if a is not type(None)]
+        if len(real) == 1:
+            return self.convert(real[0], value, path)
+        for arm in real:  # first arm that accepts the value wins
+            trial = _Validator()
+            result = trial.convert(arm, value, path)
+            if result is not _INVALID:
+                return result
+        self.add(path, f"invalid value {_short_repr(value)}; expected {_describe(Union[arms])}")
+        return _INVALID
+
+    def boolean(self, value: Any, path: Path) -> Any:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            hint = "write true or false without quotes"
+        elif isinstance(value, (int, float)):
+            hint = "write true or false, not a number"
+        else:
+            hint = "write true or false"
+        self.add(path, f"invalid value {_short_repr(value)}; expected a bool (true or false); {hint}")
+        return _INVALID
+
+    def integer(self, value: Any, path: Path) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        hint = ""
+        if isinstance(value, bool):
+            hint = "; a bool is not accepted here, write a whole number"
+        elif isinstance(value, float) and value.is_integer():
+            hint = f"; write {int(value)} (no decimal point)"
+        elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            hint = "; remove the quotes"
+        self.add(path, f"invalid value {_short_repr(value)}; expected an int{hint}")
+        return _INVALID
+
+    def number(self, value: Any, path: Path) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        hint = ""
+        if isinstance(value, bool):
+            hint = "; a bool is not accepted here, write a number"
+        elif isinstance(value, str):
+            try:
+                float(value)
+            except ValueError:
+                pass
+            else:
+                hint = (
+                    "; remove the quotes (note: YAML reads exponents without a decimal point, "
+                    "like 1e-5, as strings: write 1.0e-5)"
+                )
+        self.add(path, f"invalid value {_short_repr(value)}; expected a float (a number){hint}")
+        return _INVALID
+
+    def string(self, value: Any, path: Path) -> Any:
+        if isinstance(value, str):
+            return value
+        self.add(
+            path,
+            f"invalid value {_short_repr(value)}; expected a string "
+            f"(got {type(value).__name__}; quote the value in YAML)",
+        )
+        return _INVALID
+
+    # -- containers
+    def sequence(self, tp: Any, origin: type, value: Any, path: Path) -> Any:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            self.add(path, f"invalid value {_short_repr(value)}; expected {_describe(tp)}")
+            return _INVALID
+        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                self.add(path, f"invalid value {_short_repr(value)}; expected {_describe(tp)} ({len(args)} items)")
+                return _INVALID
+            item_types = list(args)
+        else:
+            item_types = [args[0] if args else Any] * len(value)
+        items = [self.convert(t, v, path + (i,)) for i, (t, v) in enumerate(zip(item_types, value))]
+        if any(item is _INVALID for item in items):
+            return _INVALID
+        return tuple(items) if origin is tuple else items
+
+    def mapping(self, tp: Any, value: Any, path: Path) -> Any:
+        key_type, value_type = (typing.get_args(tp) or (Any, Any))
+        if not isinstance(value, Mapping):
+            self.add(path, f"invalid value {_short_repr(value)}; expected {_describe(tp)}")
+            return _INVALID
+        out: dict[Any, Any] = {}
+        ok = True
+        for key, sub in value.items():
+            if key_type is str and not isinstance(key, str):
+                self.add(path, f"key {_short_repr(key)} is not a string")
+                ok = False
+                continue
+            converted = self.convert(value_type, sub, path + (str(key),))
+            if converted is _INVALID:
+                ok = False
+            else:
+                out[key] = converted
+        return out if ok else _INVALID
+
+
+def _unknown_key_message(key: str, names: list[str], path: Path) -> str:
+    message = f"unknown key; allowed keys in {_dotted(path)}: {_quoted_list(names)}"
+    match = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if not match:
+        lowered = {n.lower(): n for n in names}
+        match = [lowered[m] for m in difflib.get_close_matches(key.lower(), list(lowered), n=1, cutoff=0.6)]
+    if match:
+        message += f" (did you mean {match[0]!r}?)"
+    return message
+
+
+def _describe(tp: Any) -> str:
+    """Human-readable name of a type hint, for error messages."""
+    if tp is Any:
+        return "any value"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + _quoted_list(typing.get_args(tp))
+    if origin is Union or (hasattr(types, "UnionType") and origin is getattr(types, "UnionType")):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return "a list" + (f" of {_describe(args[0])}" if len(set(args)) == 1 else "")
+    if origin is dict:
+        args = typing.get_args(tp)
+        return "a mapping" + (f" of {_describe(args[1])}" if args else "")
+    return {bool: "a bool (true or false)", int: "an int", float: "a float (a number)", str: "a string"}.get(
+        tp, getattr(tp, "__name__", repr(tp))
+    )
+
+
+_HINTS_CACHE: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS_CACHE.get(cls)
+    if hints is None:
+        hints = typing.get_type_hints(cls)
+        _HINTS_CACHE[cls] = hints
+    return hints
+
+
+def _build_root(
+    cls: type,
+    section: Any,
+    *,
+    origin: str | None = None,
+    lines: dict[Path, int] | None = None,
+    prefix: Path = (),
+) -> Any:
+    """Validate ``section`` against ``cls``; raise one ConfigError listing every problem.
+
+    ``origin`` (a file name) and ``lines`` (key path in the file -> line number)
+    locate each problem in the file; ``prefix`` is where the section sits in it.
+    """
+    validator = _Validator()
+    result = validator.section(cls, section, ())
+    if result is not _INVALID:
+        return result
+    rendered = []
+    for path, message in validator.problems:
+        if origin is not None:
+            line = _line_of(lines or {}, prefix + path)
+            where = f"{origin}:{line}" if line else origin
+            message = f"{where}: {message}"
+        rendered.append(message)
+    if len(rendered) == 1:
+        text = rendered[0]
+    else:
+        text = f"{len(rendered)} problems in the {SECTION} config:\n" + "\n".join(f"  - {r}" for r in rendered)
+    raise ConfigError(text, rendered)
+
+
+def _line_of(lines: dict[Path, int], path: Path) -> int | None:
+    """Line of ``path`` in the file, or of its closest ancestor that has one."""
+    while True:
+        if path in lines:
+            return lines[path]
+        if not path:
+            return None
+        path = path[:-1]
+
+
+# --------------------------------------------------------------------------- YAML files
+
+
+def _load_file(source: str | os.PathLike, via_env: bool = False) -> GradFixConfig:
+    raw = os.fsdecode(os.fspath(source))
+    path = os.path.expanduser(raw)
+    shown = raw
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        resolved = os.path.abspath(path)
+        extra = f" (resolved to {resolved})" if resolved != raw else ""
+        if via_env:
+            raise ConfigError(
+                f"{ENV_VAR}={raw!r}: config file not found{extra}; "
+                f"fix the path or unset {ENV_VAR} to use the defaults"
+            ) from None
+        raise ConfigError(f"config file not found: {raw}{extra}") from None
+    except IsADirectoryError:
+        raise ConfigError(_env_note(f"config path is a directory, not a YAML file: {raw}", via_env)) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(_env_note(f"{raw}: not UTF-8 text ({err.reason} at byte {err.start})", via_env)) from None
+    except OSError as err:
+        raise ConfigError(_env_note(f"cannot read config file {raw}: {err.strerror or err}", via_env)) from None
+
+    data, lines, duplicates = _parse_yaml(text, shown, via_env)
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(
+            _env_note(
+                f"{shown}: expected a mapping at the top level (an '{SECTION}:' section, or the "
+                f"section's own keys such as 'loss:'), got {type(data).__name__} {_short_repr(data)}",
+                via_env,
+            )
+        )
+    section, prefix = _select_section(data)
+    for dup_path, line, first_line in duplicates:
+        # Only the plugin's own keys: accelerate's part of the file is accelerate's business.
+        if dup_path[: len(prefix)] == prefix or dup_path == (SECTION,):
+            relative = dup_path[len(prefix):] if dup_path[: len(prefix)] == prefix else ()
+            raise ConfigError(
+                _env_note(
+                    f"{shown}:{line}: {_dotted(relative)}: duplicate key (first at line {first_line}); "
+                    "YAML would silently keep only the last one, remove one of them",
+                    via_env,
+                )
+            )
+    try:
+        return _build_root(GradFixConfig, section, origin=shown, lines=lines, prefix=prefix)
+    except ConfigError as err:
+        if not via_env:
+            raise
+        raise ConfigError(_env_note(str(err), True), err.problems) from None
+
+
+def _env_note(message: str, via_env: bool) -> str:
+    return f"{message}\n(config file named by ${ENV_VAR})" if via_env else message
+
+
+def _parse_yaml(text: str, shown: str, via_env: bool) -> tuple[Any, dict[Path, int], list[tuple]]:
+    """Parse YAML text; return (data, {key path: 1-based line}, duplicate keys found)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        except yaml.YAMLError as err:
+            raise ConfigError(_env_note(_yaml_error_message(err, shown), via_env)) from err
+    finally:
+        loader.dispose()
+    lines: dict[Path, int] = {}
+    duplicates: list[tuple] = []
+    if node is not None:
+        _index_lines(node, (), lines, duplicates)
+    return data, lines, duplicates
+
+
+def _yaml_error_message(err: yaml.YAMLError, shown: str) -> str:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    context = getattr(err, "context", None)
+    detail = f"{problem} ({context})" if context else problem
+    if "'\\t'" in str(problem):
+        detail += "; indent with spaces, YAML does not allow tabs"
+    if mark is not None:
+        line, column = mark.line + 1, mark.column + 1
+        return f"{shown}:{line}: invalid YAML at line {line}, column {column}: {detail}"
+    return f"{shown}: invalid YAML: {detail}"
+
+
+def _index_lines(node: yaml.Node, path: Path, lines: dict[Path, int], duplicates: list[tuple]) -> None:
+    """Record the 1-based line of every mapping key, and every duplicated key as (path, line, first line)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = key_node.value
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                duplicates.append((path + (key,), line, seen[key]))
+            seen.setdefault(key, line)
+            lines.setdefault(path + (key,), line)
+            _index_lines(value_node, path + (key,), lines, duplicates)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            lines.setdefault(path + (index,), item.start_mark.line + 1)
+            _index_lines(item, path + (index,), lines, duplicates)

@@ -1,0 +1,114 @@
+"""Typed schema of the ``hf_gradfix`` configuration section.
+
+Every section is a plain dataclass; every setting is a dataclass field with a
+type hint and a default that is right for most users.  Validation in
+:mod:`hf_gradfix.config.loader` is generic: it introspects the fields and their
+type hints, so adding a section (``packing``, ``optim``, ``parallel``, ...) is a
+matter of writing its dataclass and adding one field to :class:`GradFixConfig`::
+
+    @dataclass
+    class PackingConfig:
+        enabled: bool = False
+
+    @dataclass
+    class GradFixConfig:
+        loss: LossConfig = field(default_factory=LossConfig)
+        packing: PackingConfig = field(default_factory=PackingConfig)
+        ...
+
+Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]``,
+``Optional[X]`` / ``X | None`` (and other unions of these), ``list[X]``,
+``tuple[X, ...]``, ``dict[str, X]``, ``Any`` and nested dataclasses (sections).
+
+The optional ``metadata={"help": ...}`` on a field is a one-line description
+used in documentation and error messages.
+
+This module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "ConfigError",
+    "CountRule",
+    "OnUndetermined",
+    "AuxLossMode",
+    "LossConfig",
+    "GradFixConfig",
+]
+
+
+class ConfigError(ValueError):
+    """An invalid ``hf_gradfix`` configuration (unknown key, bad value, bad file).
+
+    ``problems`` lists the individual problems (one readable line each); the
+    exception message is those lines, plus the source when it is a file.
+
+    Example::
+
+        >>> from hf_gradfix.config import ConfigError, config_from_dict
+        >>> try:
+        ...     config_from_dict({"loss": {"count_rule": "shift"}})
+        ... except ConfigError as err:
+        ...     print(err)
+        hf_gradfix.loss.count_rule: invalid value 'shift'; allowed values: 'auto', 'shifted', 'unshifted', 'elements' (did you mean 'shifted'?)
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems: list[str] = list(problems) if problems else [message]
+
+
+CountRule = Literal["auto", "shifted", "unshifted", "elements"]
+OnUndetermined = Literal["error", "warn"]
+AuxLossMode = Literal["micro_batch_mean", "as_is"]
+
+
+@dataclass
+class LossConfig:
+    """Exact loss normalization settings (section ``hf_gradfix.loss``)."""
+
+    enabled: bool = field(
+        default=True,
+        metadata={"help": "apply exact loss normalization"},
+    )
+    count_rule: CountRule = field(
+        default="auto",
+        metadata={
+            "help": "how targets are counted: 'shifted' (causal LM, labels shifted by one), "
+            "'unshifted' (token classification / masked LM), 'elements' (every element "
+            "counts); 'auto' = detected by probing the model"
+        },
+    )
+    eval_token_mean: bool = field(
+        default=True,
+        metadata={"help": "eval_loss = exact token mean over the whole eval set and all ranks"},
+    )
+    on_undetermined: OnUndetermined = field(
+        default="error",
+        metadata={"help": "what to do when a probe cannot tell how a loss is normalized"},
+    )
+    aux_loss: AuxLossMode = field(
+        default="micro_batch_mean",
+        metadata={
+            "help": "MoE router aux loss convention: 'micro_batch_mean' = averaged over "
+            "micro-batches and ranks; 'as_is' = left as the model/trainer adds it"
+        },
+    )
+
+
+@dataclass
+class GradFixConfig:
+    """The whole ``hf_gradfix`` section (top level of the plugin config)."""
+
+    loss: LossConfig = field(
+        default_factory=LossConfig,
+        metadata={"help": "exact loss normalization"},
+    )
+    log_fixes: bool = field(
+        default=True,
+        metadata={"help": "one log line per trainer naming each fix applied and why"},
+    )

@@ -1,0 +1,94 @@
+"""``GradFixCallback``: the same fixes for one trainer, without a global patch."""
+
+from __future__ import annotations
+
+import sys
+
+from transformers import Trainer, TrainerCallback
+
+from ..config import GradFixConfig, load_config
+from .trainer_fix import install, state_of
+from .versions import check_supported
+
+
+class GradFixCallbackError(RuntimeError):
+    """The callback cannot fix the trainer it was added to."""
+
+
+def _find_trainer(callback: TrainerCallback) -> Trainer | None:
+    # Callbacks are not given the trainer (transformers passes model, optimizer, ... but not `self`), so we
+    # find the Trainer whose callback handler is calling us on the stack. The frame walk is bounded and only
+    # reads `self` of each frame.
+    frame = sys._getframe(2)
+    depth = 0
+    while frame is not None and depth < 50:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            handler = getattr(candidate, "callback_handler", None)
+            if handler is not None and callback in getattr(handler, "callbacks", ()):
+                return candidate
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
+class GradFixCallback(TrainerCallback):
+    """Make one ``Trainer``'s loss exact: ``Trainer(..., callbacks=[GradFixCallback()])`` or ``trainer.add_callback(...)``.
+
+    Applies the fixes of :func:`hf_gradfix.patch` to that trainer only, before its first optimizer step.
+    Added after training has started, it raises :class:`GradFixCallbackError` (the steps already taken
+    used the wrong normalization).
+
+    >>> from hf_gradfix import GradFixCallback
+    >>> cb = GradFixCallback({"loss": {"count_rule": "auto"}})
+    >>> cb.config.loss.count_rule
+    'auto'
+    """
+
+    def __init__(self, config: GradFixConfig | dict | str | None = None) -> None:
+        check_supported()
+        self.config = load_config(config)
+        self._trainer = None
+
+    def _attach(self, state_obj) -> None:
+        trainer = _find_trainer(self)
+        if trainer is None:
+            raise GradFixCallbackError(
+                "GradFixCallback could not find the Trainer calling it. Add it with `Trainer(callbacks=[...])` or "
+                "`trainer.add_callback(GradFixCallback())`, or use `hf_gradfix.patch()`."
+            )
+        if state_of(trainer) is None:
+            install(trainer, self.config, source="GradFixCallback")
+        self._trainer = trainer
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._attach(state)
+        return control
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._attach(state)
+        return control
+
+    def _check_attached(self, args, state, event: str) -> None:
+        if self._trainer is None:
+            raise GradFixCallbackError(
+                f"GradFixCallback was added after training started (first event seen: {event} at global step "
+                f"{state.global_step}); the steps already taken used transformers' normalization. Fix: add it "
+                "before `trainer.train()`, with `Trainer(callbacks=[GradFixCallback()])` or `trainer.add_callback(...)`."
+            )
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._check_attached(args, state, "on_step_begin")
+        return control
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._check_attached(args, state, "on_substep_end")
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._check_attached(args, state, "on_pre_optimizer_step")
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._check_attached(args, state, "on_step_end")
+        return control

@@ -1,0 +1,634 @@
+"""Exact loss normalization inside ``transformers.Trainer`` (and subclasses such as TRL's ``SFTTrainer``).
+
+How it is wired (why a class swap and not a callback): a ``TrainerCallback`` cannot change the loss,
+and a subclass's ``super().compute_loss(...)`` must reach the fixed default body. So a fixed trainer
+gets a generated class whose MRO is::
+
+    [_GradFixTop, UserTrainer, ..., SFTTrainer, ..., _GradFixDefaultLoss, Trainer, ...]
+
+- ``_GradFixTop`` (outermost) sees every micro-batch first: it counts the window's targets once per
+  optimizer step (all micro-batches, all data-parallel ranks, with the loss's own count rule) and turns
+  whatever the effective ``compute_loss`` returns into ``S_mb * W / N_global``.
+- ``_GradFixDefaultLoss`` replaces the body of ``Trainer.compute_loss`` reached through ``super()``:
+  it returns ``S_mb * W / N`` for every head (also heads that ignore ``num_items_in_batch``),
+  ``compute_loss_func`` and label smoothing, and averages MoE aux losses over micro-batches and ranks.
+
+Nothing here touches a transformers function: the class of one trainer instance is changed.
+How each loss behaves is detected by probing it on the first batch (:mod:`hf_gradfix.loss.probe`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from ..config import GradFixConfig
+from ..loss.counting import CountRule, count_targets, mean_term_share
+from ..loss.probe import LossBehaviour, ProbeError, detect_count_rule, probe_honors_num_items
+from .versions import transformers_major
+
+logger = logging.getLogger("hf_gradfix")
+
+_STATE_ATTR = "_gradfix"
+
+
+class GradFixError(RuntimeError):
+    """hf_gradfix cannot make this trainer's loss exact; the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-trainer state
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Window:
+    global_count: float | None  # targets in the whole optimizer window on all data ranks; None: no labels
+    micro_batches: int
+
+
+@dataclass
+class _EvalTotals:
+    loss_sum: float = 0.0
+    targets: float = 0.0
+    aux_sum: float = 0.0
+    aux_batches: float = 0.0
+
+
+@dataclass
+class GradFixState:
+    """Everything hf_gradfix knows about one trainer. Attached as ``trainer._gradfix``."""
+
+    config: GradFixConfig
+    source: str
+    probed: bool = False
+    flags_set: bool = False
+    chain_is_default: bool = True
+    model: LossBehaviour | None = None  # the model's own loss
+    default: LossBehaviour | None = None  # what _GradFixDefaultLoss produces (model / compute_loss_func / smoother)
+    func: LossBehaviour | None = None  # compute_loss_func
+    chain: LossBehaviour | None = None  # the effective compute_loss (user override, TRL, ...)
+    aux_coef: float = 0.0
+    window: _Window | None = None
+    eval_totals: _EvalTotals | None = None
+    last_aux: float = 0.0
+    in_probe: bool = False
+    no_labels_logged: bool = False
+    fixes: list[str] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.loss.enabled and not self.in_probe
+
+
+def state_of(trainer: Trainer) -> GradFixState | None:
+    """The :class:`GradFixState` of a fixed trainer, or None."""
+    return trainer.__dict__.get(_STATE_ATTR)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _tp_size(trainer: Trainer) -> int:
+    get = getattr(trainer, "get_tp_size", None)
+    return int(get()) if callable(get) else 1
+
+
+def _dp_world(trainer: Trainer) -> int:
+    """Replicas whose gradients DDP/FSDP average: the Trainer's own ``num_processes // tp`` factor."""
+    return max(1, trainer.accelerator.num_processes // _tp_size(trainer))
+
+
+def _replicated_divisor(trainer: Trainer) -> int:
+    """Ranks that see the same batch (tp x cp x sp), mirroring transformers' own divisor."""
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None and hasattr(pc, "non_data_parallel_size"):
+        return max(1, int(pc.non_data_parallel_size))
+    size = _tp_size(trainer)
+    for name in ("get_cp_size", "get_sp_size"):
+        get = getattr(trainer, name, None)
+        if callable(get):
+            size *= int(get())
+    return max(1, size)
+
+
+def _loss_of(outputs: Any) -> torch.Tensor | None:
+    if isinstance(outputs, dict):
+        return outputs.get("loss")
+    if isinstance(outputs, (tuple, list)) and outputs and torch.is_tensor(outputs[0]):
+        return outputs[0]
+    return getattr(outputs, "loss", None)
+
+
+def _aux_of(outputs: Any) -> torch.Tensor | None:
+    aux = outputs.get("aux_loss") if isinstance(outputs, dict) else getattr(outputs, "aux_loss", None)
+    return aux if torch.is_tensor(aux) else None
+
+
+def _zero_connected(loss: torch.Tensor | None, outputs: Any, model: torch.nn.Module) -> torch.Tensor:
+    """A zero loss that still reaches every parameter the forward used, so DDP's hooks all fire.
+
+    Used for a micro-batch without targets, whose mean loss is 0/0 = NaN (a NaN that ``* 0`` would keep).
+    """
+    logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    if torch.is_tensor(logits) and logits.requires_grad:
+        return logits.sum() * 0.0
+    params = [p for p in model.parameters() if p.requires_grad]
+    if params:
+        return torch.stack([p.sum() for p in params]).sum() * 0.0
+    return torch.zeros((), device=loss.device if loss is not None else None)
+
+
+def _split(result: Any) -> tuple[torch.Tensor, Any]:
+    if isinstance(result, tuple) and len(result) == 2:
+        return result[0], result[1]
+    return result, None
+
+
+def _model_name(model: torch.nn.Module) -> str:
+    base = getattr(model, "base_model", None)
+    inner = getattr(base, "model", None)
+    if inner is not None and type(model).__name__.startswith("Peft"):
+        return f"{type(model).__name__}({type(inner).__name__})"
+    return type(model).__name__
+
+
+def _accepts_num_items(model: torch.nn.Module) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return "num_items_in_batch" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _is_num_items_type_error(err: TypeError) -> bool:
+    return "num_items_in_batch" in str(err) or "unexpected keyword" in str(err)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Probing (once per trainer, on its first batch with labels)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _forced_rule(state: GradFixState) -> CountRule | None:
+    rule = state.config.loss.count_rule
+    return None if rule == "auto" else CountRule(rule)
+
+
+def _probe_callable(loss_fn, batch, state: GradFixState, what: str) -> LossBehaviour:
+    try:
+        try:
+            honors, additive = probe_honors_num_items(loss_fn, batch)
+        except TypeError as err:
+            if not _is_num_items_type_error(err):
+                raise
+            honors, additive = False, 0.0  # forward without **kwargs: cannot take the count at all
+        rule = _forced_rule(state)
+        if rule is None:
+            rule, why = detect_count_rule(loss_fn, batch, honors)
+        else:
+            why = "set by loss.count_rule in the configuration"
+    except ProbeError as err:
+        raise GradFixError(
+            f"hf_gradfix could not tell how {what} normalizes its loss: {err}. "
+            "Fix: set `loss.count_rule` (shifted | unshifted | elements) in the hf_gradfix config, "
+            "or disable the fix with `loss: {enabled: false}`."
+        ) from err
+    reason = ("honours num_items_in_batch" if honors else "ignores num_items_in_batch") + f"; counts {rule.value} ({why})"
+    return LossBehaviour(honors_num_items=honors, count_rule=rule, additive_term=additive, reason=reason)
+
+
+def _first_class_defining(trainer: Trainer, name: str, after: type) -> type | None:
+    mro = type(trainer).__mro__
+    for klass in mro[mro.index(after) + 1 :]:
+        if name in klass.__dict__:
+            return klass
+    return None
+
+
+def _probe(trainer: Trainer, state: GradFixState, batch: dict) -> None:
+    model = trainer.model
+    batch = trainer._prepare_inputs(dict(batch))
+    was_training = model.training
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    holder: dict[str, Any] = {}
+
+    def model_loss(b, n):
+        kwargs = dict(b)
+        if n is not None:
+            kwargs["num_items_in_batch"] = n
+        out = model(**kwargs)
+        holder["aux"] = _aux_of(out)
+        loss = _loss_of(out)
+        if loss is None:
+            raise ProbeError(f"{_model_name(model)} returned no loss for a batch with labels")
+        return loss
+
+    state.in_probe = True
+    model.eval()  # no dropout, no router jitter: the probes compare forwards exactly
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            uses_model_loss = trainer.compute_loss_func is None and trainer.label_smoother is None
+            if uses_model_loss or trainer.label_smoother is not None:
+                if not _accepts_num_items(model):
+                    honors_fn = lambda b, n: model_loss(b, None)  # noqa: E731 (cannot pass the count)
+                    state.model = _probe_callable(honors_fn, batch, state, _model_name(model))
+                else:
+                    state.model = _probe_callable(model_loss, batch, state, _model_name(model))
+                _resolve_aux(trainer, state, holder)
+            if trainer.compute_loss_func is not None:
+                inputs = {k: v for k, v in batch.items() if k != "labels"}
+
+                def func_loss(b, n):
+                    out = model(**{k: v for k, v in b.items() if k != "labels"})
+                    return trainer.compute_loss_func(out, b["labels"], num_items_in_batch=n)
+
+                del inputs
+                state.func = _probe_callable(func_loss, batch, state, "compute_loss_func")
+                state.default = state.func
+            else:
+                state.default = state.model
+            owner = _first_class_defining(trainer, "compute_loss", _GradFixTop)
+            state.chain_is_default = owner is _GradFixDefaultLoss
+            if state.chain_is_default:
+                # _GradFixDefaultLoss keeps the contract for every producer: it honours the count.
+                state.chain = LossBehaviour(True, state.default.count_rule, 0.0, "hf_gradfix default compute_loss")
+            else:
+                chain = super(_GradFixTop, trainer).compute_loss
+
+                def chain_loss(b, n):
+                    loss, _ = _split(chain(model, dict(b), return_outputs=True, num_items_in_batch=n))
+                    return loss
+
+                state.chain = _probe_callable(chain_loss, batch, state, f"{owner.__name__}.compute_loss")
+    finally:
+        model.train(was_training)
+        state.in_probe = False
+    state.probed = True
+    _describe_fixes(trainer, state, owner)
+
+
+def _resolve_aux(trainer: Trainer, state: GradFixState, holder: dict) -> None:
+    """Find the coefficient of a MoE router aux loss the model adds to its loss, if any."""
+    behaviour = state.model
+    aux = holder.get("aux")
+    config = getattr(trainer.model, "config", None)
+    config_coef = getattr(config, "router_aux_loss_coef", None)
+    if behaviour.honors_num_items:
+        additive = behaviour.additive_term
+        if abs(additive) <= 1e-9:
+            state.aux_coef = 0.0
+            return
+        if aux is None or float(aux) == 0.0:
+            raise GradFixError(
+                f"{_model_name(trainer.model)} adds a term ({additive:.6g}) to its loss that does not scale with "
+                "num_items_in_batch and is not exposed as `outputs.aux_loss`; hf_gradfix cannot normalize it. "
+                "Fix: return the extra term as `aux_loss`, or set `loss: {enabled: false}`."
+            )
+        coef = additive / float(aux)
+        if config_coef is not None and math.isclose(coef, float(config_coef), rel_tol=1e-3):
+            coef = float(config_coef)  # the exact value, not a difference of two rounded losses
+        state.aux_coef = coef
+    elif aux is not None and float(aux) != 0.0:
+        if config_coef is None:
+            raise GradFixError(
+                f"{_model_name(trainer.model)} returns an aux_loss but its config has no router_aux_loss_coef; "
+                "hf_gradfix cannot separate it from the token loss. Fix: set `loss.aux_loss: as_is` or disable the fix."
+            )
+        state.aux_coef = float(config_coef)
+
+
+def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -> None:
+    w = _dp_world(trainer)
+    model_name = _model_name(trainer.model)
+    fixes = state.fixes
+    m = state.model
+    if m is not None and trainer.compute_loss_func is None and trainer.label_smoother is None:
+        if not m.honors_num_items:
+            fixes.append(f"head ignores num_items_in_batch ({m.reason}): rescaling its mean loss by local/global target count")
+        elif getattr(trainer, "model_accepts_loss_kwargs", True) is False:
+            fixes.append("model honours num_items_in_batch although it sets accepts_loss_kwargs=False: passing the count")
+        else:
+            fixes.append(f"model loss {m.reason}: passing the exact global count")
+    if state.func is not None:
+        how = "passing the global count" if state.func.honors_num_items else "returns a per-micro-batch mean: rescaling it"
+        fixes.append(f"compute_loss_func {state.func.reason}: {how}")
+    if trainer.label_smoother is not None and m is not None:
+        fixes.append(f"label smoothing with the model's count rule ({m.count_rule.value}), normalized by the global count")
+    if state.aux_coef:
+        conv = state.config.loss.aux_loss
+        fixes.append(
+            f"MoE aux loss (coef {state.aux_coef:g}) "
+            + ("averaged over micro-batches and ranks" if conv == "micro_batch_mean" else "added once per micro-batch")
+        )
+    if not state.chain_is_default and owner is not None:
+        c = state.chain
+        how = "passing the global count" if c.honors_num_items else "returns a per-micro-batch mean: rescaling it"
+        fixes.append(f"{owner.__name__}.compute_loss {c.reason}: {how}")
+    if state.config.loss.eval_token_mean:
+        fixes.append("eval_loss = exact target mean over the eval set and all ranks")
+    if state.config.log_fixes:
+        logger.info(
+            "hf_gradfix (%s) on %s with %s: loss = sum over the optimizer window / global target count "
+            "(all micro-batches, %d data-parallel rank(s)). Fixes: %s.",
+            state.source,
+            type(trainer).__name__,
+            model_name,
+            w,
+            "; ".join(fixes),
+        )
+
+
+def _set_flags(trainer: Trainer, state: GradFixState) -> None:
+    """Settings the fix needs, enforced at the first window (subclass __init__s may reset them)."""
+    args = trainer.args
+    if getattr(args, "n_gpu", 1) > 1:
+        raise GradFixError(
+            f"torch.nn.DataParallel over {args.n_gpu} GPUs in one process is not supported: its replicas' "
+            "token counts are not visible to the loss. Fix: launch one process per GPU "
+            "(`accelerate launch` or `torchrun`), or set CUDA_VISIBLE_DEVICES to one GPU."
+        )
+    if not getattr(args, "average_tokens_across_devices", True) and trainer.accelerator.num_processes > 1:
+        logger.warning(
+            "hf_gradfix: average_tokens_across_devices=False weights ranks equally instead of by their token "
+            "counts; turning it on so the loss is the exact global token mean."
+        )
+        with contextlib.suppress(Exception):
+            args.average_tokens_across_devices = True
+    if transformers_major() < 5:
+        # transformers 4.57 divides by the accumulation steps unless this is True and a count is passed;
+        # our compute_loss already returns window-normalized losses.
+        trainer.model_accepts_loss_kwargs = True
+    state.flags_set = True
+
+
+def _prepare(trainer: Trainer, state: GradFixState, batches: list) -> None:
+    if not state.flags_set:
+        _set_flags(trainer, state)
+    if state.probed:
+        return
+    for batch in batches:
+        if isinstance(batch, dict) and torch.is_tensor(batch.get("labels")):
+            _probe(trainer, state, batch)
+            return
+
+
+def _trainer_divides_by_ga(trainer: Trainer, num_items: Any) -> bool:
+    if hasattr(Trainer, "loss_is_scaled_for_ga"):
+        return not trainer.loss_is_scaled_for_ga
+    return (not trainer.model_accepts_loss_kwargs or num_items is None) and trainer.compute_loss_func is None
+
+
+def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) -> list[float]:
+    tensor = torch.tensor(values, dtype=dtype, device=trainer.args.device)
+    if trainer.accelerator.num_processes > 1:
+        tensor = trainer.accelerator.reduce(tensor, reduction="sum")
+    return tensor.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The two mixins
+# ----------------------------------------------------------------------------------------------------
+
+
+class _GradFixTop:
+    """Outermost layer: window counting, normalization of whatever compute_loss returns, exact eval loss."""
+
+    # transformers 5.x: our compute_loss already returns window-normalized losses (no /GA in training_step).
+    loss_is_scaled_for_ga = True
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        state = state_of(self)
+        if state is None or not state.enabled:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        _prepare(self, state, batches)
+        has_labels = any(isinstance(b, dict) and torch.is_tensor(b.get("labels")) for b in batches)
+        local = 0.0
+        if state.probed and has_labels:
+            local = float(sum(int(count_targets(b, state.chain.count_rule)) for b in batches))
+        # Every rank joins this reduction, also with an empty window, so nobody hangs.
+        total, ranks_with_labels = _all_reduce_sum(self, [local, 1.0 if has_labels else 0.0])
+        if ranks_with_labels == 0:
+            if not state.no_labels_logged:
+                logger.warning(
+                    "hf_gradfix: batches carry no 'labels'; targets cannot be counted, so micro-batch losses are "
+                    "averaged (transformers' behaviour). Put the targets under 'labels' for an exact token mean."
+                )
+                state.no_labels_logged = True
+            state.window = _Window(None, len(batches))
+            return batches, None
+        global_count = total / _replicated_divisor(self)
+        state.window = _Window(global_count, len(batches))
+        return batches, torch.tensor(global_count, device=device)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
+        state = state_of(self)
+        chain = super().compute_loss
+        if state is None or not state.enabled:
+            return chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
+        _prepare(self, state, [inputs])
+        if not state.probed:  # no labels in this batch
+            result = chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
+            if model.training and state.window is not None and not _trainer_divides_by_ga(self, num_items_in_batch):
+                loss, outputs = _split(result) if return_outputs else (result, None)
+                loss = loss / state.window.micro_batches
+                return (loss, outputs) if return_outputs else loss
+            return result
+        if model.training and state.window is not None and state.window.global_count is not None:
+            loss, outputs = self._gradfix_train_loss(state, model, inputs, num_items_in_batch, kwargs)
+        else:
+            loss, outputs = self._gradfix_eval_loss(state, model, inputs, kwargs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _gradfix_train_loss(self, state, model, inputs, num_items_in_batch, kwargs):
+        chain = super().compute_loss
+        global_count = state.window.global_count
+        n = num_items_in_batch if num_items_in_batch is not None else torch.tensor(global_count)
+        state.last_aux = 0.0
+        loss, outputs = _split(chain(model, inputs, return_outputs=True, num_items_in_batch=n, **kwargs))
+        if global_count == 0:
+            return _zero_connected(loss, outputs, model), outputs
+        if state.chain.honors_num_items:
+            return loss, outputs  # contract: S_mb * W / N (+ the aux share)
+        local = int(count_targets(inputs, state.chain.count_rule))
+        if local == 0:
+            return _zero_connected(loss, outputs, model), outputs
+        return loss * (local * _dp_world(self) / global_count), outputs
+
+    def _gradfix_eval_loss(self, state, model, inputs, kwargs):
+        chain = super().compute_loss
+        state.last_aux = 0.0
+        loss, outputs = _split(chain(model, inputs, return_outputs=True, num_items_in_batch=None, **kwargs))
+        totals = state.eval_totals
+        if totals is not None and loss is not None and not model.training:
+            local = int(count_targets(inputs, state.chain.count_rule))
+            aux = state.last_aux
+            if local > 0:
+                totals.loss_sum += (float(loss.detach().double().mean()) - aux) * local
+                totals.targets += local
+            totals.aux_sum += aux
+            totals.aux_batches += 1
+        return loss, outputs
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+        state = state_of(self)
+        if state is None or not state.enabled or not state.config.loss.eval_token_mean:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        state.eval_totals = _EvalTotals()
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        finally:
+            totals, state.eval_totals = state.eval_totals, None
+        loss_sum, targets, aux_sum, aux_batches = _all_reduce_sum(
+            self, [totals.loss_sum, totals.targets, totals.aux_sum, totals.aux_batches]
+        )
+        key = f"{metric_key_prefix}_loss"
+        if targets > 0 and output.metrics is not None and key in output.metrics:
+            value = loss_sum / targets + (aux_sum / aux_batches if aux_batches else 0.0)
+            output.metrics[key] = value
+            output.metrics[f"{metric_key_prefix}_loss_targets"] = targets
+        return output
+
+
+class _GradFixDefaultLoss(Trainer):
+    """The body of ``Trainer.compute_loss`` made exact for every loss producer.
+
+    Contract (the one transformers' own compute_loss keeps for registered causal LMs): given
+    ``num_items_in_batch = N`` (targets in the whole window on all data ranks) it returns
+    ``S_mb * W / N`` (``W``: data-parallel replicas DDP averages over), plus the micro-batch's share of
+    a mean-type aux loss; given ``None`` it returns the micro-batch mean, like transformers.
+    """
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
+        state = state_of(self)
+        if state is None or state.default is None:
+            if state is not None and state.in_probe:
+                raise ProbeError("compute_loss was probed before the model")
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
+        n = num_items_in_batch
+        inputs = dict(inputs)
+        labels = None
+        if (self.label_smoother is not None or self.compute_loss_func is not None) and "labels" in inputs:
+            labels = inputs.pop("labels")
+        model_behaviour = state.model
+        call = inputs
+        if (
+            labels is None
+            and n is not None
+            and model_behaviour is not None
+            and model_behaviour.honors_num_items
+            and "labels" in inputs
+        ):
+            call = {**inputs, "num_items_in_batch": n}
+        outputs = model(**call)
+        if getattr(self.args, "past_index", -1) >= 0:  # removed in transformers 5
+            self._past = outputs[self.args.past_index]
+
+        aux = 0.0
+        if self.compute_loss_func is not None:
+            behaviour = state.func
+            if behaviour.honors_num_items:
+                local = count_targets({"labels": labels}, behaviour.count_rule)
+                base = self.compute_loss_func(outputs, labels, num_items_in_batch=n if n is not None else local)
+                n_used = n
+            else:
+                base = self._gradfix_mean_to_window(
+                    self.compute_loss_func(outputs, labels, num_items_in_batch=n), labels, behaviour, n, outputs, model
+                )
+                n_used = n
+        elif labels is not None:
+            rule = model_behaviour.count_rule if model_behaviour is not None else CountRule.UNSHIFTED
+            mean = self.label_smoother(outputs, labels, shift_labels=rule is CountRule.SHIFTED)
+            base = self._gradfix_mean_to_window(mean, labels, model_behaviour, n, outputs, model)
+            n_used = n
+        else:
+            raw = _loss_of(outputs)
+            if raw is None:
+                keys = ",".join(outputs.keys()) if isinstance(outputs, dict) else type(outputs).__name__
+                raise ValueError(
+                    f"The model did not return a loss from the inputs, only the following keys: {keys}. "
+                    f"For reference, the inputs it received are {','.join(inputs.keys())}."
+                )
+            aux_tensor = _aux_of(outputs) if state.aux_coef else None
+            aux_term = state.aux_coef * aux_tensor.to(raw.device) if aux_tensor is not None else None
+            main = raw - aux_term if aux_term is not None else raw
+            if model_behaviour.honors_num_items or n is None:
+                base = main
+            else:
+                base = self._gradfix_mean_to_window(main, inputs["labels"], model_behaviour, n, outputs, model)
+            n_used = n
+            if aux_term is not None:
+                aux = aux_term
+        if n_used is None:
+            loss = base + aux
+            state.last_aux = float(aux) if torch.is_tensor(aux) else aux
+        else:
+            share = aux
+            if torch.is_tensor(aux) and model.training and state.config.loss.aux_loss == "micro_batch_mean":
+                share = mean_term_share(aux, max(1, getattr(self, "current_gradient_accumulation_steps", 1)))
+            loss = base * _dp_world(self) + share
+            state.last_aux = float(share) if torch.is_tensor(share) else share
+        return (loss, outputs) if return_outputs else loss
+
+    def _gradfix_mean_to_window(self, mean, labels, behaviour, n, outputs, model):
+        """Micro-batch mean over its own targets -> sum / N (N: global count); unchanged when N is None."""
+        if n is None:
+            return mean
+        local = int(count_targets({"labels": labels}, behaviour.count_rule))
+        if local == 0:
+            return _zero_connected(mean, outputs, model)
+        return mean * (local / float(n))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Installing on one trainer
+# ----------------------------------------------------------------------------------------------------
+
+_FIXED_CLASSES: dict[type, type] = {}
+
+
+def fixed_class_for(cls: type) -> type:
+    """The generated class ``[_GradFixTop, cls, ..., _GradFixDefaultLoss, Trainer]`` (cached)."""
+    if issubclass(cls, _GradFixTop):
+        return cls
+    if cls not in _FIXED_CLASSES:
+        bases = (_GradFixTop, _GradFixDefaultLoss) if cls is Trainer else (_GradFixTop, cls, _GradFixDefaultLoss)
+        _FIXED_CLASSES[cls] = type(
+            cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_gradfix_original_class": cls}
+        )
+    return _FIXED_CLASSES[cls]
+
+
+def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixState:
+    """Make one trainer's loss exact (idempotent). Returns its state."""
+    state = state_of(trainer)
+    if state is not None:
+        return state
+    state = GradFixState(config=config, source=source)
+    trainer.__dict__[_STATE_ATTR] = state
+    if config.loss.enabled:
+        trainer.__class__ = fixed_class_for(type(trainer))
+    return state
+
+
+def uninstall(trainer: Trainer) -> None:
+    """Give one trainer back its original class and behaviour."""
+    original = getattr(type(trainer), "_gradfix_original_class", None)
+    if original is not None:
+        trainer.__class__ = original
+    trainer.__dict__.pop(_STATE_ATTR, None)
