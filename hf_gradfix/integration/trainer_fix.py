@@ -460,12 +460,12 @@ class _GradFixTop:
         global_count = state.window.global_count
         n = num_items_in_batch if num_items_in_batch is not None else torch.tensor(global_count)
         state.last_aux = 0.0
+        local = int(count_targets(inputs, state.chain.count_rule))  # before: user code may pop "labels"
         loss, outputs = _split(chain(model, inputs, return_outputs=True, num_items_in_batch=n, **kwargs))
         if global_count == 0:
             return _zero_connected(loss, outputs, model), outputs
         if state.chain.honors_num_items:
             return loss, outputs  # contract: S_mb * W / N (+ the aux share)
-        local = int(count_targets(inputs, state.chain.count_rule))
         if local == 0:
             return _zero_connected(loss, outputs, model), outputs
         return loss * (local * _dp_world(self) / global_count), outputs
@@ -473,10 +473,10 @@ class _GradFixTop:
     def _gradfix_eval_loss(self, state, model, inputs, kwargs):
         chain = super().compute_loss
         state.last_aux = 0.0
+        local = int(count_targets(inputs, state.chain.count_rule))  # before: user code may pop "labels"
         loss, outputs = _split(chain(model, inputs, return_outputs=True, num_items_in_batch=None, **kwargs))
         totals = state.eval_totals
         if totals is not None and loss is not None and not model.training:
-            local = int(count_targets(inputs, state.chain.count_rule))
             aux = state.last_aux
             if local > 0:
                 totals.loss_sum += (float(loss.detach().double().mean()) - aux) * local
