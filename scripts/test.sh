@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up and run every test: the full suite on transformers 5.x, then the loss tests on transformers 4.57.x.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+echo "== transformers 5.x: full suite =="
+bash scripts/setup_env.sh .venv dev
+.venv/bin/python -m pytest -q -p no:cacheprovider --doctest-modules hf_gradfix tests "$@"
+
+echo "== transformers 4.57.x: loss tests =="
+bash scripts/setup_env.sh .venv-tf457 peft "transformers>=4.57,<4.58" "pytest>=8" "datasets>=3"
+.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_exactness.py tests/test_ddp.py tests/test_entry_points.py -k "not trl" "$@"

@@ -1,0 +1,192 @@
+"""The three ways in (patch, callback, configuration), their discipline, and the exact eval loss."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from transformers import Trainer, TrainerCallback
+
+import harness as H
+import hf_gradfix
+from hf_gradfix.integration import versions
+from hf_gradfix.integration.callback import GradFixCallbackError
+from test_exactness import GRAD_TOL, LOSS_TOL, TutorialTrainer, assert_exact
+
+
+def _samples(task="causal", n=12):
+    return H.make_samples(task, n=n, seed=0)
+
+
+# -- patch() / unpatch() -------------------------------------------------------------------------------------------
+
+
+def test_patch_is_idempotent_and_unpatch_restores_the_original():
+    original = Trainer.__dict__["__init__"]
+    hf_gradfix.patch()
+    patched_init = Trainer.__dict__["__init__"]
+    assert patched_init is not original
+    hf_gradfix.patch({"loss": {"count_rule": "auto"}})  # second call: same function, config updated
+    assert Trainer.__dict__["__init__"] is patched_init
+    hf_gradfix.unpatch()
+    assert Trainer.__dict__["__init__"] is original
+    hf_gradfix.unpatch()  # safe twice
+    assert Trainer.__dict__["__init__"] is original
+    assert not hf_gradfix.is_patched()
+
+
+def test_unpatched_trainers_are_stock():
+    model = H.build_model("bert_seqcls")
+    record = H.run_trainer(model, _samples("seqcls"), "seqcls")
+    assert type(record.trainer).__mro__[1].__name__ != "_GradFixTop"
+    assert "_gradfix" not in record.trainer.__dict__
+
+
+def test_patch_refuses_an_unsupported_transformers(monkeypatch):
+    real = versions._installed
+
+    def fake(name):
+        return versions.Version("4.40.0") if name == "transformers" else real(name)
+
+    monkeypatch.setattr(versions, "_installed", fake)
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(versions.UnsupportedVersionError, match=r"transformers 4\.40\.0 \(supported: >=4\.57,<4\.58 or >=5\.0,<6\.0\)"):
+        hf_gradfix.patch()
+    assert not hf_gradfix.is_patched()
+
+
+def test_patch_rejects_a_bad_config_before_touching_anything():
+    with pytest.raises(hf_gradfix.ConfigError, match="count_rul.*did you mean 'count_rule'"):
+        hf_gradfix.patch({"loss": {"count_rul": "shifted"}})
+    assert not hf_gradfix.is_patched()
+
+
+def test_patch_reads_the_config_from_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text("distributed_type: 'NO'\nnum_processes: 1\nhf_gradfix:\n  loss:\n    eval_token_mean: false\n")
+    monkeypatch.setenv("HF_GRADFIX_CONFIG", str(path))
+    cfg = hf_gradfix.patch()
+    try:
+        assert cfg.loss.eval_token_mean is False
+    finally:
+        hf_gradfix.unpatch()
+
+
+def test_patch_covers_subclasses_and_logs_one_line_per_trainer(caplog):
+    hf_gradfix.patch()
+    try:
+        logger = logging.getLogger("hf_gradfix")
+        logger.addHandler(caplog.handler)
+        try:
+            model = H.build_model("bert_seqcls")
+            samples = _samples("seqcls")
+            record = H.run_trainer(model, samples, "seqcls", trainer_cls=TutorialTrainer)
+        finally:
+            logger.removeHandler(caplog.handler)
+        lines = [r.getMessage() for r in caplog.records if r.name == "hf_gradfix" and "hf_gradfix (patch())" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "head ignores num_items_in_batch" in lines[0]
+        assert "TutorialTrainer.compute_loss ignores num_items_in_batch" in lines[0]
+        assert isinstance(record.trainer, TutorialTrainer)
+        assert_exact(H.check_against_gt(model, samples, "seqcls", record), "patched subclass")
+    finally:
+        hf_gradfix.unpatch()
+
+
+def _offline_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(H.VOCAB)}, unk_token="3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="0", bos_token="1", eos_token="2")
+
+
+def test_trl_sft_trainer_is_fixed():
+    trl = pytest.importorskip("trl")
+    hf_gradfix.patch()
+    try:
+        model = H.build_model("llama")
+        samples = _samples()
+        datasets = pytest.importorskip("datasets")
+        record = H.run_trainer(
+            model,
+            samples,
+            "causal",
+            trainer_cls=trl.SFTTrainer,
+            extra_args={"bf16": False, "fp16": False, "max_length": None, "packing": False},
+            args_cls=trl.SFTConfig,
+            dataset=datasets.Dataset.from_list(samples),
+            trainer_kwargs={"processing_class": _offline_tokenizer()},
+        )
+        assert "_gradfix" in record.trainer.__dict__
+        assert_exact(H.check_against_gt(model, samples, "causal", record), "SFTTrainer")
+    finally:
+        hf_gradfix.unpatch()
+
+
+# -- GradFixCallback -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["constructor", "add_callback"])
+def test_callback_fixes_one_trainer_without_a_global_patch(how):
+    assert not hf_gradfix.is_patched()
+    model = H.build_model("bert_seqcls")
+    samples = _samples("seqcls")
+    if how == "constructor":
+        record = H.run_trainer(model, samples, "seqcls", callbacks=[hf_gradfix.GradFixCallback()])
+    else:
+        record = H.run_trainer(model, samples, "seqcls", before_train=lambda t: t.add_callback(hf_gradfix.GradFixCallback()))
+    assert_exact(H.check_against_gt(model, samples, "seqcls", record), f"callback via {how}")
+    assert Trainer.__dict__["__init__"].__name__ == "__init__" and not hf_gradfix.is_patched()
+
+
+class _AddLate(TrainerCallback):
+    def __init__(self):
+        self.trainer = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.trainer.add_callback(hf_gradfix.GradFixCallback())
+
+
+def test_callback_added_after_training_started_is_an_error():
+    late = _AddLate()
+    model = H.build_model("llama")
+
+    def attach(trainer):
+        late.trainer = trainer
+
+    with pytest.raises(GradFixCallbackError, match="added after training started"):
+        H.run_trainer(model, _samples(), "causal", callbacks=[late], before_train=attach)
+
+
+# -- eval loss -----------------------------------------------------------------------------------------------------
+
+
+def _eval_gt(model, samples, task):
+    with torch.no_grad():
+        total, count = 0.0, 0
+        for s in samples:
+            loss_sum, n = H.sample_loss_sum(model, s, task)
+            total += float(loss_sum)
+            count += n
+    return total / count
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert_seqcls", "t5"])
+def test_eval_loss_is_the_token_mean_for_every_batch_size(arch):
+    model = H.build_model(arch)
+    task = H.task_of(arch)
+    samples = H.make_samples(task, n=11, seed=1)
+    model.eval()
+    gt = _eval_gt(model, samples, task)
+    hf_gradfix.patch()
+    try:
+        for bs in (1, 4, 5):
+            trainer = H.make_trainer(model, samples, task, extra_args={"per_device_eval_batch_size": bs})
+            metrics = trainer.evaluate(eval_dataset=H.ListDataset(samples))
+            assert abs(metrics["eval_loss"] - gt) / gt <= 1e-6, (arch, bs, metrics["eval_loss"], gt)
+    finally:
+        hf_gradfix.unpatch()
