@@ -123,6 +123,31 @@ def _llama_bs2(args):
     return default_scenario("llama", args, n=16, per_device_train_batch_size=2, gradient_accumulation_steps=2)
 
 
+class TutorialTrainer:  # mixed into transformers.Trainer lazily (see _tutorial): the docs' compute_loss pattern
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+@scenario("llama_tutorial")
+def _tutorial(args):
+    """A Trainer subclass whose compute_loss returns outputs.loss (a per-micro-batch mean)."""
+    import transformers
+
+    cls = type("TutorialTrainer", (TutorialTrainer, transformers.Trainer), {})
+    return default_scenario("llama", args, trainer_cls=cls)
+
+
+@scenario("llama_empty_rank")
+def _empty_rank(args):
+    """Rank 0's first window (samples 0 and 2: bs 1, GA 2, no arranging) has no target at all."""
+    kw = default_scenario("llama", args, arrange=False)
+    for s in kw["samples"]:
+        if s["idx"] in (0, 2):
+            s["labels"] = [harness.IGNORE_INDEX] * len(s["labels"])
+    return kw
+
+
 def build_scenario(name: str, args) -> dict:
     """Build scenario ``name``; ``args`` may be a Namespace or the dict saved in ``meta["args"]``."""
     if isinstance(args, dict):
@@ -152,6 +177,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--patch", action="store_true", help="call hf_gradfix.patch() before building the Trainer")
     p.add_argument("--avg-false", dest="avg_false", action="store_true",
                    help="TrainingArguments(average_tokens_across_devices=False)")
+    p.add_argument("--eval-bs", dest="eval_bs", type=int, default=0,
+                   help="after training, evaluate on the scenario's samples with this per-device eval batch size")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="scenario overrides (JSON values)")
     args = p.parse_args(argv)
     args.set = _parse_set(args.set)
@@ -206,6 +233,9 @@ def main(argv=None) -> None:
         all_collated_batches=record.collator.batches,
     )
     payload = dict(meta=meta, steps=record.steps, logged_losses=record.logged_losses)
+    if getattr(args, "eval_bs", 0):
+        tr.args.per_device_eval_batch_size = args.eval_bs
+        payload["eval_loss"] = tr.evaluate(eval_dataset=harness.ListDataset(samples))["eval_loss"]
     if rank == 0:
         payload["samples"] = samples
         payload["initial_state"] = record.initial_state
