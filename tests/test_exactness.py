@@ -267,7 +267,7 @@ def test_peft_prompt_tuning(patched):
 @pytest.mark.parametrize(
     "arch,kw",
     [
-        ("bert_seqcls", {}),
+        ("llama_seqcls", {}),  # (BERT heads have no **kwargs on 4.57: stock is exact there at bs 1)
         ("nokwargs", {}),
         ("llama", {"trainer_cls": TutorialTrainer}),
     ],
