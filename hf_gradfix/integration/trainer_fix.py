@@ -357,6 +357,13 @@ def _set_flags(trainer: Trainer, state: GradFixState) -> None:
             "token counts are not visible to the loss. Fix: launch one process per GPU "
             "(`accelerate launch` or `torchrun`), or set CUDA_VISIBLE_DEVICES to one GPU."
         )
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None and getattr(pc, "sp_backend", None) == "deepspeed" and getattr(pc, "sp_enabled", False):
+        raise GradFixError(
+            "DeepSpeed Ulysses sequence parallelism computes its own per-micro-batch token mean "
+            "(transformers' deepspeed_sp_compute_loss), which hf_gradfix does not normalize yet. "
+            "Fix: disable sequence parallelism, or set `loss: {enabled: false}` in the hf_gradfix config."
+        )
     if not getattr(args, "average_tokens_across_devices", True) and trainer.accelerator.num_processes > 1:
         logger.warning(
             "hf_gradfix: average_tokens_across_devices=False weights ranks equally instead of by their token "
