@@ -190,3 +190,108 @@ def test_eval_loss_is_the_token_mean_for_every_batch_size(arch):
             assert abs(metrics["eval_loss"] - gt) / gt <= 1e-6, (arch, bs, metrics["eval_loss"], gt)
     finally:
         hf_gradfix.unpatch()
+
+
+# -- what hf_gradfix cannot decide is loud, and leaves transformers' behaviour intact ---------------------------------
+
+
+class _GradCapture(TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+class _RenameLabels:
+    """Collator whose batches carry the targets under 'targets' instead of 'labels'."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        batch["targets"] = batch.pop("labels")
+        return batch
+
+
+class _TargetsTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        targets = inputs.pop("targets")
+        outputs = model(**inputs, labels=targets)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+class _SqrtLossModel(torch.nn.Module):
+    """A loss that changes with num_items_in_batch, but not as sum / num_items: undeterminable."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = H.build_model("llama")
+        self.config = self.inner.config
+
+    def forward(self, input_ids, attention_mask=None, labels=None, num_items_in_batch=None, **kwargs):
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        if num_items_in_batch is not None:
+            out.loss = out.loss / torch.as_tensor(num_items_in_batch, dtype=torch.float32).sqrt()
+        return out
+
+
+def _train_grads(model, samples, task, trainer_cls=Trainer, collator=None):
+    capture = _GradCapture()
+    trainer = H.make_trainer(
+        model, samples, task, trainer_cls=trainer_cls, callbacks=[capture],
+        extra_args=dict(optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=4,
+                        per_device_train_batch_size=1, num_train_epochs=1, logging_steps=1, seed=0),
+    )
+    if collator is not None:
+        trainer.data_collator = collator
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
+    trainer.train()
+    return capture.grads
+
+
+def test_batches_without_labels_keep_transformers_behaviour(caplog):
+    samples = _samples()
+    stock = _train_grads(H.build_model("llama"), samples, "causal", _TargetsTrainer, _RenameLabels(H.RecordingCollator("causal", H.PAD_ID)))
+    hf_gradfix.patch()
+    try:
+        logger = logging.getLogger("hf_gradfix")
+        logger.addHandler(caplog.handler)
+        try:
+            ours = _train_grads(H.build_model("llama"), samples, "causal", _TargetsTrainer, _RenameLabels(H.RecordingCollator("causal", H.PAD_ID)))
+        finally:
+            logger.removeHandler(caplog.handler)
+    finally:
+        hf_gradfix.unpatch()
+    assert len(stock) == len(ours) == 3
+    for a, b in zip(stock, ours):
+        assert H.rel_err(b, a) <= 1e-7
+    assert any("carry no 'labels'" in r.getMessage() for r in caplog.records)
+
+
+def test_undeterminable_loss_is_an_error_or_a_warning():
+    samples = _samples()
+    hf_gradfix.patch()
+    try:
+        with pytest.raises(hf_gradfix.GradFixError, match="could not tell how.*normalizes its loss.*count_rule"):
+            _train_grads(_SqrtLossModel(), samples, "causal")
+    finally:
+        hf_gradfix.unpatch()
+    stock = _train_grads(_SqrtLossModel(), samples, "causal")
+    hf_gradfix.patch({"loss": {"on_undetermined": "warn"}})
+    try:
+        warned = _train_grads(_SqrtLossModel(), samples, "causal")
+    finally:
+        hf_gradfix.unpatch()
+    for a, b in zip(stock, warned):
+        assert H.rel_err(b, a) <= 1e-7  # left to transformers, unchanged
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert files
+    for path in files:
+        hf_gradfix.load_config(str(path))

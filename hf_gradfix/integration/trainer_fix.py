@@ -81,11 +81,13 @@ class GradFixState:
     last_aux: float = 0.0
     in_probe: bool = False
     no_labels_logged: bool = False
+    disabled_reason: str | None = None  # set when a probe failed and on_undetermined is "warn"
+    saved_accepts_loss_kwargs: Any = None
     fixes: list[str] = field(default_factory=list)
 
     @property
     def enabled(self) -> bool:
-        return self.config.loss.enabled and not self.in_probe
+        return self.config.loss.enabled and not self.in_probe and self.disabled_reason is None
 
 
 def state_of(trainer: Trainer) -> GradFixState | None:
@@ -374,6 +376,7 @@ def _set_flags(trainer: Trainer, state: GradFixState) -> None:
     if transformers_major() < 5:
         # transformers 4.57 divides by the accumulation steps unless this is True and a count is passed;
         # our compute_loss already returns window-normalized losses.
+        state.saved_accepts_loss_kwargs = trainer.model_accepts_loss_kwargs
         trainer.model_accepts_loss_kwargs = True
     state.flags_set = True
 
@@ -385,14 +388,36 @@ def _prepare(trainer: Trainer, state: GradFixState, batches: list) -> None:
         return
     for batch in batches:
         if isinstance(batch, dict) and torch.is_tensor(batch.get("labels")):
-            _probe(trainer, state, batch)
+            try:
+                _probe(trainer, state, batch)
+            except GradFixError as err:
+                if state.config.loss.on_undetermined != "warn":
+                    raise
+                _disable(trainer, state, str(err))
             return
 
 
-def _trainer_divides_by_ga(trainer: Trainer, num_items: Any) -> bool:
-    if hasattr(Trainer, "loss_is_scaled_for_ga"):
-        return not trainer.loss_is_scaled_for_ga
-    return (not trainer.model_accepts_loss_kwargs or num_items is None) and trainer.compute_loss_func is None
+def _disable(trainer: Trainer, state: GradFixState, reason: str) -> None:
+    """loss.on_undetermined=warn: leave this trainer's loss to transformers, loudly."""
+    state.disabled_reason = reason
+    if state.saved_accepts_loss_kwargs is not None:
+        trainer.model_accepts_loss_kwargs = state.saved_accepts_loss_kwargs
+    logger.warning("%s The loss of %s is left to transformers (loss.on_undetermined: warn).", reason, type(trainer).__name__)
+
+
+def _we_divide_by_ga(trainer: Trainer, num_items: Any) -> bool:
+    """Batches without labels: divide by the accumulation steps exactly when stock transformers would.
+
+    On 5.x our ``loss_is_scaled_for_ga`` property says True, so the Trainer never divides and we apply the
+    stock rule (the class's or user's own ``loss_is_scaled_for_ga``, e.g. TRL's GRPO sets it). On 4.57 the
+    Trainer divides by itself whenever no count is passed, which is the stock behaviour already.
+    """
+    if not hasattr(Trainer, "loss_is_scaled_for_ga"):
+        return False
+    scaled = trainer.__dict__.get("_gradfix_loss_is_scaled_for_ga", getattr(super(_GradFixTop, trainer), "loss_is_scaled_for_ga", None))
+    if scaled is None:
+        scaled = (trainer.model_accepts_loss_kwargs and num_items is not None) or trainer.compute_loss_func is not None
+    return not scaled
 
 
 def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) -> list[float]:
@@ -410,8 +435,20 @@ def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) 
 class _GradFixTop:
     """Outermost layer: window counting, normalization of whatever compute_loss returns, exact eval loss."""
 
-    # transformers 5.x: our compute_loss already returns window-normalized losses (no /GA in training_step).
-    loss_is_scaled_for_ga = True
+    @property
+    def loss_is_scaled_for_ga(self):
+        # transformers 5.x: our compute_loss returns window-normalized losses, so training_step must not
+        # divide by the accumulation steps. When the fix is off, the user's or the class's own value.
+        state = state_of(self)
+        if state is not None and state.config.loss.enabled and state.disabled_reason is None:
+            return True
+        if "_gradfix_loss_is_scaled_for_ga" in self.__dict__:
+            return self.__dict__["_gradfix_loss_is_scaled_for_ga"]
+        return getattr(super(), "loss_is_scaled_for_ga", None)
+
+    @loss_is_scaled_for_ga.setter
+    def loss_is_scaled_for_ga(self, value):
+        self.__dict__["_gradfix_loss_is_scaled_for_ga"] = value
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         state = state_of(self)
@@ -424,6 +461,8 @@ class _GradFixTop:
             except StopIteration:
                 break
         _prepare(self, state, batches)
+        if not state.enabled:  # a probe failed with on_undetermined: warn
+            return batches, self._get_num_items_in_batch(batches, device)
         has_labels = any(isinstance(b, dict) and torch.is_tensor(b.get("labels")) for b in batches)
         local = 0.0
         if state.probed and has_labels:
@@ -451,7 +490,7 @@ class _GradFixTop:
         _prepare(self, state, [inputs])
         if not state.probed:  # no labels in this batch
             result = chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
-            if model.training and state.window is not None and not _trainer_divides_by_ga(self, num_items_in_batch):
+            if model.training and state.window is not None and _we_divide_by_ga(self, num_items_in_batch):
                 loss, outputs = _split(result) if return_outputs else (result, None)
                 loss = loss / state.window.micro_batches
                 return (loss, outputs) if return_outputs else loss

@@ -121,13 +121,14 @@ def probe_honors_num_items(loss_fn: LossFn, batch: Mapping[str, Any]) -> tuple[b
         raise ProbeError(f"the loss is not finite on the probe batch (loss({_N1})={loss1}, loss({_N2})={loss2})")
     if abs(loss1 - loss2) <= _REL_TOL * max(abs(loss1), abs(loss2), 1e-12):
         return False, 0.0
+    # loss(n) = S/n + A: loss(7) - loss(14) = S/14 must be exactly twice loss(14) - loss(28) = S/28.
+    loss4 = _scalar(loss_fn(full, _as_num_items(2 * _N2, like)))
+    first, second = loss1 - loss2, loss2 - loss4
     additive = 2.0 * loss2 - loss1
-    summed = (loss1 - additive) * _N1
-    # An honouring loss halves exactly; anything else (e.g. a loss that clamps the count) is undetermined.
-    if summed <= 0:
+    if first <= 0 or abs(first - 2.0 * second) > 1e-4 * abs(first):
         raise ProbeError(
-            f"the loss changes with num_items_in_batch but not as sum/num_items "
-            f"(loss({_N1})={loss1:.6g}, loss({_N2})={loss2:.6g})"
+            f"the loss changes with num_items_in_batch but not as sum/num_items (+ a constant): "
+            f"loss({_N1:g})={loss1:.6g}, loss({_N2:g})={loss2:.6g}, loss({2 * _N2:g})={loss4:.6g}"
         )
     return True, round(additive, 12)
 
