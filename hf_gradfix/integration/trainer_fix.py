@@ -480,7 +480,9 @@ class _GradFixTop:
             return batches, None
         global_count = total / _replicated_divisor(self)
         state.window = _Window(global_count, len(batches))
-        return batches, torch.tensor(global_count, device=device)
+        # int64 like transformers' own count (a float64 count would turn the loss into float64)
+        value = int(global_count) if float(global_count).is_integer() else float(global_count)
+        return batches, torch.tensor(value, device=device)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
         state = state_of(self)
@@ -562,8 +564,8 @@ class _GradFixDefaultLoss(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
         state = state_of(self)
-        if state is None or state.default is None:
-            if state is not None and state.in_probe:
+        if state is None or state.default is None or state.disabled_reason is not None or not state.config.loss.enabled:
+            if state is not None and state.in_probe and state.default is None:
                 raise ProbeError("compute_loss was probed before the model")
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
         n = num_items_in_batch
