@@ -41,7 +41,7 @@ def __getattr__(name: str):
         from .integration.callback import GradFixCallback
 
         return GradFixCallback
-    if name in ("GradFixError", "install", "uninstall"):
+    if name in ("GradFixError", "install", "uninstall", "state_of"):
         from .integration import trainer_fix
 
         return getattr(trainer_fix, name)
@@ -56,6 +56,7 @@ __all__ = [
     "LossConfig",
     "is_patched",
     "load_config",
+    "state_of",
     "patch",
     "unpatch",
 ]

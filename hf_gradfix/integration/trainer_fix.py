@@ -205,7 +205,7 @@ def _probe_callable(loss_fn, batch, state: GradFixState, what: str) -> LossBehav
             "Fix: set `loss.count_rule` (shifted | unshifted | elements) in the hf_gradfix config, "
             "or disable the fix with `loss: {enabled: false}`."
         ) from err
-    reason = ("honours num_items_in_batch" if honors else "ignores num_items_in_batch") + f"; counts {rule.value} ({why})"
+    reason = f"counts {rule.value} targets ({why})"
     return LossBehaviour(honors_num_items=honors, count_rule=rule, additive_term=additive, reason=reason)
 
 
@@ -316,16 +316,17 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
     m = state.model
     if m is not None and trainer.compute_loss_func is None and trainer.label_smoother is None:
         if not m.honors_num_items:
-            fixes.append(f"head ignores num_items_in_batch ({m.reason}): rescaling its mean loss by local/global target count")
+            fixes.append(f"head ignores num_items_in_batch, {m.reason}: rescaling its mean loss by local/global target count")
         elif getattr(trainer, "model_accepts_loss_kwargs", True) is False:
-            fixes.append("model honours num_items_in_batch although it sets accepts_loss_kwargs=False: passing the count")
+            fixes.append(f"model honours num_items_in_batch although accepts_loss_kwargs=False, {m.reason}: passing the count")
         else:
-            fixes.append(f"model loss {m.reason}: passing the exact global count")
+            fixes.append(f"model honours num_items_in_batch, {m.reason}: passing the exact global count")
     if state.func is not None:
-        how = "passing the global count" if state.func.honors_num_items else "returns a per-micro-batch mean: rescaling it"
-        fixes.append(f"compute_loss_func {state.func.reason}: {how}")
+        how = "passing the global count" if state.func.honors_num_items else "rescaling its per-micro-batch mean"
+        verb = "honours" if state.func.honors_num_items else "ignores"
+        fixes.append(f"compute_loss_func {verb} num_items_in_batch, {state.func.reason}: {how}")
     if trainer.label_smoother is not None and m is not None:
-        fixes.append(f"label smoothing with the model's count rule ({m.count_rule.value}), normalized by the global count")
+        fixes.append(f"label smoothing with the model's own {m.count_rule.value} targets, normalized by the global count")
     if state.aux_coef:
         conv = state.config.loss.aux_loss
         fixes.append(
@@ -334,8 +335,10 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
         )
     if not state.chain_is_default and owner is not None:
         c = state.chain
-        how = "passing the global count" if c.honors_num_items else "returns a per-micro-batch mean: rescaling it"
-        fixes.append(f"{owner.__name__}.compute_loss {c.reason}: {how}")
+        if c.honors_num_items:
+            fixes.append(f"{owner.__name__}.compute_loss honours num_items_in_batch, {c.reason}: passing the global count")
+        else:
+            fixes.append(f"{owner.__name__}.compute_loss ignores num_items_in_batch, {c.reason}: rescaling its per-micro-batch mean")
     if state.config.loss.eval_token_mean:
         fixes.append("eval_loss = exact target mean over the eval set and all ranks")
     if state.config.log_fixes:

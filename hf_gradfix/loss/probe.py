@@ -161,12 +161,12 @@ def detect_count_rule(loss_fn: LossFn, batch: Mapping[str, Any], honors: bool) -
     if not torch.is_tensor(labels):
         raise ProbeError("the batch has no 'labels' tensor to count targets in")
     if not is_token_level(labels):
-        return CountRule.ELEMENTS, f"sequence-level labels of shape {tuple(labels.shape)}: one target per label element"
+        return CountRule.ELEMENTS, "sequence-level labels: one target per label"
     if labels.shape[-1] < 2:
         raise ProbeError("labels of length 1 cannot tell a shifted from an unshifted loss")
     if probe_counts_first_position(loss_fn, batch, honors):
-        return CountRule.UNSHIFTED, "labels[..., 0] is a loss target"
-    return CountRule.SHIFTED, "labels[..., 0] is never a target (causal shift)"
+        return CountRule.UNSHIFTED, "labels[..., 0] is a target"
+    return CountRule.SHIFTED, "causal shift: labels[..., 0] is never a target"
 
 
 def probe_loss(loss_fn: LossFn, batch: Mapping[str, Any], rule: CountRule | None = None) -> LossBehaviour:
