@@ -30,29 +30,14 @@ import test_exactness as T  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 
-def _custom_gt_rows(record, model, gt_fn):
-    model.load_state_dict(record.initial_state)
-    by_idx = {s["idx"]: s for s in record_samples[id(record)]}
-    rows = []
-    for k, step in enumerate(record.steps):
-        window = [by_idx[i] for b in step["idx_batches"] for i in b]
-        gt_loss, gt = gt_fn(model, window)
-        rows.append((H.rel_err(step["grads"], gt), abs(record.logged_losses[k] - gt_loss) / gt_loss))
-    return rows
-
-
-record_samples: dict[int, list] = {}
-
-
 def single(arch, *, n=12, model_kw=None, build=None, gt=None, use_aux=False, **run_kw):
     def run():
         model = build() if build else H.build_model(arch, **(model_kw or {}))
         task = H.task_of(arch)
         samples = H.make_samples(task, n=n, seed=0)
         record = H.run_trainer(model, samples, task, gradient_accumulation_steps=4, **run_kw)
-        record_samples[id(record)] = samples
         if gt is not None:
-            return _custom_gt_rows(record, model, gt)
+            return T.custom_gt_rows(model, samples, record, gt)
         return H.check_against_gt(model, samples, task, record, use_aux=use_aux)
 
     return run
@@ -153,7 +138,7 @@ def main() -> None:
         finally:
             hf_gradfix.unpatch()
         print(f"| {name} | {before[0]:.2e} | {before[1]:.2e} | {after[0]:.2e} | {after[1]:.2e} |", flush=True)
-    if "eval" in "eval loss" and (not args.k or args.k in "eval loss, batch sizes 1/4/5"):
+    if not args.k or args.k in "eval loss, batch sizes 1/4/5":
         e = eval_case()
         print(f"| eval loss, eval batch sizes 1/4/5 (Llama) | - | {e[False]:.2e} | - | {e[True]:.2e} |", flush=True)
     if args.ddp:

@@ -43,6 +43,17 @@ def assert_exact(rows, what=""):
         assert loss_err is not None and loss_err <= LOSS_TOL, f"{what} step {k}: logged loss rel err {loss_err}"
 
 
+def custom_gt_rows(model, samples, record, gt_fn):
+    """(grad rel err, logged loss rel err) per step against ``gt_fn(model, window_samples) -> (loss, grads)``."""
+    model.load_state_dict(record.initial_state)
+    by_idx = {s["idx"]: s for s in samples}
+    rows = []
+    for k, step in enumerate(record.steps):
+        gt_loss, gt = gt_fn(model, [by_idx[i] for b in step["idx_batches"] for i in b])
+        rows.append((H.rel_err(step["grads"], gt), abs(record.logged_losses[k] - gt_loss) / gt_loss))
+    return rows
+
+
 def run_and_check(arch, *, n=12, ga=4, bs=1, model_kw=None, sample_kw=None, **run_kw):
     model = _build(arch, **(model_kw or {}))
     task = H.task_of(arch)
@@ -207,13 +218,7 @@ def test_label_smoothing(patched, arch):
     model = _build(arch)
     samples = H.make_samples("causal", n=12, seed=0)
     record = H.run_trainer(model, samples, "causal", gradient_accumulation_steps=4, extra_args={"label_smoothing_factor": eps})
-    model.load_state_dict(record.initial_state)
-    by_idx = {s["idx"]: s for s in samples}
-    for k, step in enumerate(record.steps):
-        window = [by_idx[i] for b in step["idx_batches"] for i in b]
-        gt_loss, gt = _label_smoothing_gt(model, window, eps)
-        assert H.rel_err(step["grads"], gt) <= GRAD_TOL, f"{arch} step {k}"
-        assert abs(record.logged_losses[k] - gt_loss) / gt_loss <= LOSS_TOL
+    assert_exact(custom_gt_rows(model, samples, record, lambda m, w: _label_smoothing_gt(m, w, eps)), f"label smoothing {arch}")
 
 
 # -- PEFT ------------------------------------------------------------------------------------------------------------
@@ -252,13 +257,7 @@ def test_peft_prompt_tuning(patched):
     model = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=n_virtual))
     samples = H.make_samples("causal", n=12, seed=0)
     record = H.run_trainer(model, samples, "causal", gradient_accumulation_steps=4)
-    model.load_state_dict(record.initial_state)
-    by_idx = {s["idx"]: s for s in samples}
-    for k, step in enumerate(record.steps):
-        window = [by_idx[i] for b in step["idx_batches"] for i in b]
-        gt_loss, gt = _prompt_tuning_gt(model, window, n_virtual)
-        assert H.rel_err(step["grads"], gt) <= GRAD_TOL, f"prompt tuning step {k}: {H.rel_err(step['grads'], gt):.3e}"
-        assert abs(record.logged_losses[k] - gt_loss) / gt_loss <= LOSS_TOL
+    assert_exact(custom_gt_rows(model, samples, record, lambda m, w: _prompt_tuning_gt(m, w, n_virtual)), "prompt tuning")
 
 
 # -- the same checks fail on stock transformers (the tests can fail) ----------------------------------------------------
