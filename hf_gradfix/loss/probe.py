@@ -3,8 +3,7 @@ which label positions does it count?
 
 transformers cannot tell us this reliably: ``accepts_loss_kwargs`` is wrong for several VLMs, many
 heads accept ``**kwargs`` but drop the count, and the Trainer's shift rule is keyed on ``loss_type``.
-So we ask the loss itself, with a few forwards under ``torch.no_grad`` on one row of the first
-batch. The probes depend on the model and loss code only, not on the data's masking, so every
+So we ask the loss itself, with a few forwards under ``torch.no_grad`` on the first batch. The probes depend on the model and loss code only, not on the data's masking, so every
 data-parallel rank reaches the same verdict.
 
 Pure torch: the loss is a callable ``loss_fn(batch, num_items) -> Tensor`` supplied by the caller.
@@ -42,30 +41,6 @@ class LossBehaviour:
     reason: str
 
 
-def batch_size_of(batch: Mapping[str, Any]) -> int | None:
-    for key in ("labels", "input_ids", "inputs_embeds", "pixel_values"):
-        value = batch.get(key)
-        if torch.is_tensor(value) and value.dim() >= 1:
-            return int(value.shape[0])
-    return None
-
-
-def first_row(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """Row 0 of every tensor that has the batch dimension; other values unchanged.
-
-    >>> first_row({"input_ids": torch.arange(6).view(2, 3), "flag": True})["input_ids"].tolist()
-    [[0, 1, 2]]
-    """
-    bsz = batch_size_of(batch)
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if torch.is_tensor(value) and value.dim() >= 1 and bsz is not None and value.shape[0] == bsz:
-            out[key] = value[:1]
-        else:
-            out[key] = value
-    return out
-
-
 def _a_valid_label(labels: torch.Tensor) -> int | float:
     valid = labels[labels.ne(IGNORE_INDEX)]
     if valid.numel():
@@ -73,9 +48,13 @@ def _a_valid_label(labels: torch.Tensor) -> int | float:
     return 0
 
 
+# The probes run on the whole first micro-batch, not on one row: a VLM batch holds tensors that are not
+# per-row (e.g. the pixel values of all images), so slicing rows would break the model's own checks.
+
+
 def with_all_targets(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """Row 0 with every label position made a target (so the loss cannot be empty)."""
-    row = first_row(batch)
+    """The batch with every label position made a target (so the loss cannot be empty)."""
+    row = dict(batch)
     labels = row.get("labels")
     if torch.is_tensor(labels):
         row["labels"] = torch.where(labels.eq(IGNORE_INDEX), torch.full_like(labels, _a_valid_label(labels)), labels)
@@ -83,8 +62,8 @@ def with_all_targets(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def with_only_first_position(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """Row 0 whose only labelled position is ``labels[..., 0]``."""
-    row = first_row(batch)
+    """The batch with ``labels[..., 0]`` as the only labelled position of every row."""
+    row = dict(batch)
     labels = row["labels"]
     only = torch.full_like(labels, IGNORE_INDEX)
     only[..., 0] = _a_valid_label(labels)
