@@ -53,8 +53,13 @@ def test_ddp_rank_without_targets_no_nan_no_hang():
     assert_ddp_exact(result, "empty rank window")
 
 
-def test_ddp_eval_loss_equals_single_process_token_mean():
-    result = H.run_ddp("llama", patch=True, extra=["--eval-bs", "3"])
+@pytest.mark.parametrize(
+    "scenario,eval_bs",
+    [("llama", 3), ("llama_11", 2)],
+    ids=["12-samples-bs3", "11-samples-bs2-last-batch-padded-by-accelerate"],
+)
+def test_ddp_eval_loss_equals_single_process_token_mean(scenario, eval_bs):
+    result = H.run_ddp(scenario, patch=True, extra=["--eval-bs", str(eval_bs)])
     model = H.build_model("llama")
     model.load_state_dict(result["initial_state"])
     model.eval()

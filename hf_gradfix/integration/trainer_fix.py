@@ -529,12 +529,45 @@ class _GradFixTop:
         totals = state.eval_totals
         if totals is not None and loss is not None and not model.training:
             aux = state.last_aux
+            mean = float(loss.detach().double().mean())
+            real_rows = self._gradfix_real_eval_rows(inputs)
+            if real_rows is not None:  # accelerate padded this last batch with repeated samples: drop them
+                mean, local = self._gradfix_eval_subset(state, model, inputs, real_rows, kwargs)
             if local > 0:
-                totals.loss_sum += (float(loss.detach().double().mean()) - aux) * local
+                totals.loss_sum += (mean - aux) * local
                 totals.targets += local
             totals.aux_sum += aux
             totals.aux_batches += 1
         return loss, outputs
+
+    def _gradfix_real_eval_rows(self, inputs) -> int | None:
+        """Rows of this rank's last eval batch that are real samples, or None when all are.
+
+        With ``even_batches`` accelerate completes the last global batch with samples from the start of
+        the dataset; ``gather_for_metrics`` keeps the first ``remainder`` rows in rank order. We apply the
+        same rule to this rank's rows (the sums and counts are all-reduced, not gathered).
+        """
+        gradient_state = self.accelerator.gradient_state
+        if self.accelerator.num_processes <= 1 or not gradient_state.end_of_dataloader:
+            return None
+        remainder = gradient_state.remainder
+        labels = inputs.get("labels") if isinstance(inputs, dict) else None
+        if remainder is None or remainder <= 0 or not torch.is_tensor(labels):
+            return None
+        rows = int(labels.shape[0])
+        real = min(max(remainder - self.accelerator.process_index * rows, 0), rows)
+        return None if real == rows else real
+
+    def _gradfix_eval_subset(self, state, model, inputs, real_rows, kwargs):
+        """(mean loss, target count) over the first ``real_rows`` rows of an eval batch."""
+        if real_rows == 0:
+            return 0.0, 0
+        rows = int(inputs["labels"].shape[0])
+        subset = {k: (v[:real_rows] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == rows else v) for k, v in inputs.items()}
+        local = int(count_targets(subset, state.chain.count_rule))
+        state.last_aux = 0.0
+        loss, _ = _split(super().compute_loss(model, subset, return_outputs=True, num_items_in_batch=None, **kwargs))
+        return float(loss.detach().double().mean()), local
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
         state = state_of(self)
