@@ -277,3 +277,69 @@ def test_stock_is_wrong(arch, kw):
     rows, _ = run_and_check(arch, **kw)
     worst = max(err for err, _ in rows)
     assert worst > 1e-2, f"stock transformers is exact for {arch} {kw}? rel err {worst:.3e}"
+
+
+# -- more architectures, built generically from their config class (held-out style checks) ---------------------------
+
+_TINY = dict(
+    vocab_size=H.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, max_position_embeddings=128, d_model=32, encoder_layers=2, decoder_layers=2,
+    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, ffn_dim=64,
+    num_layers=2, num_heads=2, d_ff=64, d_kv=16, head_dim=16, word_embed_proj_dim=32, dim=32, hidden_dim=64,
+    n_heads=2, n_layers=2, pad_token_id=H.PAD_ID, bos_token_id=H.BOS_ID, eos_token_id=H.EOS_ID,
+    decoder_start_token_id=H.PAD_ID, type_vocab_size=1, use_cache=False, tie_word_embeddings=False,
+)
+
+
+def tiny_from_config(model_type: str, auto_class: str, **overrides):
+    """A tiny fp32 model of any architecture: shrink every size field its config has, zero every dropout."""
+    config = transformers.AutoConfig.for_model(model_type)
+    fields = config.to_dict()
+    for key, value in {**_TINY, **overrides}.items():
+        if key in fields or key in overrides:
+            setattr(config, key, value)
+    for key, value in fields.items():
+        if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    return getattr(transformers, auto_class).from_config(config).float()
+
+
+MORE = [
+    ("gemma2", "AutoModelForCausalLM", "causal", {}),
+    ("phi3", "AutoModelForCausalLM", "causal", {}),
+    ("opt", "AutoModelForCausalLM", "causal", {}),
+    ("gpt_neox", "AutoModelForCausalLM", "causal", {}),
+    ("falcon", "AutoModelForCausalLM", "causal", {}),
+    ("qwen3", "AutoModelForCausalLM", "causal", {}),
+    ("gpt2", "AutoModelForSequenceClassification", "seqcls", {"num_labels": 3}),
+    ("distilbert", "AutoModelForSequenceClassification", "seqcls", {"num_labels": 3}),
+    ("electra", "AutoModelForTokenClassification", "tokcls", {"num_labels": 5}),
+    ("distilbert", "AutoModelForMaskedLM", "mlm", {}),
+    ("modernbert", "AutoModelForMaskedLM", "mlm", {}),
+    ("mt5", "AutoModelForSeq2SeqLM", "seq2seq", {}),
+    ("pegasus", "AutoModelForSeq2SeqLM", "seq2seq", {}),
+    ("mbart", "AutoModelForSeq2SeqLM", "seq2seq", {}),
+]
+
+
+@pytest.mark.parametrize("model_type,auto_class,task,overrides", MORE, ids=[f"{m}-{t}" for m, _, t, _ in MORE])
+def test_more_architectures(patched, model_type, auto_class, task, overrides):
+    try:
+        model = tiny_from_config(model_type, auto_class, **overrides)
+    except (ValueError, KeyError, AttributeError, ImportError) as err:
+        pytest.skip(f"{model_type} not available in transformers {transformers.__version__}: {err}")
+    samples = H.make_samples(task, n=8, seed=0, **({"num_labels": overrides["num_labels"]} if "num_labels" in overrides else {}))
+    record = H.run_trainer(model, samples, task, gradient_accumulation_steps=4)
+    assert_exact(H.check_against_gt(model, samples, task, record), f"{model_type}/{auto_class}")
+
+
+def test_second_moe_family_router_aux_loss(patched):
+    try:
+        model = tiny_from_config("qwen3_moe", "AutoModelForCausalLM", output_router_logits=True, router_aux_loss_coef=0.3,
+                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    except (ValueError, KeyError) as err:
+        pytest.skip(str(err))
+    samples = H.make_samples("causal", n=8, seed=0)
+    record = H.run_trainer(model, samples, "causal", gradient_accumulation_steps=4)
+    assert_exact(H.check_against_gt(model, samples, "causal", record, use_aux=True), "qwen3_moe aux")
