@@ -11,4 +11,4 @@ bash scripts/setup_env.sh .venv dev
 
 echo "== transformers 4.57.x: loss tests =="
 bash scripts/setup_env.sh .venv-tf457 peft "transformers>=4.57,<4.58" "pytest>=8" "datasets>=3"
-.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_ddp.py tests/test_entry_points.py -k "not trl" "$@"
+.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py tests/test_entry_points.py -k "not trl" "$@"
