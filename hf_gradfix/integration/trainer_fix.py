@@ -91,7 +91,14 @@ class GradFixState:
 
 
 def state_of(trainer: Trainer) -> GradFixState | None:
-    """The :class:`GradFixState` of a fixed trainer, or None."""
+    """The :class:`GradFixState` of a fixed trainer (what the probes found, the fixes applied), or None.
+
+    ``state.fixes`` is filled on the trainer's first batch with labels (the probes are lazy).
+
+    >>> import hf_gradfix, transformers
+    >>> hf_gradfix.state_of(object.__new__(transformers.Trainer)) is None   # a trainer nobody fixed
+    True
+    """
     return trainer.__dict__.get(_STATE_ATTR)
 
 
@@ -229,7 +236,7 @@ def _probe(trainer: Trainer, state: GradFixState, batch: dict) -> None:
         if n is not None:
             kwargs["num_items_in_batch"] = n
         out = model(**kwargs)
-        holder["aux"] = _aux_of(out)
+        holder.setdefault("aux", _aux_of(out))  # the first probe call: the batch whose additive term is measured
         loss = _loss_of(out)
         if loss is None:
             raise ProbeError(f"{_model_name(model)} returned no loss for a batch with labels")
@@ -248,13 +255,11 @@ def _probe(trainer: Trainer, state: GradFixState, batch: dict) -> None:
                     state.model = _probe_callable(model_loss, batch, state, _model_name(model))
                 _resolve_aux(trainer, state, holder)
             if trainer.compute_loss_func is not None:
-                inputs = {k: v for k, v in batch.items() if k != "labels"}
 
                 def func_loss(b, n):
                     out = model(**{k: v for k, v in b.items() if k != "labels"})
                     return trainer.compute_loss_func(out, b["labels"], num_items_in_batch=n)
 
-                del inputs
                 state.func = _probe_callable(func_loss, batch, state, "compute_loss_func")
                 state.default = state.func
             else:
