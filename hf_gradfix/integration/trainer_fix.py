@@ -529,15 +529,16 @@ class _GradFixTop:
     def _gradfix_eval_loss(self, state, model, inputs, kwargs):
         chain = super().compute_loss
         state.last_aux = 0.0
-        local = int(count_targets(inputs, state.chain.count_rule))  # before: user code may pop "labels"
+        untouched = dict(inputs)  # user code may pop "labels" from the dict it is given
+        local = int(count_targets(untouched, state.chain.count_rule))
         loss, outputs = _split(chain(model, inputs, return_outputs=True, num_items_in_batch=None, **kwargs))
         totals = state.eval_totals
         if totals is not None and loss is not None and not model.training:
             aux = state.last_aux
             mean = float(loss.detach().double().mean())
-            real_rows = self._gradfix_real_eval_rows(inputs)
+            real_rows = self._gradfix_real_eval_rows(untouched)
             if real_rows is not None:  # accelerate padded this last batch with repeated samples: drop them
-                mean, local = self._gradfix_eval_subset(state, model, inputs, real_rows, kwargs)
+                mean, local = self._gradfix_eval_subset(state, model, untouched, real_rows, kwargs)
             if local > 0:
                 totals.loss_sum += (mean - aux) * local
                 totals.targets += local
