@@ -11,6 +11,7 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python_bin" -m venv "$venv"
 fi
 pip_q() { "$venv/bin/python" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
-"$venv/bin/python" -c "import torch" 2>/dev/null || pip_q "${HF_GRADFIX_TORCH:-torch==2.13.0}"
+# shellcheck disable=SC2086  # HF_GRADFIX_TORCH may carry pip options (e.g. --index-url)
+"$venv/bin/python" -c "import torch" 2>/dev/null || pip_q ${HF_GRADFIX_TORCH:-torch==2.13.0}
 pip_q -e "$root[$extras]" "$@"
 "$venv/bin/python" -c "import sys, torch, transformers, hf_gradfix; print(f'[setup] {sys.prefix}: torch {torch.__version__}, transformers {transformers.__version__}, hf_gradfix {hf_gradfix.__version__}')"
