@@ -10,7 +10,8 @@ python_bin="${PYTHON:-python3}"
 if [ ! -x "$venv/bin/python" ]; then
     "$python_bin" -m venv "$venv"
 fi
-pip_q() { "$venv/bin/python" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+# pipefail (set above) keeps pip's exit status; the grep only drops this machine's noisy index warnings.
+pip_q() { "$venv/bin/python" -m pip install --disable-pip-version-check -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
 # shellcheck disable=SC2086  # HF_GRADFIX_TORCH may carry pip options (e.g. --index-url)
 "$venv/bin/python" -c "import torch" 2>/dev/null || pip_q ${HF_GRADFIX_TORCH:-torch==2.13.0}
 pip_q -e "$root[$extras]" "$@"
