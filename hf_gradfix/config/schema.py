@@ -100,6 +100,42 @@ class LossConfig:
     )
 
 
+PackingMode = Literal["varlen", "rows"]
+PackingAttention = Literal["auto", "keep"]
+
+
+@dataclass
+class PackingConfig:
+    """Padding-free packing of training samples (section ``hf_gradfix.packing``)."""
+
+    enabled: bool = field(
+        default=False,
+        metadata={"help": "bin-pack training samples into rows of at most token_budget tokens"},
+    )
+    token_budget: int = field(
+        default=4096,
+        metadata={"help": "tokens per packed row (one bin = one micro-batch)"},
+    )
+    mode: PackingMode = field(
+        default="varlen",
+        metadata={
+            "help": "'varlen': one row with cu_seq_lens (FlashAttention / reference varlen / sdpa / eager); "
+            "'rows': restarted position_ids only, no cu_seq_lens (sdpa / eager)"
+        },
+    )
+    attention: PackingAttention = field(
+        default="auto",
+        metadata={
+            "help": "'auto': varlen mode switches the model to flash_attention_2 where flash-attn and CUDA "
+            "exist, else to the pure-PyTorch reference varlen attention; 'keep': leave the model's attention"
+        },
+    )
+    guard: bool = field(
+        default=True,
+        metadata={"help": "before training, refuse a model that mixes packed sequences (packed-vs-separate forward)"},
+    )
+
+
 @dataclass
 class GradFixConfig:
     """The whole ``hf_gradfix`` section (top level of the plugin config)."""
@@ -107,6 +143,10 @@ class GradFixConfig:
     loss: LossConfig = field(
         default_factory=LossConfig,
         metadata={"help": "exact loss normalization"},
+    )
+    packing: PackingConfig = field(
+        default_factory=PackingConfig,
+        metadata={"help": "padding-free packing with FlashAttention-style varlen attention"},
     )
     log_fixes: bool = field(
         default=True,

@@ -82,6 +82,7 @@ class GradFixState:
     in_probe: bool = False
     no_labels_logged: bool = False
     disabled_reason: str | None = None  # set when a probe failed and on_undetermined is "warn"
+    packing_line: str | None = None  # what prepare_model_for_packing did, for the fix log
     saved_accepts_loss_kwargs: Any = None
     fixes: list[str] = field(default_factory=list)
 
@@ -346,6 +347,8 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
             fixes.append(f"{owner.__name__}.compute_loss ignores num_items_in_batch, {c.reason}: rescaling its per-micro-batch mean")
     if state.config.loss.eval_token_mean:
         fixes.append("eval_loss = exact target mean over the eval set and all ranks")
+    if state.packing_line:
+        fixes.append(state.packing_line)
     if state.config.log_fixes:
         logger.info(
             "hf_gradfix (%s) on %s with %s: loss = sum over the optimizer window / global target count "
@@ -413,6 +416,13 @@ def _disable(trainer: Trainer, state: GradFixState, reason: str) -> None:
     logger.warning("%s The loss of %s is left to transformers (loss.on_undetermined: warn).", reason, type(trainer).__name__)
 
 
+def _check_packed(batches: list) -> None:
+    from ..packing.collator import check_packed_batch
+
+    for batch in batches:
+        check_packed_batch(batch)
+
+
 def _we_divide_by_ga(trainer: Trainer, num_items: Any) -> bool:
     """Batches without labels: divide by the accumulation steps exactly when stock transformers would.
 
@@ -458,8 +468,21 @@ class _GradFixTop:
     def loss_is_scaled_for_ga(self, value):
         self.__dict__["_gradfix_loss_is_scaled_for_ga"] = value
 
+    def get_train_dataloader(self):
+        state = state_of(self)
+        if state is None or not state.config.packing.enabled:
+            return super().get_train_dataloader()
+        from .packing_trainer import packed_train_dataloader, prepare_model_for_packing
+
+        state.packing_line = prepare_model_for_packing(self, state.config.packing)
+        return packed_train_dataloader(self, state.config.packing)
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         state = state_of(self)
+        if state is not None and state.config.packing.enabled and not state.config.loss.enabled:
+            batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+            _check_packed(batches)
+            return batches, count
         if state is None or not state.enabled:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batches = []
@@ -468,6 +491,8 @@ class _GradFixTop:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
+        if state.config.packing.enabled:
+            _check_packed(batches)
         _prepare(self, state, batches)
         if not state.enabled:  # a probe failed with on_undetermined: warn
             return batches, self._get_num_items_in_batch(batches, device)
@@ -711,7 +736,7 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
         return state
     state = GradFixState(config=config, source=source)
     trainer.__dict__[_STATE_ATTR] = state
-    if config.loss.enabled:
+    if config.loss.enabled or config.packing.enabled:
         trainer.__class__ = fixed_class_for(type(trainer))
     return state
 

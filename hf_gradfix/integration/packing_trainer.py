@@ -1,0 +1,115 @@
+"""Packing inside ``transformers.Trainer``: the train dataloader and the model settings it needs.
+
+Reached from the fixed trainer class (``trainer_fix._GradFixTop.get_train_dataloader``) when the
+configuration says ``packing: {enabled: true}``, whichever entry point installed the fix.
+
+- Data: a :class:`~hf_gradfix.packing.sampler.PackedBatchSampler` over the samples' lengths yields one
+  bin (a packed row of at most ``token_budget`` tokens) per micro-batch, for every data-parallel rank
+  interleaved, and accelerate's own ``BatchSamplerShard`` deals them out (bin ``i`` to rank
+  ``i % world``); the sampler makes the bin count divide the world size without dropping or repeating
+  a sample. :class:`~hf_gradfix.packing.collator.PackedCollator` builds the row.
+- Model: ``use_cache=False``; in varlen mode the attention becomes ``flash_attention_2`` where flash-attn
+  and CUDA exist, else the pure-PyTorch reference varlen attention; then the guard runs a tiny
+  packed-vs-separate forward and refuses a model that mixes sequences.
+- Loss: nothing special. Collated labels are -100 at every sequence start, so the loss's own count
+  rule (probed like any other batch) counts exactly the real targets of the window.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..config import ConfigError
+from ..config.schema import PackingConfig
+
+logger = logging.getLogger("hf_gradfix")
+
+
+def _sample_lengths(dataset: Any) -> list[int]:
+    column_names = getattr(dataset, "column_names", None)
+    if column_names is not None:  # datasets.Dataset: read columns, not rows
+        if "length" in column_names:
+            return [int(n) for n in dataset["length"]]
+        if "input_ids" in column_names:
+            return [len(ids) for ids in dataset["input_ids"]]
+    try:
+        return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+    except (KeyError, TypeError) as err:
+        raise ConfigError(
+            "hf_gradfix.packing.enabled: packing needs a map-style train dataset whose samples have 'input_ids' "
+            f"(got {type(dataset).__name__}: {err}). Fix: tokenize the dataset first, or set packing.enabled: false."
+        ) from err
+
+
+def _check_budget(cfg: PackingConfig) -> int:
+    if cfg.token_budget < 1:
+        raise ConfigError(
+            f"hf_gradfix.packing.token_budget: invalid value {cfg.token_budget!r}; it must be a positive number of "
+            "tokens per packed row, e.g. 4096 (at least your longest sample)."
+        )
+    return cfg.token_budget
+
+
+class _EpochAwareLoader(DataLoader):
+    """A DataLoader whose ``set_epoch`` reaches the packed batch sampler (reshuffle and repack per epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def packed_train_dataloader(trainer, cfg: PackingConfig):
+    """The train dataloader of a packing trainer (prepared by accelerate, like the Trainer's own)."""
+    from ..packing.collator import PackedCollator
+    from ..packing.sampler import PackedBatchSampler
+
+    budget = _check_budget(cfg)
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise ValueError("Trainer: training requires a train_dataset.")
+    if getattr(trainer.args, "remove_unused_columns", False) and hasattr(trainer, "_remove_unused_columns"):
+        if getattr(dataset, "column_names", None) is not None:
+            dataset = trainer._remove_unused_columns(dataset, description="training")
+    lengths = _sample_lengths(dataset)
+    world = trainer.accelerator.num_processes
+    sampler = PackedBatchSampler(lengths, budget, num_replicas=world, rank="all", seed=trainer.args.seed)
+    sampler.set_epoch(0)
+    config = getattr(trainer.model, "config", None)
+    pad_id = getattr(config, "pad_token_id", None)
+    collator = PackedCollator(cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id))
+    loader = _EpochAwareLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collator,
+        num_workers=trainer.args.dataloader_num_workers,
+        pin_memory=trainer.args.dataloader_pin_memory,
+    )
+    plan = sampler.plan(0)
+    stats = plan.stats
+    logger.info(
+        "hf_gradfix packing: %d samples -> %d rows of <= %d tokens (%s mode), fill %.2f%%, %d per rank per epoch",
+        len(lengths), len(sampler), budget, cfg.mode, 100.0 * stats.fill, len(sampler) // world,
+    )
+    return trainer.accelerator.prepare(loader)
+
+
+def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
+    """``use_cache=False``, the attention implementation, then the guard. Returns a line for the fix log."""
+    from ..packing.attention import select_varlen_attention, set_attention_implementation
+    from ..packing.guard import check_model_packs_correctly
+
+    model = trainer.model
+    for config in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = False  # a cache created inside forward switches packed detection off
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if cfg.mode == "varlen" and cfg.attention == "auto":
+        attention = select_varlen_attention(trainer.args.device)
+        set_attention_implementation(model, attention)
+    if cfg.guard:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            check_model_packs_correctly(model, mode=cfg.mode)
+    return f"packing: {cfg.mode} rows of <= {cfg.token_budget} tokens, attention {attention}" + (", guard passed" if cfg.guard else "")

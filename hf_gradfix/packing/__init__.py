@@ -1,0 +1,42 @@
+"""Padding-free packing: bin packing, a rank-balanced batch sampler, a varlen collator, a reference
+varlen attention for CPU, and a guard that refuses models which mix packed sequences.
+
+``binpack``, ``sampler`` and ``collator`` need only torch/numpy; ``attention`` and ``guard`` import
+transformers and are loaded on first use.
+
+>>> from hf_gradfix.packing import pack
+>>> [sorted(b) for b in pack([5, 3, 4], budget=8)]
+[[0, 1], [2]]
+"""
+
+from __future__ import annotations
+
+from .binpack import pack
+from .collator import PackedBatchError, PackedCollator, check_packed_batch
+from .sampler import PackedBatchSampler
+
+
+def __getattr__(name: str):
+    if name in ("register_reference_varlen_attention", "select_varlen_attention", "set_attention_implementation", "REFERENCE_VARLEN_ATTENTION"):
+        from . import attention
+
+        return getattr(attention, name)
+    if name in ("check_model_packs_correctly", "PackingCheckError"):
+        from . import guard
+
+        return getattr(guard, name)
+    raise AttributeError(f"module 'hf_gradfix.packing' has no attribute {name!r}")
+
+
+__all__ = [
+    "PackedBatchError",
+    "PackedBatchSampler",
+    "PackedCollator",
+    "check_packed_batch",
+    "pack",
+    "register_reference_varlen_attention",
+    "select_varlen_attention",
+    "set_attention_implementation",
+    "check_model_packs_correctly",
+    "PackingCheckError",
+]

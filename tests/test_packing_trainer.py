@@ -1,0 +1,134 @@
+"""Packing inside the Trainer: exact against the unpacked full-batch ground truth, entry points, guard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import Trainer, TrainerCallback
+
+import harness as H
+import hf_gradfix
+from hf_gradfix.packing import PackedBatchSampler
+from hf_gradfix.packing.guard import PackingCheckError
+from test_exactness import GRAD_TOL, LOSS_TOL, assert_exact
+
+BUDGET = 64
+
+
+class _Capture(TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, samples):
+        self.samples = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def _train(model, samples, *, ga=2, callbacks=(), epochs=1):
+    capture = _Capture()
+    args = transformers.TrainingArguments(
+        output_dir="/tmp/hgf_packing", optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=ga,
+        per_device_train_batch_size=1, num_train_epochs=epochs, logging_steps=1, report_to="none", use_cpu=True,
+        save_strategy="no", disable_tqdm=True, seed=3, remove_unused_columns=False,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_Rows(samples), callbacks=[*callbacks, capture])
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.train()
+    model.load_state_dict(init)
+    return trainer, capture.grads
+
+
+def _windows(samples, ga, epochs=1):
+    """The bins each optimizer step trained on, from an identical sampler (single process)."""
+    sampler = PackedBatchSampler([len(s["input_ids"]) for s in samples], BUDGET, num_replicas=1, rank="all", seed=3)
+    windows = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        bins = list(sampler)
+        windows += [bins[k : k + ga] for k in range(0, len(bins), ga)]
+    return windows
+
+
+@pytest.mark.parametrize("mode", ["varlen", "rows"])
+def test_packed_training_is_exact_against_the_unpacked_full_batch(mode):
+    samples = H.make_samples("causal", n=16, seed=0, prompt_mask_frac=0.3)
+    model = H.build_model("llama", attn_implementation="sdpa")
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "mode": mode}})
+    try:
+        trainer, grads = _train(model, samples, ga=2, epochs=2)
+    finally:
+        hf_gradfix.unpatch()
+    windows = _windows(samples, 2, epochs=2)
+    assert len(windows) == len(grads) >= 4
+    seen = sorted(i for w in windows[: len(windows) // 2] for b in w for i in b)
+    assert seen == list(range(len(samples)))  # every sample exactly once per epoch
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    for k, (window, g) in enumerate(zip(windows, grads)):
+        gt_loss, gt = H.ground_truth(model, [samples[i] for b in window for i in b], "causal")
+        assert H.rel_err(g, gt) <= GRAD_TOL, f"{mode} step {k}: {H.rel_err(g, gt):.3e}"
+        assert abs(logged[k] - gt_loss) / gt_loss <= LOSS_TOL
+    expected = "flash_varlen_reference" if mode == "varlen" else "sdpa"
+    assert model.config._attn_implementation in (expected, "flash_attention_2")
+
+
+def test_packing_through_the_callback():
+    samples = H.make_samples("causal", n=12, seed=1)
+    model = H.build_model("qwen2", attn_implementation="sdpa")
+    cb = hf_gradfix.GradFixCallback({"packing": {"enabled": True, "token_budget": BUDGET}})
+    _, grads = _train(model, samples, ga=2, callbacks=[cb])
+    for window, g in zip(_windows(samples, 2), grads):
+        _, gt = H.ground_truth(model, [samples[i] for b in window for i in b], "causal")
+        assert H.rel_err(g, gt) <= GRAD_TOL
+
+
+def test_stock_padding_free_without_restarted_positions_would_be_wrong():
+    # The control: the same packed rows with positions NOT restarted mix sequences (the guard's reason to exist).
+    model = H.build_model("llama", attn_implementation="sdpa")
+    from hf_gradfix.packing.guard import check_model_packs_correctly
+
+    report = check_model_packs_correctly(model, mode="rows", raise_on_failure=False)
+    assert report.passed and report.control_diff > 1e-2
+
+
+def test_guard_refuses_a_model_that_mixes_packed_sequences():
+    config = transformers.OPTConfig(vocab_size=97, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+                                    word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.0, attention_dropout=0.0)
+    model = transformers.OPTForCausalLM._from_config(config, attn_implementation="sdpa")
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "mode": "rows"}})
+    try:
+        with pytest.raises(PackingCheckError, match="OPTForCausalLM"):
+            _train(model, H.make_samples("causal", n=8, seed=0))
+    finally:
+        hf_gradfix.unpatch()
+
+
+def test_bad_packing_config_is_a_clear_error():
+    with pytest.raises(hf_gradfix.ConfigError, match="token_budjet.*did you mean 'token_budget'"):
+        hf_gradfix.patch({"packing": {"token_budjet": 512}})
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": 0}})
+    try:
+        with pytest.raises(hf_gradfix.ConfigError, match="packing.token_budget: invalid value 0"):
+            _train(H.build_model("llama"), H.make_samples("causal", n=4, seed=0))
+    finally:
+        hf_gradfix.unpatch()
+
+
+def test_a_sample_longer_than_the_budget_is_an_error_not_a_truncation():
+    samples = H.make_samples("causal", n=6, seed=0, lo=3, hi=41)
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": 16}})
+    try:
+        with pytest.raises(ValueError, match="16"):
+            _train(H.build_model("llama"), samples)
+    finally:
+        hf_gradfix.unpatch()
