@@ -132,3 +132,35 @@ def test_a_sample_longer_than_the_budget_is_an_error_not_a_truncation():
             _train(H.build_model("llama"), samples)
     finally:
         hf_gradfix.unpatch()
+
+
+@pytest.mark.distributed
+def test_packed_training_under_ddp_is_exact(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import ddp_packing_worker as W
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    samples = W.samples()
+    sampler = PackedBatchSampler([len(s["input_ids"]) for s in samples], W.BUDGET, num_replicas=2, rank="all", seed=W.SEED)
+    sampler.set_epoch(0)
+    bins = list(sampler)  # interleaved: bin i goes to rank i % 2
+    per_window = W.GA * 2
+    model = H.build_model("llama", attn_implementation="sdpa")
+    model.load_state_dict(ranks[0]["init"])
+    assert len(ranks[0]["grads"]) == len(bins) // per_window >= 2
+    tokens = [[sum(len(samples[i]["input_ids"]) for b in bins[k * per_window + r : (k + 1) * per_window : 2] for i in b) for r in (0, 1)]
+              for k in range(len(ranks[0]["grads"]))]
+    for k, g in enumerate(ranks[0]["grads"]):
+        window = [samples[i] for b in bins[k * per_window : (k + 1) * per_window] for i in b]
+        gt_loss, gt = H.ground_truth(model, window, "causal")
+        assert H.rel_err(g, gt) <= GRAD_TOL, f"step {k}: {H.rel_err(g, gt):.3e} (tokens per rank {tokens[k]})"
+        assert H.rel_err(ranks[1]["grads"][k], gt) <= GRAD_TOL
+        assert abs(ranks[0]["logged"][k] - gt_loss) / gt_loss <= LOSS_TOL
