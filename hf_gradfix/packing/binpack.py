@@ -405,7 +405,7 @@ def _bfd_numpy(sorted_len: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
     out = np.empty(n, dtype=np.int64)
     if n == 0:
         return out, 0
-    buckets: list[list[int]] = [[] for _ in range(budget + 1)]  # stacks, top = end of list
+    buckets: dict[int, list[int]] = {}  # free space -> stack of bins (top = end of list)
     counts = np.zeros(budget + 1, dtype=np.int64)  # bins per free space
     blk = 256  # a second level: bins per block of `blk` free-space values, to skip empty ranges
     blocks = np.zeros(budget // blk + 1, dtype=np.int64)
@@ -426,8 +426,7 @@ def _bfd_numpy(sorted_len: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
             cap = np.cumsum(counts[cand] * q)
             t = int(np.searchsorted(cap, e - pos))  # first bucket that can take the rest
             for c, qq in zip(cand[:t].tolist(), q[:t].tolist()):  # fully consumed buckets
-                lst = buckets[c]
-                buckets[c] = []
+                lst = buckets.pop(c)
                 counts[c] = 0
                 blocks[c // blk] -= len(lst)
                 lst.reverse()  # pop order
@@ -436,7 +435,7 @@ def _bfd_numpy(sorted_len: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
                 pos += m
                 d = c - qq * L
                 if d:
-                    buckets[d].extend(lst)
+                    buckets.setdefault(d, []).extend(lst)
                     counts[d] += len(lst)
                     blocks[d // blk] += len(lst)
             k = e - pos
@@ -453,7 +452,7 @@ def _bfd_numpy(sorted_len: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
                     pos += j * qq
                     d = c - qq * L
                     if d:
-                        buckets[d].extend(popped)
+                        buckets.setdefault(d, []).extend(popped)
                         counts[d] += j
                         blocks[d // blk] += j
                 if rem:
@@ -461,7 +460,7 @@ def _bfd_numpy(sorted_len: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
                     out[pos : pos + rem] = b
                     pos += rem
                     d = c - rem * L
-                    buckets[d].append(b)
+                    buckets.setdefault(d, []).append(b)
                     counts[d] += 1
                     blocks[d // blk] += 1
                 blocks[c // blk] -= counts[c] - len(lst)
@@ -478,7 +477,7 @@ def _bfd_numpy(sorted_len: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
                 pos += j * qq
                 d = budget - qq * L
                 if d:
-                    buckets[d].extend(range(nbins, nbins + j))
+                    buckets.setdefault(d, []).extend(range(nbins, nbins + j))
                     counts[d] += j
                     blocks[d // blk] += j
                 nbins += j
@@ -488,7 +487,7 @@ def _bfd_numpy(sorted_len: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
                 out[pos : pos + rem] = b
                 pos += rem
                 d = budget - rem * L
-                buckets[d].append(b)
+                buckets.setdefault(d, []).append(b)
                 counts[d] += 1
                 blocks[d // blk] += 1
     return out, nbins
