@@ -326,6 +326,12 @@ class PackedBatchSampler(Sampler[list[int]]):
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[list[int]]:
+        """Yield this epoch's bins (lists of dataset indices) for ``rank``, skipping the bins
+        a loaded state says were already handed out.
+
+        >>> [sorted(b) for b in PackedBatchSampler([3, 1, 4], budget=4, shuffle=False)]
+        [[2], [0, 1]]
+        """
         plan = self.plan()
         epoch = self._epoch
         start = self._resume
@@ -404,11 +410,11 @@ class PackedBatchSampler(Sampler[list[int]]):
         yielded = state["yielded"]
         if not isinstance(epoch, int) or epoch < 0 or not isinstance(yielded, int) or yielded < 0:
             raise ValueError(f"bad epoch/yielded in state: {epoch!r}/{yielded!r}")
+        total = self.plan(epoch).steps * (self.num_replicas if self.rank == "all" else 1)
+        if yielded > total:
+            raise ValueError(f"state says {yielded} bins were yielded, but epoch {epoch} has only {total}")
         self._epoch = epoch
         self._resume = yielded
-        if yielded > len(self):
-            self._resume = 0
-            raise ValueError(f"state says {yielded} bins were yielded, but epoch {epoch} has only {len(self)}")
 
     # ------------------------------------------------------------------ planning
 
@@ -465,14 +471,15 @@ class PackedBatchSampler(Sampler[list[int]]):
                 dropped.extend(bins[b])
             bins = [x for b, x in enumerate(bins) if b not in gone]
             tokens = [t for b, t in enumerate(tokens) if b not in gone]
-        elif W > 1 and bins:
+        if W > 1 and bins:
             before = len(bins)
             bins, tokens, repacked = _even_out_tail(bins, tokens, lengths, W, self.budget)
             added = len(bins) - before
             if len(bins) % W:
                 raise ValueError(
                     f"epoch {epoch}: {before} bins cannot be dealt evenly to {W} ranks without dropping or "
-                    f"repeating a sample: there are not enough samples ({n}) to make {-(-before // W) * W} bins. "
+                    f"repeating a sample: there are not enough samples ({sum(len(b) for b in bins)}) to make "
+                    f"{-(-before // W) * W} bins. "
                     "Use drop_last=True to leave the least-filled bins out of each epoch, fewer ranks, "
                     "or a smaller budget"
                 )
