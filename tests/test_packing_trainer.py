@@ -164,3 +164,31 @@ def test_packed_training_under_ddp_is_exact(tmp_path):
         assert H.rel_err(g, gt) <= GRAD_TOL, f"step {k}: {H.rel_err(g, gt):.3e} (tokens per rank {tokens[k]})"
         assert H.rel_err(ranks[1]["grads"][k], gt) <= GRAD_TOL
         assert abs(ranks[0]["logged"][k] - gt_loss) / gt_loss <= LOSS_TOL
+
+
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
+    """Train 6 steps in one go, or 3 steps + resume from the checkpoint: the same final weights."""
+    samples = H.make_samples("causal", n=24, seed=2)
+
+    def train(out, max_steps, resume=None):
+        model = H.build_model("llama", attn_implementation="sdpa")
+        args = transformers.TrainingArguments(
+            output_dir=str(out), optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, gradient_accumulation_steps=2,
+            per_device_train_batch_size=1, max_steps=max_steps, num_train_epochs=3, report_to="none", use_cpu=True,
+            save_strategy="steps", save_steps=3, disable_tqdm=True, seed=3, remove_unused_columns=False, logging_steps=1,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=_Rows(samples))
+        trainer.train(resume_from_checkpoint=resume)
+        return model
+
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET}})
+    try:
+        straight = train(tmp_path / "a", 6)
+        train(tmp_path / "b", 3)
+        resumed = train(tmp_path / "b", 6, resume=str(tmp_path / "b" / "checkpoint-3"))
+    finally:
+        hf_gradfix.unpatch()
+    moved = H.build_model("llama", attn_implementation="sdpa").state_dict()
+    for name, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+    assert any(not torch.equal(v, moved[k]) for k, v in straight.state_dict().items())  # training did move the weights

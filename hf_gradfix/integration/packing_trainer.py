@@ -67,6 +67,12 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     from ..packing.sampler import PackedBatchSampler
 
     budget = _check_budget(cfg)
+    if trainer.args.per_device_train_batch_size != 1:
+        logger.warning(
+            "hf_gradfix packing: one packed row of <= %d tokens is one micro-batch; per_device_train_batch_size=%d "
+            "is not used (raise packing.token_budget for larger micro-batches).",
+            budget, trainer.args.per_device_train_batch_size,
+        )
     dataset = trainer.train_dataset
     if dataset is None:
         raise ValueError("Trainer: training requires a train_dataset.")
