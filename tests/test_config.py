@@ -183,7 +183,7 @@ def test_env_var_file_with_bad_value_names_variable(tmp_path, monkeypatch):
 def test_unknown_top_level_key_suggests_closest():
     msg = error_of({"log_fix": True})
     assert msg.startswith("hf_gradfix.log_fix: unknown key")
-    assert "'loss', 'log_fixes'" in msg  # allowed keys at that level
+    assert "'loss', 'packing', 'log_fixes'" in msg  # allowed keys at that level
     assert "did you mean 'log_fixes'?" in msg
 
 
@@ -248,10 +248,16 @@ def test_bad_nested_bool_from_yaml(tmp_path):
     assert "hf_gradfix.loss.enabled" in msg and "'yes'" in msg and ":2:" in msg
 
 
-@pytest.mark.parametrize("value", ["shifted", 3, True, ["a"]])
+@pytest.mark.parametrize("value", ["shifted", 3, ["a"]])
 def test_section_given_as_non_mapping(value):
     msg = error_of({"loss": value})
     assert msg.startswith("hf_gradfix.loss: expected a mapping")
+
+
+def test_a_bool_switches_a_section_with_an_enabled_key():
+    assert load_config({"packing": True}).packing.enabled is True
+    assert load_config({"loss": False}).loss.enabled is False
+    assert load_config({"packing": True}).packing.token_budget == 4096
 
 
 def test_top_level_non_mapping(tmp_path):
@@ -321,6 +327,7 @@ def test_round_trip():
             "on_undetermined": "warn",
             "aux_loss": "as_is",
         },
+        "packing": {"enabled": False, "token_budget": 4096, "mode": "varlen", "attention": "auto", "guard": True},
         "log_fixes": False,
     }
     assert type(d["loss"]) is dict

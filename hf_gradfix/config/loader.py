@@ -242,6 +242,8 @@ class _Validator:
             value = _to_plain(value)
         fields = [f for f in dataclasses.fields(cls) if f.init]
         names = [f.name for f in fields]
+        if path and isinstance(value, bool) and "enabled" in names:
+            value = {"enabled": value}  # shorthand: `packing: true` == `packing: {enabled: true}`
         if not isinstance(value, Mapping):
             if not path:
                 hint = f"write the settings as keys of the {SECTION} section, e.g. '{names[0]}: ...'"
