@@ -26,38 +26,19 @@ def samples():
     return H.make_samples("causal", n=N, seed=0)
 
 
-class Capture(transformers.TrainerCallback):
-    def __init__(self):
-        self.grads = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, items):
-        self.items = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in items]
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-
 def main(out: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
     hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET}})
     model = H.build_model("llama", attn_implementation="sdpa")
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    capture = Capture()
+    capture = H.GradCapture()
     args = transformers.TrainingArguments(
         output_dir=f"{out}/trainer{rank}", optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=GA,
         per_device_train_batch_size=1, num_train_epochs=1, logging_steps=1, report_to="none", use_cpu=True,
         save_strategy="no", disable_tqdm=True, seed=SEED, remove_unused_columns=False,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(samples()), callbacks=[capture])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=H.TokenDataset(samples()), callbacks=[capture])
     trainer.train()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     torch.save({"grads": capture.grads, "logged": logged, "init": init}, f"{out}/rank{rank}.pt")

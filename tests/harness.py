@@ -1086,3 +1086,32 @@ def make_trainer(model: nn.Module, samples: Sequence[dict], task: str, *, traine
     return (trainer_cls or transformers.Trainer)(
         model=model, args=transformers.TrainingArguments(**args), train_dataset=ListDataset(samples),
         data_collator=RecordingCollator(task, pad_id_of(model)), callbacks=list(callbacks))
+
+
+class GradCapture:
+    """A TrainerCallback (duck-typed, so the harness needs no transformers import) keeping a clone of every
+    parameter's gradient at each ``on_pre_optimizer_step`` (after accumulation and the DDP all-reduce)."""
+
+    def __init__(self):
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def __getattr__(self, name):  # every other callback event: do nothing
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Map-style dataset of ``{"input_ids", "labels"}`` samples (the ``idx`` bookkeeping key dropped)."""
+
+    def __init__(self, samples: Sequence[dict]):
+        self.samples = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]

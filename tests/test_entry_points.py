@@ -13,7 +13,7 @@ import harness as H
 import hf_gradfix
 from hf_gradfix.integration import versions
 from hf_gradfix.integration.callback import GradFixCallbackError
-from test_exactness import GRAD_TOL, LOSS_TOL, TutorialTrainer, assert_exact
+from test_exactness import TutorialTrainer, assert_exact
 
 
 def _samples(task="causal", n=12):
@@ -195,14 +195,6 @@ def test_eval_loss_is_the_token_mean_for_every_batch_size(arch):
 # -- what hf_gradfix cannot decide is loud, and leaves transformers' behaviour intact ---------------------------------
 
 
-class _GradCapture(TrainerCallback):
-    def __init__(self):
-        self.grads = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-
-
 class _RenameLabels:
     """Collator whose batches carry the targets under 'targets' instead of 'labels'."""
 
@@ -238,7 +230,7 @@ class _SqrtLossModel(torch.nn.Module):
 
 
 def _train_grads(model, samples, task, trainer_cls=Trainer, collator=None):
-    capture = _GradCapture()
+    capture = H.GradCapture()
     trainer = H.make_trainer(
         model, samples, task, trainer_cls=trainer_cls, callbacks=[capture],
         extra_args=dict(optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=4,

@@ -5,44 +5,25 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 import harness as H
 import hf_gradfix
 from hf_gradfix.packing import PackedBatchSampler
 from hf_gradfix.packing.guard import PackingCheckError
-from test_exactness import GRAD_TOL, LOSS_TOL, assert_exact
+from test_exactness import GRAD_TOL, LOSS_TOL
 
 BUDGET = 64
 
 
-class _Capture(TrainerCallback):
-    def __init__(self):
-        self.grads = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-
-
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, samples):
-        self.samples = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        return self.samples[i]
-
-
 def _train(model, samples, *, ga=2, callbacks=(), epochs=1):
-    capture = _Capture()
+    capture = H.GradCapture()
     args = transformers.TrainingArguments(
         output_dir="/tmp/hgf_packing", optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=ga,
         per_device_train_batch_size=1, num_train_epochs=epochs, logging_steps=1, report_to="none", use_cpu=True,
         save_strategy="no", disable_tqdm=True, seed=3, remove_unused_columns=False,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=_Rows(samples), callbacks=[*callbacks, capture])
+    trainer = Trainer(model=model, args=args, train_dataset=H.TokenDataset(samples), callbacks=[*callbacks, capture])
     init = {k: v.clone() for k, v in model.state_dict().items()}
     trainer.train()
     model.load_state_dict(init)
@@ -177,7 +158,7 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
             per_device_train_batch_size=1, max_steps=max_steps, num_train_epochs=3, report_to="none", use_cpu=True,
             save_strategy="steps", save_steps=3, disable_tqdm=True, seed=3, remove_unused_columns=False, logging_steps=1,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=_Rows(samples))
+        trainer = Trainer(model=model, args=args, train_dataset=H.TokenDataset(samples))
         trainer.train(resume_from_checkpoint=resume)
         return model
 

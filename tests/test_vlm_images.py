@@ -73,14 +73,6 @@ def gt(model, window):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-class Cap(transformers.TrainerCallback):
-    def __init__(self):
-        self.g = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.g.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-
-
 class DS(torch.utils.data.Dataset):
     def __init__(self, items):
         self.items = items
@@ -95,7 +87,7 @@ class DS(torch.utils.data.Dataset):
 def _run(patched, bs, ga, data, tmp_path):
     model = build()
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    cap = Cap()
+    cap = H.GradCapture()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=ga,
         per_device_train_batch_size=bs, num_train_epochs=1, report_to="none", use_cpu=True,
@@ -111,7 +103,7 @@ def _run(patched, bs, ga, data, tmp_path):
         hf_gradfix.unpatch()
     model.load_state_dict(init)
     window = bs * ga
-    return [H.rel_err(g, gt(model, data[k * window : (k + 1) * window])) for k, g in enumerate(cap.g)]
+    return [H.rel_err(g, gt(model, data[k * window : (k + 1) * window])) for k, g in enumerate(cap.grads)]
 
 
 @pytest.mark.parametrize("bs,ga", [(1, 4), (2, 2)])

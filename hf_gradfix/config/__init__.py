@@ -35,6 +35,7 @@ __all__ = [
     "ConfigError",
     "GradFixConfig",
     "LossConfig",
+    "PackingConfig",
     "config_from_dict",
     "config_to_dict",
     "load_config",
