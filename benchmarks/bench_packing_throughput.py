@@ -35,9 +35,9 @@ import hf_gradfix  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 
-def lengths(n: int, seed: int, budget: int) -> list[int]:
+def lengths(n: int, seed: int, budget: int, sigma: float) -> list[int]:
     rng = np.random.default_rng(seed)
-    raw = rng.lognormal(mean=math.log(300), sigma=0.6, size=n)
+    raw = rng.lognormal(mean=math.log(300), sigma=sigma, size=n)
     return [int(min(max(x, 8), budget)) for x in raw]
 
 
@@ -128,10 +128,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=400)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths (1.0: the research case)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is warm-up)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    data = Rows(lengths(args.samples, 0, args.budget), 512, 0)
+    data = Rows(lengths(args.samples, 0, args.budget, args.sigma), 512, 0)
     results: dict[str, list[tuple[float, float]]] = {"padded": [], "rows": [], "varlen": []}
     t0 = time.time()
     for _ in range(args.rounds):
@@ -139,7 +140,7 @@ def main() -> None:
             results[kind].append(run(kind, data, args.steps, args.budget, 8))
     base = statistics.median(r[0] for r in results["padded"])
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; tiny Llama (hidden 128, 4 layers), "
-          f"lognormal lengths (median 300), budget {args.budget}, padded batches of 8; medians of {args.rounds} rounds\n")
+          f"lognormal lengths (median 300, sigma {args.sigma}), budget {args.budget}, padded batches of 8; medians of {args.rounds} rounds\n")
     print("| setup | real tokens/s | vs padded | padding waste |")
     print("|---|---:|---:|---:|")
     names = {"padded": "stock Trainer, padded batches of 8", "rows": "hf_gradfix packing, rows (sdpa + position_ids)",
