@@ -442,6 +442,15 @@ def select_varlen_attention(device: torch.device | str | None = None) -> str:
     return register_reference_varlen_attention()
 
 
+def _set_on_every_config(model: torch.nn.Module, config: Any, attn_implementation: str) -> None:
+    """Write ``_attn_implementation`` on the model's config and on every sub-module's own config."""
+    config._attn_implementation = attn_implementation
+    for sub in model.modules():
+        sub_cfg = getattr(sub, "config", None)
+        if sub_cfg is not None and sub_cfg is not config and hasattr(sub_cfg, "_attn_implementation"):
+            sub_cfg._attn_implementation = attn_implementation
+
+
 def set_attention_implementation(model: torch.nn.Module, attn_implementation: str) -> str:
     """Switch ``model`` (and its sub-configs) to ``attn_implementation``; return the previous implementation.
 
@@ -465,20 +474,12 @@ def set_attention_implementation(model: torch.nn.Module, attn_implementation: st
     if attn_implementation == previous:
         return previous
     if attn_implementation in _REGISTERED:
-        config._attn_implementation = attn_implementation
-        for sub in model.modules():
-            sub_cfg = getattr(sub, "config", None)
-            if sub_cfg is not None and sub_cfg is not config and hasattr(sub_cfg, "_attn_implementation"):
-                sub_cfg._attn_implementation = attn_implementation
+        _set_on_every_config(model, config, attn_implementation)
         return previous
     if previous in _REGISTERED:
         # Leaving a custom name: set it directly as well (it was valid before the switch to the custom name).
         if attn_implementation in ("eager", "sdpa") or not hasattr(model, "set_attn_implementation"):
-            config._attn_implementation = attn_implementation
-            for sub in model.modules():
-                sub_cfg = getattr(sub, "config", None)
-                if sub_cfg is not None and sub_cfg is not config and hasattr(sub_cfg, "_attn_implementation"):
-                    sub_cfg._attn_implementation = attn_implementation
+            _set_on_every_config(model, config, attn_implementation)
             return previous
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(attn_implementation)
