@@ -183,7 +183,7 @@ def test_env_var_file_with_bad_value_names_variable(tmp_path, monkeypatch):
 def test_unknown_top_level_key_suggests_closest():
     msg = error_of({"log_fix": True})
     assert msg.startswith("hf_gradfix.log_fix: unknown key")
-    assert "'loss', 'packing', 'log_fixes'" in msg  # allowed keys at that level
+    assert "'loss', 'packing', 'optimizer', 'log_fixes'" in msg  # allowed keys at that level
     assert "did you mean 'log_fixes'?" in msg
 
 
@@ -328,11 +328,25 @@ def test_round_trip():
             "aux_loss": "as_is",
         },
         "packing": {"enabled": False, "token_budget": 4096, "mode": "varlen", "attention": "auto", "guard": True},
+        "optimizer": {
+            "name": "none", "targets": None, "exclude": [], "rank": None, "update_proj_gap": 200, "scale": None,
+            "proj_side": "auto", "proj_method": "auto", "on_switch": "keep", "min_size": 0, "stagger": False,
+            "scale_type": None, "seed": 0,
+        },
         "log_fixes": False,
     }
     assert type(d["loss"]) is dict
     assert config_from_dict(d) == cfg
     assert config_from_dict(config_to_dict(GradFixConfig())) == GradFixConfig()
+
+
+def test_optimizer_section_bounds_and_values():
+    assert "optimizer.update_proj_gap: invalid value 0; it must be >= 1" in error_of({"optimizer": {"update_proj_gap": 0}})
+    assert "optimizer.rank: invalid value -2; it must be >= 1" in error_of({"optimizer": {"rank": -2}})
+    msg = error_of({"optimizer": {"name": "galore"}})
+    assert "optimizer.name: invalid value 'galore'" in msg and "did you mean 'galore_adamw'" in msg
+    cfg = config_from_dict({"optimizer": {"name": "apollo_mini", "targets": ["attn", "mlp"]}})
+    assert cfg.optimizer.targets == ["attn", "mlp"] and cfg.optimizer.rank is None
 
 
 def test_round_trip_through_yaml_file(tmp_path):

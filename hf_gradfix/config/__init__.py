@@ -27,7 +27,7 @@ This subpackage imports only the standard library and ``yaml``.
 """
 
 from .loader import ENV_VAR, SECTION, config_from_dict, config_to_dict, load_config
-from .schema import ConfigError, GradFixConfig, LossConfig, PackingConfig
+from .schema import ConfigError, GradFixConfig, LossConfig, OptimizerConfig, PackingConfig
 
 __all__ = [
     "ENV_VAR",
@@ -35,6 +35,7 @@ __all__ = [
     "ConfigError",
     "GradFixConfig",
     "LossConfig",
+    "OptimizerConfig",
     "PackingConfig",
     "config_from_dict",
     "config_to_dict",

@@ -273,6 +273,8 @@ class _Validator:
                 continue
             converted = self.convert(hints[key], sub, path + (key,))
             if converted is not _INVALID:
+                converted = self.bounded(fields[names.index(key)], converted, path + (key,))
+            if converted is not _INVALID:
                 kwargs[key] = converted
         if unknown_accelerate:
             self.add(
@@ -284,6 +286,16 @@ class _Validator:
         if len(self.problems) != before:
             return _INVALID
         return cls(**kwargs)
+
+    def bounded(self, f: dataclasses.Field, value: Any, path: Path) -> Any:
+        """Apply a field's ``metadata={"min": ...}`` lower bound (numbers only; None passes)."""
+        low = f.metadata.get("min")
+        if low is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return value
+        if value < low:
+            self.add(path, f"invalid value {_short_repr(value)}; it must be >= {low}")
+            return _INVALID
+        return value
 
     # -- leaves
     def literal(self, allowed: tuple, value: Any, path: Path) -> Any:

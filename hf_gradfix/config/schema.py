@@ -37,6 +37,8 @@ __all__ = [
     "OnUndetermined",
     "AuxLossMode",
     "LossConfig",
+    "PackingConfig",
+    "OptimizerConfig",
     "GradFixConfig",
 ]
 
@@ -136,6 +138,62 @@ class PackingConfig:
     )
 
 
+OptimizerName = Literal["none", "galore_adamw", "apollo_adamw", "apollo_mini"]
+ProjSide = Literal["auto", "right", "left", "std", "reverse_std"]
+ProjMethod = Literal["auto", "svd", "randomized"]
+OnSwitch = Literal["keep", "reset", "reproject"]
+ScaleType = Literal["channel", "tensor"]
+
+
+@dataclass
+class OptimizerConfig:
+    """Low-rank optimizer for the Trainer (section ``hf_gradfix.optimizer``).
+
+    The Trainer's own ``learning_rate``, ``weight_decay`` (with its no-decay parameters), ``adam_beta1``,
+    ``adam_beta2`` and ``adam_epsilon`` are used as they are; this section adds the low-rank settings.
+    """
+
+    name: OptimizerName = field(
+        default="none",
+        metadata={
+            "help": "'none': keep the Trainer's optimizer; 'galore_adamw': GaLore (SVD subspace); "
+            "'apollo_adamw': APOLLO (random projection, channel-wise scaling); 'apollo_mini': APOLLO-Mini (rank 1)"
+        },
+    )
+    targets: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "module-name patterns (substring or regex) of the weights to project; "
+            "null or ['all-linear'] = every nn.Linear except the output head"
+        },
+    )
+    exclude: list[str] = field(default_factory=list, metadata={"help": "module-name patterns never projected"})
+    rank: int | None = field(
+        default=None, metadata={"min": 1, "help": "subspace rank (null: 128; apollo_mini: 1)"}
+    )
+    update_proj_gap: int = field(default=200, metadata={"min": 1, "help": "optimizer steps between basis refreshes"})
+    scale: float | None = field(
+        default=None,
+        metadata={"min": 0, "help": "update scale (null: 0.25 for GaLore, 1 for APOLLO, 128 for APOLLO-Mini)"},
+    )
+    proj_side: ProjSide = field(
+        default="auto", metadata={"help": "which side of each matrix the subspace reduces ('auto' = in-features)"}
+    )
+    proj_method: ProjMethod = field(
+        default="auto",
+        metadata={"help": "GaLore basis: 'svd', 'randomized', or 'auto' (randomized when rank < min(m, n) / 4)"},
+    )
+    on_switch: OnSwitch = field(
+        default="keep", metadata={"help": "moments when the basis changes: 'keep', 'reproject' or 'reset'"}
+    )
+    min_size: int = field(default=0, metadata={"min": 0, "help": "matrices whose smaller side is below this stay AdamW"})
+    stagger: bool = field(default=False, metadata={"help": "spread basis refreshes over the gap (no step-time spike)"})
+    scale_type: ScaleType | None = field(
+        default=None, metadata={"help": "APOLLO scaling: 'channel' or 'tensor' (null: channel; tensor for apollo_mini)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of randomized sketches / random projections"})
+
+
 @dataclass
 class GradFixConfig:
     """The whole ``hf_gradfix`` section (top level of the plugin config)."""
@@ -147,6 +205,10 @@ class GradFixConfig:
     packing: PackingConfig = field(
         default_factory=PackingConfig,
         metadata={"help": "padding-free packing with FlashAttention-style varlen attention"},
+    )
+    optimizer: OptimizerConfig = field(
+        default_factory=OptimizerConfig,
+        metadata={"help": "low-rank optimizers (GaLore, APOLLO) for the Trainer"},
     )
     log_fixes: bool = field(
         default=True,

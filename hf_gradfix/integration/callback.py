@@ -58,6 +58,13 @@ class GradFixCallback(TrainerCallback):
                 "`trainer.add_callback(GradFixCallback())`, or use `hf_gradfix.patch()`."
             )
         if state_of(trainer) is None:
+            if self.config.optimizer.name != "none" and getattr(trainer, "optimizer", None) is not None:
+                raise GradFixCallbackError(
+                    f"hf_gradfix.optimizer.name={self.config.optimizer.name!r}: the Trainer already built its "
+                    f"optimizer ({type(trainer.optimizer).__name__}) before GradFixCallback saw it (it was added with "
+                    "add_callback after construction). Pass it at construction, Trainer(..., callbacks=[GradFixCallback(...)]), "
+                    "or use hf_gradfix.patch()."
+                )
             install(trainer, self.config, source="GradFixCallback")
         self._trainer = trainer
 

@@ -83,6 +83,7 @@ class GradFixState:
     no_labels_logged: bool = False
     disabled_reason: str | None = None  # set when a probe failed and on_undetermined is "warn"
     packing_line: str | None = None  # what prepare_model_for_packing did, for the fix log
+    optimizer_line: str | None = None  # which low-rank optimizer create_optimizer built, for the fix log
     saved_accepts_loss_kwargs: Any = None
     fixes: list[str] = field(default_factory=list)
 
@@ -349,6 +350,8 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
         fixes.append("eval_loss = exact target mean over the eval set and all ranks")
     if state.packing_line:
         fixes.append(state.packing_line)
+    if state.optimizer_line:
+        fixes.append(state.optimizer_line)
     if state.config.log_fixes:
         logger.info(
             "hf_gradfix (%s) on %s with %s: loss = sum over the optimizer window / global target count "
@@ -467,6 +470,22 @@ class _GradFixTop:
     @loss_is_scaled_for_ga.setter
     def loss_is_scaled_for_ga(self, value):
         self.__dict__["_gradfix_loss_is_scaled_for_ga"] = value
+
+    def create_optimizer(self, *args, **kwargs):
+        # GaLore / APOLLO from the optimizer section or optimizer_cls_and_kwargs, with the Trainer's own
+        # lr, weight_decay (and no-decay names), betas and eps (transformers' galore handler drops them).
+        state = state_of(self)
+        if state is not None and self.optimizer is None:
+            from .optim_trainer import build_low_rank_optimizer, describe, optimizer_requested
+
+            requested = optimizer_requested(self, state.config.optimizer)
+            if requested is not None:
+                model = kwargs.get("model", args[0] if args else None)
+                model = self.model if model is None else model
+                self.optimizer = build_low_rank_optimizer(self, model, *requested)
+                state.optimizer_line = describe(self.optimizer)
+                return self.optimizer
+        return super().create_optimizer(*args, **kwargs)
 
     def get_train_dataloader(self):
         state = state_of(self)
@@ -734,9 +753,13 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
     state = state_of(trainer)
     if state is not None:
         return state
+    from .optim_trainer import check_optimizer_setup, optimizer_requested
+
+    check_optimizer_setup(trainer, config.optimizer)
     state = GradFixState(config=config, source=source)
     trainer.__dict__[_STATE_ATTR] = state
-    if config.loss.enabled or config.packing.enabled:
+    wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
+    if config.loss.enabled or config.packing.enabled or wants_optimizer:
         trainer.__class__ = fixed_class_for(type(trainer))
     return state
 

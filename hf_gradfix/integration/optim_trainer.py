@@ -1,0 +1,115 @@
+"""The Trainer side of the low-rank optimizers: build GaLore / APOLLO from the ``optimizer`` section or from
+``Trainer(optimizer_cls_and_kwargs=(GaLoreAdamW, {...}))``, with the Trainer's own hyper-parameters.
+
+transformers' built-in ``optim="galore_adamw"`` replaces the Trainer's decay/no-decay groups and forwards only
+``lr`` (weight_decay, betas and eps are silently dropped), pickles a projector object into the optimizer state
+(resume fails under ``weights_only=True``) and its layer-wise variants step on un-reduced gradients.  Here
+the optimizer gets ``learning_rate``, ``weight_decay`` (and the Trainer's no-decay parameter names),
+``adam_beta1/2`` and ``adam_epsilon`` exactly, and its state is tensors only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config.schema import OptimizerConfig
+from ..optim import ApolloAdamW, GaLoreAdamW, LowRankAdamW, apollo_mini
+
+__all__ = ["build_low_rank_optimizer", "optimizer_requested", "check_optimizer_setup"]
+
+_CLASSES = {"galore_adamw": GaLoreAdamW, "apollo_adamw": ApolloAdamW, "apollo_mini": apollo_mini}
+
+
+def _is_ours(cls: Any) -> bool:
+    return cls is apollo_mini or (isinstance(cls, type) and issubclass(cls, LowRankAdamW))
+
+
+def optimizer_requested(trainer: Any, cfg: OptimizerConfig) -> tuple[Any, dict] | None:
+    """``(class or factory, kwargs)`` when this trainer should get one of our optimizers, else None."""
+    pair = getattr(trainer, "optimizer_cls_and_kwargs", None)
+    if pair is not None and _is_ours(pair[0]):
+        return pair[0], dict(pair[1] or {})
+    if cfg.name != "none":
+        return _CLASSES[cfg.name], _kwargs_from_config(cfg)
+    return None
+
+
+def _kwargs_from_config(cfg: OptimizerConfig) -> dict:
+    kw: dict[str, Any] = {
+        "update_proj_gap": cfg.update_proj_gap,
+        "proj_side": cfg.proj_side,
+        "on_switch": cfg.on_switch,
+        "min_size": cfg.min_size,
+        "stagger": cfg.stagger,
+        "seed": cfg.seed,
+        "exclude": list(cfg.exclude),
+    }
+    targets = cfg.targets
+    if targets is not None:
+        kw["targets"] = "all-linear" if list(targets) == ["all-linear"] else list(targets)
+    if cfg.rank is not None:
+        kw["rank"] = cfg.rank
+    if cfg.scale is not None:
+        kw["scale"] = cfg.scale
+    if cfg.name == "galore_adamw":
+        kw["proj_method"] = cfg.proj_method
+    elif cfg.scale_type is not None:
+        kw["scale_type"] = cfg.scale_type
+    return kw
+
+
+def check_optimizer_setup(trainer: Any, cfg: OptimizerConfig) -> None:
+    """Refuse setups a low-rank optimizer cannot be exact in, before any work is done."""
+    from .trainer_fix import GradFixError
+
+    args = trainer.args
+    optim_name = str(getattr(args.optim, "value", args.optim))
+    if "layerwise" in optim_name:
+        world = int(getattr(args, "world_size", 1) or 1)
+        ga = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        if world > 1 or ga > 1:
+            raise GradFixError(
+                f"TrainingArguments.optim={optim_name!r} steps each weight inside backward on its un-reduced, "
+                f"un-accumulated gradient, so it is wrong with {world} processes and gradient_accumulation_steps={ga} "
+                "(transformers refuses or silently mis-steps). Use the hf_gradfix optimizer section instead, e.g. "
+                "optimizer: {name: galore_adamw, rank: 128}, which steps once on the reduced, accumulated gradient"
+            )
+    wants = cfg.name != "none" or optimizer_requested(trainer, cfg) is not None
+    if wants and getattr(trainer, "is_deepspeed_enabled", False):
+        raise GradFixError(
+            f"hf_gradfix.optimizer.name={cfg.name!r}: low-rank optimizers need each weight's 2-D gradient, which "
+            "DeepSpeed ZeRO flattens and partitions. Use FSDP2 (accelerate fsdp_version: 2) or DDP, or set "
+            "optimizer.name: none"
+        )
+
+
+def build_low_rank_optimizer(trainer: Any, model: torch.nn.Module, factory: Any, kwargs: dict) -> LowRankAdamW:
+    """Our optimizer for ``model`` with the Trainer's hyper-parameters (explicit ``kwargs`` win)."""
+    args = trainer.args
+    decay = set(trainer.get_decay_parameter_names(model))
+    no_decay = [n for n, p in model.named_parameters() if p.requires_grad and n not in decay]
+    merged = {
+        "lr": args.learning_rate,
+        "betas": (args.adam_beta1, args.adam_beta2),
+        "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay,
+        "no_decay": no_decay,
+    }
+    merged.update(kwargs)
+    return factory(model, **merged)
+
+
+def describe(optimizer: LowRankAdamW) -> str:
+    """One line for the fix log."""
+    g = next((g for g in optimizer.param_groups if g.get("project")), optimizer.param_groups[0])
+    n = len(optimizer.projected_names)
+    kind = type(optimizer).__name__
+    extra = f", method {g['proj_method']}" if kind == "GaLoreAdamW" else f", {g.get('scale_type')}-wise"
+    skipped = getattr(optimizer, "skipped_small", [])
+    tail = f"; {len(skipped)} matrices too small for the rank stay AdamW" if skipped else ""
+    return (
+        f"optimizer {kind}: {n} matrices at rank {g['rank']}, refresh every {g['update_proj_gap']} steps{extra}, "
+        f"lr/weight_decay/betas/eps from TrainingArguments{tail}"
+    )
