@@ -9,6 +9,6 @@ echo "== transformers 5.x: full suite =="
 bash scripts/setup_env.sh .venv dev
 .venv/bin/python -m pytest -q -p no:cacheprovider --doctest-modules hf_gradfix tests "$@"
 
-echo "== transformers 4.57.x: loss and packing tests =="
+echo "== transformers 4.57.x: loss, packing and optimizer-integration tests =="
 bash scripts/setup_env.sh .venv-tf457 peft "transformers>=4.57,<4.58" "pytest>=8" "datasets>=3"
-.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py tests/test_packing_attention.py -k "not trl" "$@"
+.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py tests/test_packing_attention.py tests/test_optim_trainer.py -k "not trl" "$@"

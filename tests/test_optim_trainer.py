@@ -222,3 +222,56 @@ def test_bad_optimizer_settings_name_the_key(tmp_path):
     trainer, _ = _trainer(H.build_model("llama"), _samples(), tmp_path)
     with pytest.raises(ValueError, match="rank=64 is not below"):
         trainer.train()
+
+
+def test_transformers_galore_optim_is_rebuilt_with_every_hyperparameter(tmp_path):
+    """optim="galore_adamw" under the plugin: same GaLore settings, but weight decay, betas and eps honoured."""
+    model0 = H.build_model("llama")
+    model = copy.deepcopy(model0)
+    samples = _samples()
+    hf_gradfix.patch({})
+    trainer, coll = _trainer(model, samples, tmp_path, optim="galore_adamw", optim_target_modules=["attn", "mlp"],
+                             optim_args="rank=4,update_proj_gap=2,scale=0.5")
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    assert isinstance(opt, GaLoreAdamW)
+    assert sorted({n.split(".")[3] for n in opt.projected_names}) == ["mlp", "self_attn"]
+    ref = _reference(model0, samples, coll.batches, ga=2, rank=4, update_proj_gap=2, scale=0.5, proj_side="std",
+                     proj_method="svd", targets=["attn", "mlp"])
+    assert _rel(model, ref) <= 1e-5
+
+
+def test_the_optim_package_imports_neither_transformers_nor_accelerate():
+    import subprocess
+    import sys
+
+    code = "import sys, hf_gradfix.optim; print('transformers' in sys.modules, 'accelerate' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+def test_stock_trainer_with_our_optimizer_resumes_exactly(tmp_path):
+    """No plugin at all: Trainer(optimizers=(GaLoreAdamW(...), None)) saves a weights_only-loadable state and
+    resumes to the uninterrupted result (galore-torch's pickled projector fails here with UnpicklingError)."""
+    model0 = H.build_model("llama")
+    samples = _samples(24)
+
+    def run(out, resume=None, **kw):
+        model = copy.deepcopy(model0)
+        opt = GaLoreAdamW(model, lr=3e-3, rank=4, update_proj_gap=2, proj_method="randomized")
+        trainer, _ = _trainer(model, samples, out, max_steps=6, trainer_kwargs={"optimizers": (opt, None)}, **kw)
+        trainer.train(resume_from_checkpoint=resume)
+        return model
+
+    straight = run(tmp_path / "a")
+    run(tmp_path / "b", save_strategy="steps", save_steps=3)
+    resumed = run(tmp_path / "b", resume=str(tmp_path / "b" / "checkpoint-3"))
+    assert _rel(resumed, straight) <= 1e-6
+    # and the comparison is not vacuous: resuming without the optimizer state (moments, bases) ends elsewhere
+    import shutil
+
+    bare = tmp_path / "c" / "checkpoint-3"
+    shutil.copytree(tmp_path / "b" / "checkpoint-3", bare)
+    (bare / "optimizer.pt").unlink()
+    restarted = run(tmp_path / "c", resume=str(bare))
+    assert _rel(restarted, straight) > 1e-4

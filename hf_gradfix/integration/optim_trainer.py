@@ -33,7 +33,47 @@ def optimizer_requested(trainer: Any, cfg: OptimizerConfig) -> tuple[Any, dict] 
         return pair[0], dict(pair[1] or {})
     if cfg.name != "none":
         return _CLASSES[cfg.name], _kwargs_from_config(cfg)
-    return None
+    return _from_transformers_optim(trainer.args)
+
+
+def _parse_optim_args(text: str | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in (text or "").replace(" ", "").split(","):
+        if item:
+            key, _, value = item.partition("=")
+            out[key] = value
+    return out
+
+
+def _from_transformers_optim(args: Any) -> tuple[Any, dict] | None:
+    """``optim="galore_adamw"`` / ``"apollo_adamw"`` (not layer-wise, not 8-bit): the same optimizer, built by us.
+
+    Same settings as transformers' handler (``optim_target_modules``, ``optim_args`` rank / update_proj_gap /
+    scale / proj_type, exact SVD, moments kept), but with the Trainer's weight decay, no-decay groups, betas
+    and eps, and a tensor-only state that resumes.
+    """
+    name = str(getattr(args.optim, "value", args.optim))
+    if name not in ("galore_adamw", "apollo_adamw"):
+        return None
+    opt_args = _parse_optim_args(getattr(args, "optim_args", None))
+    targets = getattr(args, "optim_target_modules", None)
+    if targets is None:
+        return None  # transformers raises its own clear error
+    if isinstance(targets, str):
+        targets = "all-linear" if targets.replace("_", "-") == "all-linear" else [targets]
+    kw: dict[str, Any] = {
+        "targets": targets,
+        "rank": int(opt_args.get("rank", 128)),
+        "update_proj_gap": int(opt_args.get("update_proj_gap", 200)),
+        "proj_side": opt_args.get("proj_type", "std"),
+    }
+    if name == "galore_adamw":
+        kw.update(scale=float(opt_args.get("scale", 0.25)), proj_method="svd")
+        return GaLoreAdamW, kw
+    if opt_args.get("proj", "random") != "random":
+        return None  # APOLLO with an SVD projector: left to transformers / apollo-torch
+    kw.update(scale=float(opt_args.get("scale", 1.0)), scale_type=opt_args.get("scale_type", "channel"))
+    return ApolloAdamW, kw
 
 
 def _kwargs_from_config(cfg: OptimizerConfig) -> dict:
@@ -101,8 +141,11 @@ def build_low_rank_optimizer(trainer: Any, model: torch.nn.Module, factory: Any,
     return factory(model, **merged)
 
 
-def describe(optimizer: LowRankAdamW) -> str:
+def describe(optimizer: LowRankAdamW, trainer: Any = None) -> str:
     """One line for the fix log."""
+    via = ""
+    if trainer is not None and _from_transformers_optim(trainer.args) is not None:
+        via = f"TrainingArguments.optim={str(getattr(trainer.args.optim, 'value', trainer.args.optim))!r} rebuilt (transformers' drops weight_decay/betas/eps and cannot resume): "
     g = next((g for g in optimizer.param_groups if g.get("project")), optimizer.param_groups[0])
     n = len(optimizer.projected_names)
     kind = type(optimizer).__name__
@@ -110,6 +153,6 @@ def describe(optimizer: LowRankAdamW) -> str:
     skipped = getattr(optimizer, "skipped_small", [])
     tail = f"; {len(skipped)} matrices too small for the rank stay AdamW" if skipped else ""
     return (
-        f"optimizer {kind}: {n} matrices at rank {g['rank']}, refresh every {g['update_proj_gap']} steps{extra}, "
+        f"{via}optimizer {kind}: {n} matrices at rank {g['rank']}, refresh every {g['update_proj_gap']} steps{extra}, "
         f"lr/weight_decay/betas/eps from TrainingArguments{tail}"
     )

@@ -483,7 +483,7 @@ class _GradFixTop:
                 model = kwargs.get("model", args[0] if args else None)
                 model = self.model if model is None else model
                 self.optimizer = build_low_rank_optimizer(self, model, *requested)
-                state.optimizer_line = describe(self.optimizer)
+                state.optimizer_line = describe(self.optimizer, self)
                 return self.optimizer
         return super().create_optimizer(*args, **kwargs)
 
