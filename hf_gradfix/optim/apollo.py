@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import projection as proj
+from .groups import OptimizerConfigError
 from .lowrank import LowRankAdamW, _is_dtensor, _local, _Plan
 
 __all__ = ["ApolloAdamW", "apollo_mini", "next_seed"]
@@ -72,10 +73,10 @@ class ApolloAdamW(LowRankAdamW):
         super().__init__(params, lr, betas, eps, weight_decay, scale=scale, **kwargs)
         for g in self.param_groups:
             if g["scale_type"] not in ("channel", "tensor"):
-                raise ValueError(f"{self._name}: scale_type={g['scale_type']!r} is not one of 'channel', 'tensor'")
+                raise OptimizerConfigError(f"{self._name}: scale_type={g['scale_type']!r} is not one of 'channel', 'tensor'")
             lim = g["norm_growth_limit"]
             if lim is not None and not lim >= 1.0:
-                raise ValueError(f"{self._name}: norm_growth_limit={lim!r} must be >= 1 (or None to disable)")
+                raise OptimizerConfigError(f"{self._name}: norm_growth_limit={lim!r} must be >= 1 (or None to disable)")
 
     def _has_basis(self, state: dict) -> bool:
         return "proj_seed" in state

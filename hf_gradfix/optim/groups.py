@@ -141,7 +141,10 @@ def select_targets(
             return hit
 
     sel = Selection()
+    matched_other: set[str] = set()  # patterns that match only frozen / adapter / non-2-D parameters
     for name, p in named_params:
+        if isinstance(targets, (list, tuple)):
+            matched_other.update(t for t in targets if _pattern_matches(t, _module_name(name)))
         if not p.requires_grad:
             continue
         excluded = any(_pattern_matches(x, _module_name(name)) for x in exclude)
@@ -152,6 +155,13 @@ def select_targets(
 
     if isinstance(targets, (list, tuple)):
         missing = [t for t, n in hits.items() if n == 0]  # type: ignore[possibly-undefined]
+        only_other = [t for t in missing if t in matched_other]
+        if only_other:
+            raise OptimizerConfigError(
+                f"targets {only_other} match only frozen, adapter (PEFT LoRA A/B) or non-2-D parameters; low-rank "
+                "optimizers project full trainable weights. With PEFT, target the modules in modules_to_save, "
+                "or train the full model"
+            )
         if missing:
             sample = ", ".join(repr(n) for n in module_names[:4] if n)
             raise OptimizerConfigError(
@@ -195,8 +205,9 @@ def low_rank_param_groups(
     >>> [(g["project"], g["weight_decay"], g["param_names"]) for g in low_rank_param_groups(m, targets=["0"], weight_decay=0.1)]
     [(True, 0.1, ['0.weight']), (False, 0.1, ['2.weight']), (False, 0.0, ['0.bias', '1.weight', '1.bias', '2.bias'])]
     """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sel = select_targets(named, targets, exclude, model=model)
+    everything = list(model.named_parameters())
+    named = [(n, p) for n, p in everything if p.requires_grad]
+    sel = select_targets(everything, targets, exclude, model=model)
     nd = set(no_decay) if no_decay is not None else no_decay_names(model)
     projected = set(sel.projected)
     groups = []

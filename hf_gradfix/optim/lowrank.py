@@ -334,7 +334,9 @@ class LowRankAdamW(torch.optim.Optimizer):
                 for key, value in saved[i].items():
                     cur = self.state[p].get(key)
                     if isinstance(value, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.dtype != value.dtype:
-                        self.state[p][key] = cur.to(value.dtype)
+                        # Take the saved tensor, not the cast one cast back: the round trip through the parameter
+                        # dtype is lossy (an int64 proj_seed through fp32, fp32 moments through bf16).
+                        self.state[p][key] = value.to(device=cur.device)
 
     # ------------------------------------------------------------------ step
 
