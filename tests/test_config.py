@@ -183,7 +183,7 @@ def test_env_var_file_with_bad_value_names_variable(tmp_path, monkeypatch):
 def test_unknown_top_level_key_suggests_closest():
     msg = error_of({"log_fix": True})
     assert msg.startswith("hf_gradfix.log_fix: unknown key")
-    assert "'loss', 'packing', 'optimizer', 'log_fixes'" in msg  # allowed keys at that level
+    assert "'loss', 'packing', 'optimizer', 'parallel', 'log_fixes'" in msg  # allowed keys at that level
     assert "did you mean 'log_fixes'?" in msg
 
 
@@ -333,6 +333,7 @@ def test_round_trip():
             "proj_side": "auto", "proj_method": "auto", "on_switch": "keep", "min_size": 0, "stagger": False,
             "scale_type": None, "seed": 0,
         },
+        "parallel": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1},
         "log_fixes": False,
     }
     assert type(d["loss"]) is dict

@@ -27,7 +27,7 @@ This subpackage imports only the standard library and ``yaml``.
 """
 
 from .loader import ENV_VAR, SECTION, config_from_dict, config_to_dict, load_config
-from .schema import ConfigError, GradFixConfig, LossConfig, OptimizerConfig, PackingConfig
+from .schema import ConfigError, GradFixConfig, LossConfig, OptimizerConfig, PackingConfig, ParallelConfig
 
 __all__ = [
     "ENV_VAR",
@@ -37,6 +37,7 @@ __all__ = [
     "LossConfig",
     "OptimizerConfig",
     "PackingConfig",
+    "ParallelConfig",
     "config_from_dict",
     "config_to_dict",
     "load_config",

@@ -39,6 +39,7 @@ __all__ = [
     "LossConfig",
     "PackingConfig",
     "OptimizerConfig",
+    "ParallelConfig",
     "GradFixConfig",
 ]
 
@@ -195,6 +196,20 @@ class OptimizerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """ND-parallel degrees (section ``hf_gradfix.parallel``); their product is the number of processes.
+
+    ``hf-gradfix launch`` writes them into accelerate's own ``parallelism_config`` keys (with the prefix
+    accelerate needs); at run time they are checked against the world size and the model.
+    """
+
+    dp_replicate: int = field(default=1, metadata={"min": -1, "help": "data-parallel replicas (HSDP outer dim; -1 = the rest)"})
+    dp_shard: int = field(default=-1, metadata={"min": -1, "help": "FSDP2 shard degree (-1 = the rest of the world)"})
+    tp: int = field(default=1, metadata={"min": 1, "help": "tensor-parallel degree (ranks that split each layer)"})
+    cp: int = field(default=1, metadata={"min": 1, "help": "context-parallel degree (ranks that split each sequence; GPU only)"})
+
+
+@dataclass
 class GradFixConfig:
     """The whole ``hf_gradfix`` section (top level of the plugin config)."""
 
@@ -209,6 +224,10 @@ class GradFixConfig:
     optimizer: OptimizerConfig = field(
         default_factory=OptimizerConfig,
         metadata={"help": "low-rank optimizers (GaLore, APOLLO) for the Trainer"},
+    )
+    parallel: ParallelConfig = field(
+        default_factory=ParallelConfig,
+        metadata={"help": "ND-parallel mesh: dp_replicate x dp_shard x tp x cp"},
     )
     log_fixes: bool = field(
         default=True,
