@@ -3,7 +3,7 @@ and the sub-meshes named by their job (``dp`` data loading, ``dp_cp`` loss all-r
 
 >>> from hf_gradfix.parallel import ParallelDims
 >>> ParallelDims(world_size=4, dp_shard=2, tp=2).describe()
-'4 processes: dp_shard=2 x tp=2 (data-parallel 2, token groups 2, shard groups 2)'
+'4 process(es): dp_shard=2 x tp=2 (data-parallel 2, token groups 2, shard groups 2)'
 """
 
 from .dims import JOB_DIMS, MESH_ORDER, ParallelDims, ParallelDimsError

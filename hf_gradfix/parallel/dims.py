@@ -212,7 +212,7 @@ class ParallelDims:
     def describe(self) -> str:
         names, shape = self.mesh_shape
         mesh = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
-        return f"{self.world_size} processes: {mesh} (data-parallel {self.dp}, token groups {self.dp_cp}, shard groups {self.dp_shard_cp})"
+        return f"{self.world_size} process(es): {mesh} (data-parallel {self.dp}, token groups {self.dp_cp}, shard groups {self.dp_shard_cp})"
 
     def build_mesh(self, device_type: str = "cpu"):
         """A torch DeviceMesh with the flattened job sub-meshes ``dp``, ``dp_cp`` and ``dp_shard_cp`` (needs an

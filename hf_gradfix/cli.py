@@ -1,0 +1,287 @@
+"""The ``hf-gradfix`` command: ``launch`` (accelerate launch with an ``hf_gradfix:`` section) and ``config check``.
+
+accelerate rejects any unknown top-level key of its YAML (``had unknown keys (['hf_gradfix'])``) and its ranks
+cannot see which file was used.  ``hf-gradfix launch`` takes exactly the arguments of ``accelerate launch``,
+splits the file into accelerate's keys (handed to accelerate's own launcher through a temporary file) and the
+``hf_gradfix:`` section (validated first, then made visible to every rank through ``$HF_GRADFIX_CONFIG``, which
+``hf_gradfix.patch()`` and ``GradFixCallback()`` read on each rank).
+
+    hf-gradfix launch --config_file configs/cpu_multiprocess.yaml train.py --my-arg 1
+    hf-gradfix config check configs/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from .config import ENV_VAR, SECTION, ConfigError, GradFixConfig, config_from_dict, config_to_dict
+
+__all__ = ["main", "split_config", "resolve_config", "ResolvedConfig"]
+
+_PC = "parallelism_config"
+_PC_PREFIX = "parallelism_config_"
+_PC_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+def split_config(path: str | os.PathLike) -> tuple[dict, dict | None]:
+    """``(accelerate's keys, the hf_gradfix section or None)`` of a YAML file.
+
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False); _ = f.write("num_processes: 2\\nhf_gradfix:\\n  packing: true\\n"); f.close()
+    >>> split_config(f.name)
+    ({'num_processes': 2}, {'packing': True})
+    >>> os.unlink(f.name)
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of accelerate keys (and an optional {SECTION}: section)")
+    section = data.pop(SECTION, None)
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(f"{path}: the {SECTION}: key must hold a mapping of plugin settings, got {section!r}")
+    return data, section
+
+
+def _accelerate_sizes(acc: dict, path: str) -> dict[str, int]:
+    """Degrees from accelerate's ``parallelism_config`` section; unprefixed keys are an error (accelerate drops them)."""
+    pc = acc.get(_PC) or {}
+    if not isinstance(pc, dict):
+        raise ConfigError(f"{path}: {_PC} must be a mapping")
+    sizes: dict[str, int] = {}
+    problems = []
+    for key, value in pc.items():
+        bare = key[len(_PC_PREFIX):] if key.startswith(_PC_PREFIX) else key
+        name = bare[: -len("_size")] if bare.endswith("_size") else bare
+        if not key.startswith(_PC_PREFIX):
+            problems.append(
+                f"{path}: {_PC}.{key}: accelerate only reads keys with the '{_PC_PREFIX}' prefix and silently ignores "
+                f"this one; write '{_PC_PREFIX}{bare}'"
+            )
+            continue
+        if name in _PC_SIZES:
+            sizes[name] = int(value)
+    if problems:
+        raise ConfigError("\n".join(problems), problems)
+    return sizes
+
+
+@dataclass
+class ResolvedConfig:
+    """What a launch with this file will run."""
+
+    path: str
+    world_size: int
+    mesh: Any  # ParallelDims
+    mesh_source: str
+    gradfix: GradFixConfig
+    distributed_type: str
+    tokens_per_micro_batch: int | None
+    grad_accum: int
+    global_batch_tokens: int | None
+
+    def lines(self) -> list[str]:
+        g = self.gradfix
+        opt = g.optimizer
+        out = [
+            f"config            {self.path}",
+            f"launch            {self.distributed_type}, {self.world_size} process(es)",
+            f"mesh              {self.mesh.describe()} [from {self.mesh_source}]",
+            f"loss              {'exact token mean over the window and ' + str(self.mesh.dp_cp) + ' rank(s) holding different tokens' if g.loss.enabled else 'left to transformers'}",
+            f"packing           {'rows of <= %d tokens (%s)' % (g.packing.token_budget, g.packing.mode) if g.packing.enabled else 'off'}",
+            f"optimizer         {opt.name if opt.name != 'none' else 'the Trainer default'}"
+            + (f" (rank {opt.rank or 128}, gap {opt.update_proj_gap})" if opt.name != "none" else ""),
+        ]
+        if self.global_batch_tokens is not None:
+            out.append(
+                f"global batch      {self.global_batch_tokens:,} tokens = {self.tokens_per_micro_batch:,} per micro-batch "
+                f"x {self.grad_accum} accumulation x {self.mesh.dp} data-parallel rank(s)"
+            )
+        else:
+            out.append("global batch      pass --micro-batch and --seq-len (or enable packing) to compute it")
+        return out
+
+
+def resolve_config(
+    path: str | os.PathLike,
+    *,
+    num_processes: int | None = None,
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+    grad_accum: int = 1,
+    model_config: Any = None,
+) -> ResolvedConfig:
+    """Validate a combined YAML and resolve world size, mesh and global batch (raises ConfigError / ParallelDimsError)."""
+    from .parallel import ParallelDims
+
+    path = str(path)
+    acc, section = split_config(path)
+    gradfix = config_from_dict(section or {})
+    world = int(num_processes or acc.get("num_processes") or 1)
+    if world < 1:
+        raise ConfigError(f"{path}: num_processes={world} must be >= 1")
+    acc_sizes = _accelerate_sizes(acc, path)
+    par = gradfix.parallel
+    ours_set = section is not None and "parallel" in section
+    if ours_set:
+        mesh = ParallelDims(world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, cp=par.cp)
+        source = f"{SECTION}.parallel"
+        if acc_sizes:
+            theirs = {k: acc_sizes.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "cp")}
+            mine = {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp, "cp": mesh.cp}
+            if theirs != mine:
+                raise ConfigError(
+                    f"{path}: {SECTION}.parallel gives {mine} but accelerate's {_PC} gives {theirs}; keep one of them"
+                )
+    elif acc_sizes:
+        if acc_sizes.get("sp", 1) > 1:
+            raise ConfigError(f"{path}: {_PC}.{_PC_PREFIX}sp_size: DeepSpeed Ulysses sequence parallelism is not supported")
+        mesh = ParallelDims(world, **{k: acc_sizes.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "cp")})
+        source = f"accelerate {_PC}"
+    elif str(acc.get("distributed_type", "NO")).upper() == "FSDP":
+        mesh = ParallelDims(world)
+        source = "default: FSDP shards over every process"
+    else:
+        mesh = ParallelDims(world, dp_replicate=world, dp_shard=1)
+        source = "default: every process a data-parallel replica"
+    if model_config is not None:
+        mesh.check_model(model_config)
+    if mesh.cp > 1 and gradfix.packing.enabled:
+        raise ConfigError(
+            f"{path}: {SECTION}.parallel.cp={mesh.cp} with packing enabled: context parallelism splits sequences with "
+            "torch's ring attention, which does not take packed (varlen) rows; disable packing or cp"
+        )
+    tokens = None
+    if gradfix.packing.enabled:
+        tokens = gradfix.packing.token_budget
+    elif micro_batch is not None and seq_len is not None:
+        tokens = micro_batch * seq_len
+    global_tokens = tokens * grad_accum * mesh.dp if tokens is not None else None
+    return ResolvedConfig(
+        path=path,
+        world_size=world,
+        mesh=mesh,
+        mesh_source=source,
+        gradfix=gradfix,
+        distributed_type=str(acc.get("distributed_type", "NO")),
+        tokens_per_micro_batch=tokens,
+        grad_accum=grad_accum,
+        global_batch_tokens=global_tokens,
+    )
+
+
+def _load_model_config(spec: str | None) -> Any:
+    if spec is None:
+        return None
+    p = Path(spec)
+    if p.suffix == ".json" and p.is_file():
+        return argparse.Namespace(**json.loads(p.read_text(encoding="utf-8")))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(spec)
+
+
+def _cmd_config_check(ns: argparse.Namespace) -> int:
+    from .parallel import ParallelDimsError
+
+    try:
+        resolved = resolve_config(
+            ns.file,
+            num_processes=ns.num_processes,
+            micro_batch=ns.micro_batch,
+            seq_len=ns.seq_len,
+            grad_accum=ns.grad_accum,
+            model_config=_load_model_config(ns.model),
+        )
+    except (ConfigError, ParallelDimsError, FileNotFoundError) as err:
+        print(f"hf-gradfix config check: {err}", file=sys.stderr)
+        return 1
+    if ns.json:
+        m = resolved.mesh
+        print(json.dumps({
+            "config": resolved.path, "world_size": resolved.world_size, "distributed_type": resolved.distributed_type,
+            "mesh": {"dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard, "tp": m.tp, "cp": m.cp, "dp": m.dp, "dp_cp": m.dp_cp},
+            "mesh_source": resolved.mesh_source, "global_batch_tokens": resolved.global_batch_tokens,
+            "hf_gradfix": config_to_dict(resolved.gradfix),
+        }, indent=2))
+    else:
+        print("\n".join(resolved.lines()))
+    return 0
+
+
+def launch(argv: Sequence[str]) -> int:
+    """``accelerate launch`` with exactly its arguments; the ``hf_gradfix:`` section reaches every rank."""
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    args = launch_command_parser().parse_args(list(argv))
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    tmp = None
+    try:
+        if path is not None:
+            resolve_config(path, num_processes=args.num_processes)  # validate everything before any process starts
+            acc, section = split_config(path)
+            tmp = tempfile.mkdtemp(prefix="hf_gradfix_launch_")
+            acc_path = os.path.join(tmp, "accelerate.yaml")
+            with open(acc_path, "w", encoding="utf-8") as fh:
+                yaml.safe_dump(acc, fh)
+            args.config_file = acc_path
+            if section is not None:
+                ours = os.path.join(tmp, "hf_gradfix.yaml")
+                with open(ours, "w", encoding="utf-8") as fh:
+                    yaml.safe_dump({SECTION: config_to_dict(config_from_dict(section))}, fh)
+                os.environ[ENV_VAR] = ours  # inherited by every rank
+            if acc.get("use_cpu"):
+                # accelerate does not export use_cpu on the torchrun path; scripts that build Accelerator /
+                # TrainingArguments without cpu=True would otherwise run N independent single-process jobs.
+                os.environ["ACCELERATE_USE_CPU"] = "true"
+        launch_command(args)
+    except ConfigError as err:
+        print(f"hf-gradfix launch: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hf-gradfix`` console script.
+
+    >>> main(["config", "check", "configs/does-not-exist.yaml"])
+    1
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":
+        return launch(argv[1:])
+    parser = argparse.ArgumentParser(prog="hf-gradfix", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("launch", help="accelerate launch with a YAML that carries an hf_gradfix: section (same arguments)")
+    cfg = sub.add_parser("config", help="configuration tools")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    check = cfg_sub.add_parser("check", help="validate a YAML and print the resolved settings")
+    check.add_argument("file")
+    check.add_argument("--num-processes", type=int, default=None, help="override num_processes from the file")
+    check.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch")
+    check.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    check.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    check.add_argument("--model", default=None, help="config.json, local model dir or hub id: check tp against its heads")
+    check.add_argument("--json", action="store_true", help="machine-readable output")
+    ns = parser.parse_args(argv)
+    if ns.command == "config" and ns.config_command == "check":
+        return _cmd_config_check(ns)
+    parser.error("unknown command")
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

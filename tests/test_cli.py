@@ -1,0 +1,130 @@
+"""``hf-gradfix launch`` and ``hf-gradfix config check``; the shipped accelerate configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import harness as H
+from hf_gradfix.cli import main, resolve_config
+from hf_gradfix.config import ConfigError
+from hf_gradfix.parallel import ParallelDimsError
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCEL_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
+
+
+def _write(tmp_path, data, name="combined.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _cpu_yaml(nproc=2, **extra):
+    return {
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": nproc,
+        "num_machines": 1, "machine_rank": 0, "main_process_ip": "127.0.0.1", "main_process_port": H._free_port(),
+        "use_cpu": True, "mixed_precision": "no", **extra,
+    }
+
+
+@pytest.mark.parametrize("path", ACCEL_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_accelerate_config_is_plain_accelerate_and_resolves(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    load_config_from_file(str(path))  # accelerate's own strict loader accepts it (no unknown keys)
+    text = path.read_text()
+    assert "Processes:" in text and "accelerate launch --config_file" in text and "hf-gradfix launch" in text
+    r = resolve_config(path, micro_batch=2, seq_len=128, grad_accum=4)
+    assert r.mesh.dp_replicate * r.mesh.dp_shard * r.mesh.tp * r.mesh.cp == r.world_size
+    assert r.global_batch_tokens == 2 * 128 * 4 * r.mesh.dp
+
+
+def test_config_check_prints_world_mesh_and_global_batch(tmp_path, capsys):
+    path = _write(tmp_path, {**_cpu_yaml(8), "hf_gradfix": {"parallel": {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, "packing": {"enabled": True, "token_budget": 1024}}})
+    assert main(["config", "check", str(path), "--grad-accum", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "8 process(es): dp_replicate=2 x dp_shard=2 x tp=2" in out
+    # 1024 tokens per packed row x 4 accumulation x 4 data-parallel ranks (tp ranks share their batch)
+    assert "16,384 tokens" in out
+    assert main(["config", "check", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "cp": 1, "dp": 4, "dp_cp": 4}
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ({"parallelism_config": {"tp_size": 2}}, "accelerate only reads keys with the 'parallelism_config_' prefix"),
+        ({"hf_gradfix": {"parallel": {"dp_shard": 3, "tp": 2}}}, "= 6 processes, but the world size is 4"),
+        ({"hf_gradfix": {"parallel": {"tp": 3}}}, "does not divide the world size 4"),
+        ({"hf_gradfix": {"parallel": {"tp": 2, "cp": 2}, "packing": True}}, "cp=2 with packing enabled"),
+        ({"hf_gradfix": {"parallel": {"tp": 2}}, "parallelism_config": {"parallelism_config_tp_size": 4}}, "keep one of them"),
+        ({"hf_gradfix": {"paralel": {"tp": 2}}}, "did you mean 'parallel'"),
+        ({"hf_gradfix": {"parallel": {"tp": 0}}}, "parallel.tp: invalid value 0"),
+    ],
+)
+def test_config_check_errors_name_the_key_and_the_fix(tmp_path, capsys, content, match):
+    path = _write(tmp_path, {**_cpu_yaml(4), **content})
+    assert main(["config", "check", str(path)]) == 1
+    assert match in capsys.readouterr().err
+
+
+def test_config_check_validates_tp_against_the_model_heads(tmp_path, capsys):
+    path = _write(tmp_path, {**_cpu_yaml(4), "hf_gradfix": {"parallel": {"dp_shard": 1, "tp": 4}}})
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}))
+    assert main(["config", "check", str(path), "--model", str(model)]) == 1
+    assert "parallel.tp=4 does not divide the model's num_key_value_heads=2" in capsys.readouterr().err
+    with pytest.raises(ParallelDimsError):
+        resolve_config(path, model_config=type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2})())
+
+
+PROBE = """
+import json, os, sys
+import hf_gradfix
+from hf_gradfix.config import config_to_dict
+rank = int(os.environ["RANK"])
+cfg = hf_gradfix.load_config()  # from $HF_GRADFIX_CONFIG, as patch() and GradFixCallback() read it
+out = {"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "use_cpu": os.environ.get("ACCELERATE_USE_CPU"),
+       "config": config_to_dict(cfg)}
+open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w").write(json.dumps(out))
+"""
+
+
+@pytest.mark.distributed
+def test_launch_hands_accelerate_its_keys_and_every_rank_the_section(tmp_path):
+    section = {"packing": {"enabled": True, "token_budget": 512}, "optimizer": {"name": "galore_adamw", "rank": 8}}
+    path = _write(tmp_path, {**_cpu_yaml(2), "hf_gradfix": section})
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HF_GRADFIX_CONFIG", None)
+    cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(path), str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, s in enumerate(seen):
+        assert (s["rank"], s["world"], s["use_cpu"]) == (r, 2, "true")
+        assert s["config"]["packing"]["token_budget"] == 512 and s["config"]["optimizer"]["rank"] == 8
+    # the same file given straight to accelerate fails on the unknown top-level key: why the launcher exists
+    plain = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), str(script), str(tmp_path)],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert plain.returncode != 0 and "unknown keys" in plain.stderr
+
+
+def test_launch_refuses_a_bad_section_before_starting_anything(tmp_path, capsys):
+    path = _write(tmp_path, {**_cpu_yaml(2), "hf_gradfix": {"loss": {"count_rule": "shift"}}})
+    assert main(["launch", "--config_file", str(path), "nonexistent_script.py"]) == 1
+    assert "hf_gradfix.loss.count_rule: invalid value 'shift'" in capsys.readouterr().err
+
+
+def test_unknown_accelerate_yaml_key_without_section_still_resolves(tmp_path):
+    with pytest.raises(ConfigError, match="prefix"):
+        resolve_config(_write(tmp_path, {**_cpu_yaml(2), "parallelism_config": {"dp_shard_size": 2}}))
