@@ -23,11 +23,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
+def _tensors_in(value, depth: int = 0):
+    """Tensors in a state value, also inside containers and plain objects (galore-torch keeps its basis in a
+    projector object); bounded depth so cycles cannot loop."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4:
+        if isinstance(value, dict):
+            items = value.values()
+        elif isinstance(value, (list, tuple, set)):
+            items = value
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            items = vars(value).values()
+        else:
+            return
+        for item in items:
+            yield from _tensors_in(item, depth + 1)
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every distinct storage referenced by ``optimizer.state`` (local shards for DTensors).
+    """Bytes of every distinct storage referenced by ``optimizer.state`` (local shards for DTensors), including
+    tensors held inside objects stored there.
 
     Counting storages, not tensor sizes, is what exposes a small view that keeps a large factor alive
-    (galore-torch's ``Vh[:r]`` slice of a full SVD).
+    (galore-torch's ``Vh[:r]`` slice of a full SVD, held in its projector object).
 
     >>> import torch
     >>> p = torch.nn.Parameter(torch.zeros(10, 10)); opt = torch.optim.AdamW([p]); p.grad = torch.ones(10, 10); opt.step()
@@ -37,9 +56,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     seen: set[tuple[int, int]] = set()
     total = 0
     for st in optimizer.state.values():
-        for value in st.values():
-            if not isinstance(value, torch.Tensor):
-                continue
+        for value in _tensors_in(st):
             storage = _local(value).untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             if key not in seen:
