@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Set up and run every test: the full suite on transformers 5.x, then the loss tests on transformers 4.57.x.
+# Set up and run every test: the full suite on transformers 5.x, then the loss, packing, optimizer-integration and
+# ND-refusal tests on transformers 4.57.x. Both environments are set up first (a 5.x test checks the 4.57 refusal).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-echo "== transformers 5.x: full suite =="
+echo "== set up: .venv (transformers 5.x) and .venv-tf457 (transformers 4.57.x) =="
 bash scripts/setup_env.sh .venv dev
+bash scripts/setup_env.sh .venv-tf457 peft "transformers>=4.57,<4.58" "pytest>=8" "datasets>=3"
+
+echo "== transformers 5.x: full suite =="
 .venv/bin/python -m pytest -q -p no:cacheprovider --doctest-modules hf_gradfix tests "$@"
 
-echo "== transformers 4.57.x: loss, packing and optimizer-integration tests =="
-bash scripts/setup_env.sh .venv-tf457 peft "transformers>=4.57,<4.58" "pytest>=8" "datasets>=3"
-.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py tests/test_packing_attention.py tests/test_optim_trainer.py -k "not trl" "$@"
+echo "== transformers 4.57.x: loss, packing, optimizer-integration and ND tests =="
+.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py tests/test_packing_attention.py tests/test_optim_trainer.py tests/test_nd_parallel.py -k "not trl" "$@"

@@ -128,3 +128,17 @@ def test_launch_refuses_a_bad_section_before_starting_anything(tmp_path, capsys)
 def test_unknown_accelerate_yaml_key_without_section_still_resolves(tmp_path):
     with pytest.raises(ConfigError, match="prefix"):
         resolve_config(_write(tmp_path, {**_cpu_yaml(2), "parallelism_config": {"dp_shard_size": 2}}))
+
+
+def test_a_trainer_launched_as_several_processes_but_running_alone_is_refused(tmp_path, monkeypatch):
+    """torchrun / accelerate launch on a CPU machine with TrainingArguments(use_cpu=False): N silent copies."""
+    from hf_gradfix.config import load_config
+    from hf_gradfix.integration.trainer_fix import GradFixError, install, state_of
+
+    trainer = H.make_trainer(H.build_model("llama"), H.make_samples("causal", n=4), "causal", output_dir=tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what the launcher exported; this Trainer's accelerator has 1 process
+    with pytest.raises(GradFixError, match="WORLD_SIZE=2 processes were launched.*use_cpu=True"):
+        install(trainer, load_config({}), source="test")
+    assert state_of(trainer) is None
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert install(trainer, load_config({}), source="test") is state_of(trainer)

@@ -80,7 +80,10 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
         if getattr(dataset, "column_names", None) is not None:
             dataset = trainer._remove_unused_columns(dataset, description="training")
     lengths = _sample_lengths(dataset)
-    world = trainer.accelerator.num_processes
+    from .trainer_fix import _nd_dims
+
+    dims = _nd_dims(trainer)  # under an ND mesh accelerate splits batches over the data-parallel ranks only
+    world = dims.dp if dims is not None else trainer.accelerator.num_processes
     sampler = PackedBatchSampler(lengths, budget, num_replicas=world, rank="all", seed=trainer.args.seed)
     sampler.set_epoch(0)
     config = getattr(trainer.model, "config", None)

@@ -85,6 +85,7 @@ class GradFixState:
     packing_line: str | None = None  # what prepare_model_for_packing did, for the fix log
     optimizer_line: str | None = None  # which low-rank optimizer create_optimizer built, for the fix log
     saved_accepts_loss_kwargs: Any = None
+    nd: Any = None  # the ND-parallel plan (hf_gradfix.integration.nd.NDPlan) when a mesh is in force
     fixes: list[str] = field(default_factory=list)
 
     @property
@@ -109,18 +110,39 @@ def state_of(trainer: Trainer) -> GradFixState | None:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _nd_dims(trainer: Trainer):
+    """The validated ND-parallel degrees (``ParallelDims``) of this trainer's mesh, or None."""
+    state = state_of(trainer)
+    plan = state.nd if state is not None else None
+    return plan.dims if plan is not None else None
+
+
 def _tp_size(trainer: Trainer) -> int:
+    dims = _nd_dims(trainer)
+    if dims is not None:
+        return dims.tp
     get = getattr(trainer, "get_tp_size", None)
     return int(get()) if callable(get) else 1
 
 
 def _dp_world(trainer: Trainer) -> int:
-    """Replicas whose gradients DDP/FSDP average: the Trainer's own ``num_processes // tp`` factor."""
+    """Replicas whose gradients DDP/FSDP average: the Trainer's own ``num_processes // tp`` factor
+    (with a mesh: dp_replicate x dp_shard x cp, over which FSDP2 averages)."""
+    dims = _nd_dims(trainer)
+    if dims is not None:
+        return dims.dp_cp
     return max(1, trainer.accelerator.num_processes // _tp_size(trainer))
 
 
 def _replicated_divisor(trainer: Trainer) -> int:
-    """Ranks that see the same batch (tp x cp x sp), mirroring transformers' own divisor."""
+    """Ranks that see the same batch (tp x cp x sp), mirroring transformers' own divisor.
+
+    The window count is all-reduced over the world; ranks of one tp group hold the same tokens (checked on the
+    first window by ``nd.check_window``) and CP counts full sequences before they are split, so dividing by
+    tp x cp gives the sum over the data-parallel ranks alone."""
+    dims = _nd_dims(trainer)
+    if dims is not None:
+        return dims.non_data_parallel
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     if pc is not None and hasattr(pc, "non_data_parallel_size"):
         return max(1, int(pc.non_data_parallel_size))
@@ -510,6 +532,10 @@ class _GradFixTop:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
+        if state.nd is not None:  # first window: every tp rank got the same batches (a collective on all ranks)
+            from .nd import check_window
+
+            check_window(self, state.nd, batches)
         if state.config.packing.enabled:
             _check_packed(batches)
         _prepare(self, state, batches)
@@ -583,6 +609,11 @@ class _GradFixTop:
             real_rows = self._gradfix_real_eval_rows(untouched)
             if real_rows is not None:  # accelerate padded this last batch with repeated samples: drop them
                 mean, local = self._gradfix_eval_subset(state, model, untouched, real_rows, kwargs)
+            elif self._gradfix_eval_lockstep(untouched):
+                # a sharded model's forward is a collective (FSDP all-gather, TP): run the extra forward that the
+                # padded ranks run, and discard it, or they would wait for this rank forever
+                self._gradfix_eval_subset(state, model, untouched, int(untouched["labels"].shape[0]), kwargs)
+                state.last_aux = aux
             if local > 0:
                 totals.loss_sum += (mean - aux) * local
                 totals.targets += local
@@ -605,12 +636,45 @@ class _GradFixTop:
         if remainder is None or remainder <= 0 or not torch.is_tensor(labels):
             return None
         rows = int(labels.shape[0])
-        real = min(max(remainder - self.accelerator.process_index * rows, 0), rows)
+        real = self._gradfix_real_rows_by_data_rank(remainder, rows)[self._gradfix_data_index()]
         return None if real == rows else real
+
+    def _gradfix_data_index(self) -> int:
+        """This rank's index among the ranks accelerate shards data over (with a mesh: its data-parallel rank)."""
+        dims = _nd_dims(self)
+        return dims.data_rank(self.accelerator.process_index) if dims is not None else self.accelerator.process_index
+
+    def _gradfix_real_rows_by_data_rank(self, remainder: int, rows: int) -> list[int]:
+        dims = _nd_dims(self)
+        ranks = dims.dp if dims is not None else self.accelerator.num_processes
+        return [min(max(remainder - d * rows, 0), rows) for d in range(ranks)]
+
+    def _gradfix_sharded_model(self) -> bool:
+        """Whether the model's forward is a collective (FSDP / TP), so every rank must run the same forwards."""
+        state = state_of(self)
+        if state is not None and state.nd is not None and state.nd.route != "ddp":
+            return True
+        sharded = getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_distributed_loading_by_transformers", False)
+        return bool(sharded)
+
+    def _gradfix_eval_lockstep(self, inputs) -> bool:
+        """A sharded model, in accelerate's padded last eval batch, on a rank that needs no subset forward while
+        another rank does."""
+        gradient_state = self.accelerator.gradient_state
+        if self.accelerator.num_processes <= 1 or not gradient_state.end_of_dataloader or not self._gradfix_sharded_model():
+            return False
+        remainder = gradient_state.remainder
+        labels = inputs.get("labels") if isinstance(inputs, dict) else None
+        if remainder is None or remainder <= 0 or not torch.is_tensor(labels):
+            return False
+        rows = int(labels.shape[0])
+        return any(real != rows for real in self._gradfix_real_rows_by_data_rank(remainder, rows))
 
     def _gradfix_eval_subset(self, state, model, inputs, real_rows, kwargs):
         """(mean loss, target count) over the first ``real_rows`` rows of an eval batch."""
         if real_rows == 0:
+            if self._gradfix_sharded_model():  # the other ranks run a forward: join it on one row, discard it
+                self._gradfix_eval_subset(state, model, inputs, 1, kwargs)
             return 0.0, 0
         rows = int(inputs["labels"].shape[0])
         subset = {k: (v[:real_rows] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == rows else v) for k, v in inputs.items()}
@@ -635,7 +699,9 @@ class _GradFixTop:
         if targets > 0 and output.metrics is not None and key in output.metrics:
             value = loss_sum / targets + (aux_sum / aux_batches if aux_batches else 0.0)
             output.metrics[key] = value
-            output.metrics[f"{metric_key_prefix}_loss_targets"] = targets
+            dims = _nd_dims(self)  # tp ranks evaluated the same rows: count them once
+            once = targets / dims.non_data_parallel if dims is not None else targets
+            output.metrics[f"{metric_key_prefix}_loss_targets"] = once
         return output
 
 
@@ -753,10 +819,20 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
     state = state_of(trainer)
     if state is not None:
         return state
+    from .nd import setup as nd_setup
     from .optim_trainer import check_optimizer_setup, optimizer_requested
 
+    from .environment import check_launched_world
+
+    check_launched_world(trainer)
     check_optimizer_setup(trainer, config.optimizer)
     state = GradFixState(config=config, source=source)
+    # ND-parallel mesh from the `parallel` section (or a model sharded at load time): validated against the world
+    # size and the model, the model sharded, data loading sharded by data-parallel rank. Before the class swap, and
+    # also when the loss fix is off: the mesh is part of the launch, not of the loss.
+    state.nd = nd_setup(trainer, config.parallel)
+    if state.nd is not None:
+        state.fixes.append(state.nd.line)
     trainer.__dict__[_STATE_ATTR] = state
     wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
     if config.loss.enabled or config.packing.enabled or wants_optimizer:

@@ -1,0 +1,456 @@
+"""ND-parallel training (dp_replicate x dp_shard x tp) of a transformers model inside the ``Trainer``.
+
+The degrees come from the ``parallel`` section of the hf_gradfix configuration (or from a model already
+sharded by ``from_pretrained(distributed_config=...)``, or from accelerate's ``ParallelismConfig``); they are
+validated by :class:`~hf_gradfix.parallel.ParallelDims` against the world size and the model's heads.
+
+Route (why this one): the model is sharded by transformers' own distributed machinery, the path
+``from_pretrained(distributed_config=DistributedConfig(...))`` takes, applied to the model the Trainer was
+given: a torch ``DeviceMesh`` ``(pp, dp_replicate, fsdp, tp)``, DTensor tensor parallelism from the model's
+``base_model_tp_plan`` and FSDP2 ``fully_shard`` from its ``base_model_fsdp_plan`` (HSDP when
+``dp_replicate > 1``). Measured on transformers 5.23 / accelerate 1.15 / torch 2.13:
+
+* accelerate's FSDP2 + TP preparation raises ``ImportError: cannot import name 'ReplicateParallel'``, and
+  ``from_pretrained(device_mesh=...)`` no longer applies TP: accelerate cannot shard a TP model;
+* accelerate refuses any ``ParallelismConfig`` under ``DistributedType.MULTI_CPU`` (CPU/gloo), so an
+  accelerate-built ND mesh cannot exist on CPU; transformers' path runs on CPU/gloo and on GPUs alike.
+
+The Trainer then treats the model as "sharded at load time" (``is_distributed_loading_by_transformers``):
+accelerate neither wraps it in DDP nor shards it again, FSDP2 averages gradients over the
+``dp_replicate x dp_shard`` ranks. Data loading stays accelerate's: the accelerator is given a DeviceMesh in
+accelerate's own layout (``dp_replicate, dp_shard, cp, tp``, built by :meth:`ParallelDims.build_mesh`), from
+which accelerate's ``prepare_data_loader`` gives every data-parallel rank different samples and every TP rank
+the same ones. IterableDatasets are sharded per data-parallel rank (``dispatch_batches=False``): accelerate's
+``DataLoaderDispatcher`` sends every rank the same batch under ``dp_shard x tp``.
+
+Nothing of transformers or accelerate is patched: this module sets instance attributes that transformers and
+accelerate themselves set (``trainer.is_distributed_loading_by_transformers``, ``trainer.place_model_on_device``,
+``accelerator.state.device_mesh``, ``accelerator.dataloader_config.dispatch_batches``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config.schema import ParallelConfig
+from ..parallel.dims import ParallelDims
+from .versions import ALLOW_UNTESTED_ENV
+
+logger = logging.getLogger("hf_gradfix")
+
+__all__ = ["NDParallelError", "NDPlan", "setup", "requested", "distributed_config", "check_route", "ND_TESTED"]
+
+#: Versions the transformers route was written and tested against (``HF_GRADFIX_ALLOW_UNTESTED=1`` to try others).
+ND_TESTED = {"transformers": ">=5.23,<6"}
+
+
+class NDParallelError(RuntimeError):
+    """An ND-parallel setup hf_gradfix cannot run exactly; the message says why and what to do."""
+
+
+@dataclass
+class NDPlan:
+    """What :func:`setup` did for one trainer (``state.nd``)."""
+
+    dims: ParallelDims
+    route: str  # "transformers" (sharded here), "model" (sharded at load time), "accelerate-fsdp", "ddp"
+    source: str  # where the degrees came from: "config", "model", "accelerate"
+    data_mesh: Any = None  # accelerate-layout DeviceMesh used for data loading (None: accelerate's own / none)
+    checked_window: bool = False
+
+    @property
+    def line(self) -> str:
+        how = {
+            "transformers": "model sharded with transformers' DistributedConfig (DTensor TP + FSDP2)",
+            "model": "model sharded at load time by from_pretrained(distributed_config=...)",
+            "accelerate-fsdp": "model sharded by accelerate's FSDP2 plugin",
+            "ddp": "plain data parallelism (DDP)",
+        }[self.route]
+        return (
+            f"ND mesh {self.dims.describe()} from the {self.source}: {how}; data sharded over the "
+            f"{self.dims.dp} data-parallel rank(s), tp ranks share batches; token count summed over data ranks only"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Degrees
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def requested(section: ParallelConfig) -> bool:
+    """True when the ``parallel`` section differs from its defaults (the defaults mean: leave the launch as is).
+
+    >>> requested(ParallelConfig()), requested(ParallelConfig(tp=2))
+    (False, True)
+    """
+    return dataclasses.asdict(section) != dataclasses.asdict(ParallelConfig())
+
+
+def _dims_from_section(section: ParallelConfig, world_size: int) -> ParallelDims:
+    return ParallelDims(
+        world_size, dp_replicate=section.dp_replicate, dp_shard=section.dp_shard, tp=section.tp, cp=section.cp
+    )
+
+
+def _model_sizes(model: torch.nn.Module) -> dict[str, int] | None:
+    """The degrees of a model sharded at load time (``from_pretrained(distributed_config=...)``), else None."""
+    if not getattr(model, "is_distributed_loading_by_transformers", False):
+        return None
+    dc = getattr(getattr(model, "config", None), "distributed_config", None)
+    if dc is None:
+        return None
+    return {
+        "dp_replicate": int(getattr(dc, "dp_replicate_size", 1) or 1),
+        "dp_shard": int(getattr(dc, "fsdp_size", 1) or 1),
+        "tp": int(getattr(dc, "tp_size", 1) or 1),
+        "pp": int(getattr(dc, "pp_size", 1) or 1),
+        "ep": int(getattr(dc, "ep_size", 1) or 1),
+    }
+
+
+def _accelerate_sizes(accelerator) -> dict[str, int] | None:
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is None:
+        return None
+    return {
+        "dp_replicate": int(pc.dp_replicate_size),
+        "dp_shard": int(pc.dp_shard_size),
+        "tp": int(pc.tp_size),
+        "cp": int(pc.cp_size),
+        "sp": int(getattr(pc, "sp_size", 1) or 1),
+    }
+
+
+def _mismatch(dims: ParallelDims, sizes: dict[str, int], keys: tuple[str, ...]) -> list[str]:
+    return [f"{k}: {getattr(dims, k)} vs {sizes[k]}" for k in keys if k in sizes and sizes[k] != getattr(dims, k)]
+
+
+def _text_config(model: torch.nn.Module):
+    config = getattr(model, "config", None)
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The transformers route
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def check_route(dims: ParallelDims) -> None:
+    """Raise :class:`NDParallelError` unless the installed transformers can shard a model for ``dims``.
+
+    Needs ``transformers.distributed.DistributedConfig`` with ``fsdp_size`` / ``dp_replicate_size`` and the
+    model's ``prepare_distribute_model`` / ``maybe_distribute_model`` (transformers 5.x, tested on 5.23).
+    """
+    import transformers
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    installed = Version(Version(transformers.__version__).base_version)
+    spec = ND_TESTED["transformers"]
+    what = f"parallel: {dims.describe()}"
+    try:
+        from transformers import PreTrainedModel
+        from transformers.distributed import DistributedConfig
+
+        fields = {f.name for f in dataclasses.fields(DistributedConfig)}
+        missing = [n for n in ("tp_size", "fsdp_size", "dp_replicate_size") if n not in fields]
+        missing += [m for m in ("prepare_distribute_model", "maybe_distribute_model") if not hasattr(PreTrainedModel, m)]
+    except ImportError:
+        missing = ["transformers.distributed.DistributedConfig"]
+    if missing:
+        raise NDParallelError(
+            f"hf_gradfix {what}: sharding the model (tensor parallelism / FSDP2) needs transformers' own "
+            f"DistributedConfig machinery (transformers {spec}, tested on 5.23); the installed transformers "
+            f"{transformers.__version__} lacks {missing}. Fix: install transformers{spec}, or keep the run purely "
+            "data-parallel (parallel: {dp_replicate: -1, dp_shard: 1}, i.e. DDP), or shard with accelerate's "
+            "fsdp_config (FSDP2, no tensor parallelism)."
+        )
+    if installed not in SpecifierSet(spec) and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+        raise NDParallelError(
+            f"hf_gradfix {what}: the ND-parallel route was tested with transformers{spec}, not "
+            f"{transformers.__version__}. Install a tested version, or set {ALLOW_UNTESTED_ENV}=1 to try anyway."
+        )
+
+
+def distributed_config(dims: ParallelDims | ParallelConfig, world_size: int | None = None):
+    """transformers' ``DistributedConfig`` for these degrees (``fsdp_size`` = dp_shard), e.g. for
+    ``from_pretrained(path, distributed_config=...)``. cp > 1 has no transformers equivalent."""
+    if isinstance(dims, ParallelConfig):
+        if world_size is None:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        dims = _dims_from_section(dims, world_size)
+    if dims.cp > 1:
+        raise NDParallelError(_CP_MESSAGE.format(cp=dims.cp))
+    check_route(dims)
+    from transformers.distributed import DistributedConfig
+
+    return DistributedConfig(tp_size=dims.tp, fsdp_size=dims.dp_shard, dp_replicate_size=dims.dp_replicate)
+
+
+_CP_MESSAGE = (
+    "hf_gradfix parallel.cp={cp}: context parallelism is not supported by the ND route yet: transformers' "
+    "DistributedConfig has no cp dimension, and accelerate's CP (torch ring attention) runs only on CUDA "
+    "flash/efficient SDPA (on CPU: 'aten._scaled_dot_product_flash_attention_for_cpu.default does not have a "
+    "sharding strategy registered'). Set parallel.cp: 1."
+)
+
+
+def _broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Every rank starts from rank 0's weights (accelerate's ``sync_module_states``): TP and FSDP2 slice each
+    rank's local copy, so copies that differ (a random init without a common seed) would mix several models."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0)
+
+
+def _shard_with_transformers(model: torch.nn.Module, dims: ParallelDims) -> torch.nn.Module:
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        name = type(model).__name__
+        hint = " (PEFT: shard the base model first, then add adapters)" if "Peft" in name else ""
+        raise NDParallelError(
+            f"hf_gradfix parallel: {dims.describe()} shards a transformers PreTrainedModel with its tp/fsdp plans; "
+            f"got {name}{hint}. Fix: pass the PreTrainedModel itself to the Trainer, or drop the parallel section."
+        )
+    dc = distributed_config(dims)
+    _broadcast_from_rank0(model)
+    cls = type(model)
+    try:
+        dc, _, mesh_manager = cls.prepare_distribute_model(dc)
+        distributed = cls.maybe_distribute_model(model, dc, mesh_manager)
+    except (ValueError, RuntimeError) as err:
+        raise NDParallelError(
+            f"hf_gradfix parallel: transformers could not shard {cls.__name__} for {dims.describe()}: {err}"
+        ) from err
+    if distributed is not model:  # pipeline parallelism would return a new module; pp is never set here
+        raise NDParallelError("hf_gradfix parallel: transformers returned a different module while sharding")
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data loading
+# ----------------------------------------------------------------------------------------------------------------
+
+_OUR_MESHES: list = []  # meshes this module put on accelerate's (process-wide, shared) state
+
+
+def _mesh_sizes(mesh) -> dict[str, int]:
+    return {name: int(mesh[name].size()) for name in (mesh.mesh_dim_names or ())}
+
+
+def _set_data_mesh(trainer, dims: ParallelDims):
+    """Give accelerate a mesh in its own layout so that its data loaders shard by data-parallel rank."""
+    accelerator = trainer.accelerator
+    existing = getattr(accelerator, "torch_device_mesh", None)
+    if existing is not None and not any(existing is m for m in _OUR_MESHES):
+        sizes = _mesh_sizes(existing)
+        wrong = [
+            f"{n}: {sizes.get(n, 1)} vs {getattr(dims, n)}"
+            for n in ("dp_replicate", "dp_shard", "cp", "tp")
+            if sizes.get(n, 1) != getattr(dims, n)
+        ]
+        if wrong:
+            raise NDParallelError(
+                f"hf_gradfix parallel: accelerate's device mesh {existing} does not match {dims.describe()} "
+                f"({'; '.join(wrong)}). Fix: make the parallel section and accelerate's parallelism_config agree."
+            )
+        return existing
+    if dims.non_data_parallel == 1:
+        # every rank loads different data: accelerate's default sharding over all processes is already right
+        _clear_data_mesh(trainer)
+        return None
+    mesh = dims.build_mesh(trainer.args.device.type)
+    accelerator.state.device_mesh = mesh
+    _OUR_MESHES[:] = [mesh]
+    return mesh
+
+
+def _clear_data_mesh(trainer) -> None:
+    """Forget a mesh a previous trainer's setup put on accelerate's shared state (that trainer's, not this one's)."""
+    state = trainer.accelerator.state
+    current = getattr(state, "device_mesh", None)
+    if current is not None and any(current is m for m in _OUR_MESHES):
+        state.device_mesh = None
+
+
+def _no_dispatch(trainer, dims: ParallelDims) -> None:
+    """IterableDatasets: shard the stream per data-parallel rank instead of dispatching from rank 0."""
+    if dims.non_data_parallel == 1:
+        return
+    config = getattr(trainer.accelerator, "dataloader_config", None)
+    if config is None:
+        return
+    if config.dispatch_batches is True and dims.dp > 1:
+        raise NDParallelError(
+            f"hf_gradfix parallel: {dims.describe()} with accelerator_config.dispatch_batches=True: accelerate's "
+            "DataLoaderDispatcher gives every rank the same batch when tensor parallelism is combined with data "
+            "parallelism (data parallelism is lost, tokens are counted several times). Fix: leave dispatch_batches "
+            "unset (hf_gradfix shards IterableDatasets per data-parallel rank) or set it to False."
+        )
+    config.dispatch_batches = False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Setup on one trainer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _resolve(trainer, section: ParallelConfig) -> tuple[ParallelDims | None, str]:
+    world = int(trainer.accelerator.num_processes)
+    model = trainer.model
+    from_model = _model_sizes(model)
+    from_accelerate = _accelerate_sizes(trainer.accelerator)
+    if from_model is not None and (from_model["pp"] > 1 or from_model["ep"] > 1):
+        raise NDParallelError(
+            f"hf_gradfix parallel: the model was sharded with pp_size={from_model['pp']}, ep_size={from_model['ep']}; "
+            "hf_gradfix's exact loss is tested for dp_replicate x dp_shard x tp only."
+        )
+    if requested(section):
+        dims, source = _dims_from_section(section, world), "config"
+    elif from_model is not None:
+        m = from_model
+        dims = ParallelDims(world, dp_replicate=m["dp_replicate"], dp_shard=m["dp_shard"], tp=m["tp"])
+        source = "model"
+    elif from_accelerate is not None and (from_accelerate["tp"] > 1 or from_accelerate["cp"] > 1):
+        if from_accelerate["sp"] > 1:
+            return None, "accelerate"  # DeepSpeed Ulysses: refused by trainer_fix with its own message
+        a = from_accelerate
+        dims = ParallelDims(world, dp_replicate=a["dp_replicate"], dp_shard=a["dp_shard"], tp=a["tp"], cp=a["cp"])
+        source = "accelerate"
+    else:
+        return None, ""
+    if from_model is not None and (wrong := _mismatch(dims, from_model, ("dp_replicate", "dp_shard", "tp"))):
+        raise NDParallelError(
+            f"hf_gradfix parallel: {dims.describe()} does not match the model's own sharding "
+            f"(DistributedConfig; fsdp_size = dp_shard): {'; '.join(wrong)}. Fix: make them agree, or load the "
+            "model without distributed_config and let hf_gradfix shard it."
+        )
+    if from_accelerate is not None and source != "accelerate" and (dims.tp > 1 or from_accelerate["tp"] > 1):
+        wrong = _mismatch(dims, from_accelerate, ("dp_replicate", "dp_shard", "tp", "cp"))
+        if wrong:
+            raise NDParallelError(
+                f"hf_gradfix parallel: {dims.describe()} does not match accelerate's ParallelismConfig "
+                f"({'; '.join(wrong)}). Fix: make the parallel section and accelerate's parallelism_config agree."
+            )
+    return dims, source
+
+
+def setup(trainer, section: ParallelConfig) -> NDPlan | None:
+    """Validate the degrees and apply the mesh to one trainer (called by ``install``, after ``Trainer.__init__``).
+
+    Returns None when nothing is asked for (no ``parallel`` section, no sharded model, no accelerate TP/CP):
+    the launch is left as it is (DDP, or accelerate's FSDP).
+    """
+    dims, source = _resolve(trainer, section)
+    if dims is None:
+        _clear_data_mesh(trainer)
+        return None
+    dims.check_model(_text_config(trainer.model))
+    if dims.cp > 1:
+        raise NDParallelError(_CP_MESSAGE.format(cp=dims.cp))
+    accelerator = trainer.accelerator
+    fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if dims.tp == 1 and dims.dp_shard == 1:
+        route = "ddp"
+        if _model_sizes(trainer.model) is not None:
+            route = "model"
+    elif fsdp_plugin is not None:
+        if dims.tp > 1:
+            raise NDParallelError(
+                f"hf_gradfix parallel: {dims.describe()} under accelerate's FSDP plugin: accelerate 1.15's FSDP2 + "
+                "TP preparation fails with transformers 5.x (ImportError: cannot import name 'ReplicateParallel' "
+                "from transformers.integrations.tensor_parallel). Fix: launch without fsdp_config "
+                "(distributed_type MULTI_GPU, or torchrun); hf_gradfix then shards the model with transformers' "
+                "DistributedConfig (TP + FSDP2)."
+            )
+        route = "accelerate-fsdp"
+    elif _model_sizes(trainer.model) is not None:
+        route = "model"
+    else:
+        route = "transformers"
+    if route == "transformers":
+        if getattr(trainer, "optimizer", None) is not None:
+            raise NDParallelError(
+                f"hf_gradfix parallel: {dims.describe()} shards the model, which replaces its parameters; the "
+                "optimizer passed to the Trainer holds the old ones. Fix: let the Trainer build the optimizer "
+                "(optimizers=(None, None)) or use optimizer_cls_and_kwargs."
+            )
+        args = trainer.args
+        saves = str(getattr(args, "save_strategy", "no")).split(".")[-1].lower() != "no"
+        if saves and not getattr(args, "save_only_model", False):
+            raise NDParallelError(
+                "hf_gradfix parallel: a model sharded by transformers' DistributedConfig cannot checkpoint its "
+                "optimizer state for resuming (transformers' own rule). Fix: save_only_model=True or save_strategy='no'."
+            )
+        _shard_with_transformers(trainer.model, dims)
+        # what Trainer.__init__ sets for a model sharded at load time: accelerate must not wrap or move it
+        trainer.is_distributed_loading_by_transformers = True
+        trainer.place_model_on_device = False
+    plan = NDPlan(dims=dims, route=route, source=source)
+    if route in ("transformers", "model"):
+        plan.data_mesh = _set_data_mesh(trainer, dims)
+        _no_dispatch(trainer, dims)
+    else:
+        _clear_data_mesh(trainer)
+    if accelerator.is_main_process:
+        logger.info("hf_gradfix: %s", plan.line)
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Guard: TP ranks must see the same batches
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _fingerprint(batches: list) -> list[float]:
+    rows, tokens, checksum = 0.0, 0.0, 0.0
+    for batch in batches:
+        if not isinstance(batch, dict):
+            continue
+        for key in ("input_ids", "labels"):
+            value = batch.get(key)
+            if torch.is_tensor(value) and value.numel():
+                flat = value.detach().reshape(-1).to("cpu", torch.float64)
+                weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+                checksum += float((flat * weights).sum())
+                tokens += float(flat.numel())
+                if key == "input_ids":
+                    rows += float(value.shape[0])
+    return [rows, tokens, checksum]
+
+
+def check_window(trainer, plan: NDPlan | None, batches: list) -> None:
+    """On the first optimizer window, check that the ranks of each TP group got identical batches (a collective:
+    every rank calls it). Different batches on TP ranks mean the data sharding is wrong, and the model's
+    tensor-parallel forward would mix them silently."""
+    if plan is None or plan.checked_window or plan.dims.non_data_parallel == 1:
+        return
+    plan.checked_window = True
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    mine = torch.tensor(_fingerprint(batches), dtype=torch.float64, device=trainer.args.device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    every = [t.cpu().tolist() for t in every]
+    for group in plan.dims.groups("tp"):
+        if any(every[r] != every[group[0]] for r in group):
+            raise NDParallelError(
+                f"hf_gradfix parallel: tensor-parallel ranks {group} received different batches in the first "
+                f"window ({[every[r] for r in group]} as [rows, tokens, checksum]); every TP rank must get the same "
+                "batch. A custom dataloader or sampler must shard by data-parallel rank "
+                "(hf_gradfix.parallel.ParallelDims.data_rank), not by process index."
+            )

@@ -1,0 +1,317 @@
+"""ND-parallel meshes (dp_replicate x dp_shard x tp) with the plugin: exact against the single-process full batch.
+
+The distributed tests share ONE launch of 4 processes (gloo, CPU; ~60 s on 2 cores) that runs every scenario of
+``tests/nd_worker.py`` in sequence. Window k of the ground truth is the union of the k-th windows of the
+data-parallel ranks (one rank per TP group: its TP partners must have consumed the same micro-batches), run in one
+process with plain PyTorch (``harness.ground_truth``: each sample alone, CE sum / total targets, one backward).
+
+The other tests (no processes) check the refusals of :func:`hf_gradfix.integration.nd.setup` on a stand-in trainer,
+and the clear error on transformers 4.57 (no ``DistributedConfig``) in the ``.venv-tf457`` environment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import harness as H
+import nd_worker as W
+
+GRAD_TOL = 1e-5  # relative, fp32
+LOSS_TOL = 1e-5
+EXACT = ["shard2_tp2", "shard2_tp2_avg_false", "rep2_shard2", "rep2_tp2", "shard2_tp2_iterable"]
+REFUSED = ["tp4_refused", "world_mismatch_refused", "tp_data_differs_refused"]
+ALL = EXACT + ["shard2_tp2_avg_false_stock"] + REFUSED  # the guard scenario last: it aborts a training run
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The one 4-process launch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nd_runs():
+    from hf_gradfix.integration import nd
+    from hf_gradfix.parallel import ParallelDims
+
+    try:  # transformers 4.57 has no DistributedConfig: the route refuses (tested below without processes)
+        nd.check_route(ParallelDims(4, dp_shard=2, tp=2))
+    except nd.NDParallelError as err:
+        pytest.skip(str(err))
+    out = Path(tempfile.mkdtemp(prefix="hgf_nd_"))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--nnodes", "1",
+        "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
+        str(H.TESTS_DIR / "nd_worker.py"), "--out", str(out), "--scenarios", ",".join(ALL),
+    ]
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=480)
+    if proc.returncode != 0:
+        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
+        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
+        pytest.fail(f"nd_worker failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
+    runs = {}
+    for name in ALL:
+        runs[name] = [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    runs["_stderr"] = proc.stderr
+    if os.environ.get("HGF_KEEP_ND_RUNS") != "1":  # set it to keep the records for a look
+        shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+def windows(ranks: list[dict]) -> list[dict[int, list[list[int]]]]:
+    """Per optimizer step: {data rank: its micro-batches}, after checking every TP group consumed the same ones."""
+    out = []
+    for k in range(len(ranks[0]["steps"])):
+        by_data_rank: dict[int, list] = {}
+        for r in ranks:
+            batches = r["steps"][k]["idx_batches"]
+            seen = by_data_rank.setdefault(r["data_rank"], batches)
+            assert seen == batches, f"step {k}: ranks of data rank {r['data_rank']} (a TP group) consumed different batches"
+        out.append(by_data_rank)
+    return out
+
+
+def compare(ranks: list[dict]) -> list[dict]:
+    r0 = ranks[0]
+    model = W.build_model()
+    model.load_state_dict(r0["initial_state"])
+    by_idx = {s["idx"]: s for s in r0["samples"]}
+    rows = []
+    for k, per_dp in enumerate(windows(ranks)):
+        window = [by_idx[i] for d in sorted(per_dp) for b in per_dp[d] for i in b]
+        gt_loss, gt = H.ground_truth(model, window, "causal")
+        gt_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in gt.values())))
+        rows.append(dict(
+            step=k,
+            rel_err=max(H.rel_err(r["steps"][k]["grads"], gt) for r in ranks),  # every rank's full gradient
+            norm_ratio=H.norm_ratio(r0["steps"][k]["grads"], gt),
+            loss_rel_err=abs(r0["logged_losses"][k] - gt_loss) / gt_loss,
+            grad_norm_rel_err=abs(r0["grad_norms"][k] - gt_norm) / gt_norm,
+            targets_per_data_rank=[sum(H.sample_loss_count(by_idx[i], "causal") for b in per_dp[d] for i in b) for d in sorted(per_dp)],
+        ))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Exactness
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("scenario", EXACT)
+def test_nd_mesh_matches_single_process_full_batch(nd_runs, scenario):
+    ranks = nd_runs[scenario]
+    r0 = ranks[0]
+    assert r0["route"] == "transformers"
+    assert r0["model_class"].startswith("FSDP") and r0["dtensor_params"] > 0  # really sharded (FSDP2 / DTensor)
+    rows = compare(ranks)
+    assert len(rows) >= 2
+    for row in rows:
+        assert row["rel_err"] <= GRAD_TOL, (scenario, row)
+        assert row["loss_rel_err"] <= LOSS_TOL, (scenario, row)
+        assert row["grad_norm_rel_err"] <= LOSS_TOL, (scenario, row)
+        counts = row["targets_per_data_rank"]
+        assert max(counts) >= 2 * min(counts), f"token counts per data rank should be unequal: {counts}"
+    if scenario == "shard2_tp2_avg_false":  # the plugin counts over the data ranks itself, whatever the flag
+        assert "average_tokens_across_devices=False" in nd_runs["_stderr"]
+
+
+@pytest.mark.distributed
+def test_eval_loss_is_the_token_mean_under_tp(nd_runs):
+    """11 eval samples over 2 data ranks with bs 2: accelerate pads the last global batch; the padded rows are
+    dropped by data rank (not process index) and TP partners' identical rows are counted once."""
+    ranks = nd_runs["shard2_tp2"]
+    model = W.build_model()
+    model.load_state_dict(ranks[0]["initial_state"])
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in ranks[0]["samples"][: W.N_SAMPLES - 1]:
+            loss_sum, n = H.sample_loss_sum(model, s, "causal")
+            total, count = total + float(loss_sum), count + n
+    for r in ranks:
+        assert abs(r["eval_loss"] - total / count) <= 1e-6 * (total / count), (r["eval_loss"], total / count)
+        assert r["eval_targets"] == count
+
+
+@pytest.mark.distributed
+def test_stock_loss_with_average_tokens_false_is_off_under_tp(nd_runs):
+    """Negative control, same mesh with the loss fix off: transformers' own average_tokens_across_devices=False path
+    divides an ungathered local count by tp, >2x off. The plugin on the same run is exact (test above)."""
+    rows = compare(nd_runs["shard2_tp2_avg_false_stock"])
+    assert all(row["norm_ratio"] > 1.9 for row in rows), rows
+    assert all(row["rel_err"] > 0.5 for row in rows), rows
+
+
+@pytest.mark.distributed
+def test_mesh_layout_and_coordinates(nd_runs):
+    shard_tp = nd_runs["shard2_tp2"]
+    assert [r["coords"]["tp"] for r in shard_tp] == [0, 1, 0, 1]  # tp innermost: a TP group = consecutive ranks
+    assert [r["data_rank"] for r in shard_tp] == [0, 0, 1, 1]
+    assert shard_tp[0]["dims"] == dict(dp_replicate=1, dp_shard=2, tp=2, cp=1)
+    assert [r["data_rank"] for r in nd_runs["rep2_shard2"]] == [0, 1, 2, 3]
+    assert [r["data_rank"] for r in nd_runs["rep2_tp2"]] == [0, 0, 1, 1]
+    assert nd_runs["rep2_tp2"][0]["dims"] == dict(dp_replicate=2, dp_shard=1, tp=2, cp=1)
+    assert any("ND mesh" in f and "dp_shard=2 x tp=2" in f for f in shard_tp[0]["fixes"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data: every data-parallel rank different samples, every TP rank the same, map-style and iterable
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("scenario", ["shard2_tp2", "rep2_tp2", "rep2_shard2", "shard2_tp2_iterable"])
+def test_data_sharded_by_data_parallel_rank(nd_runs, scenario):
+    ranks = nd_runs[scenario]
+    per_data_rank: dict[int, list[int]] = {}
+    for step in windows(ranks):  # asserts TP ranks identical
+        for d, batches in step.items():
+            per_data_rank.setdefault(d, []).extend(i for b in batches for i in b)
+    streams = list(per_data_rank.values())
+    flat = [i for s in streams for i in s]
+    assert len(flat) == len(set(flat)), f"a sample reached two data-parallel ranks: {per_data_rank}"
+    assert sorted(flat) == list(range(W.N_SAMPLES)), "the union of the data ranks' samples is the dataset/stream"
+    assert len(per_data_rank) == len({r["data_rank"] for r in ranks}) > 1
+
+
+@pytest.mark.distributed
+def test_iterable_dataset_is_sharded_not_dispatched(nd_runs):
+    ranks = nd_runs["shard2_tp2_iterable"]
+    assert ranks[0]["dataloader"] == "DataLoaderShard"  # accelerate's DataLoaderDispatcher would duplicate batches
+    # the stream order, element by element: data rank d gets elements d, d+2, d+4, ... (accelerate's IterableDatasetShard)
+    order = [s["idx"] for s in ranks[0]["samples"]]
+    for d in (0, 1):
+        got = [i for step in windows(ranks) for b in step[d] for i in b]
+        assert got == order[d::2], (d, got, order)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Clear refusals (4 processes, at Trainer construction / first window)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_refusals_under_four_processes(nd_runs):
+    tp4 = {r["error"] for r in nd_runs["tp4_refused"]}
+    assert len(tp4) == 1 and "tp=4 does not divide the model's num_key_value_heads=2" in tp4.pop()
+    world = {r["error"] for r in nd_runs["world_mismatch_refused"]}
+    assert len(world) == 1 and "= 6 processes, but the world size is 4" in world.pop()
+    guard = {r["error"] for r in nd_runs["tp_data_differs_refused"]}
+    assert len(guard) == 1, guard
+    msg = guard.pop()
+    assert msg.startswith("NDParallelError") and "tensor-parallel ranks [0, 1] received different batches" in msg
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# setup() refusals without processes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def fake_trainer(model=None, *, world=4, pc=None, fsdp_plugin=None, optimizer=None, save_strategy="no"):
+    state = SimpleNamespace(fsdp_plugin=fsdp_plugin, device_mesh=None)
+    accelerator = SimpleNamespace(num_processes=world, parallelism_config=pc, state=state, is_main_process=True,
+                                  torch_device_mesh=None, dataloader_config=SimpleNamespace(dispatch_batches=None))
+    args = SimpleNamespace(save_strategy=save_strategy, save_only_model=False, device=torch.device("cpu"))
+    return SimpleNamespace(model=model if model is not None else W.build_model(), accelerator=accelerator, args=args,
+                           optimizer=optimizer)
+
+
+def section(**kw):
+    from hf_gradfix.config import ParallelConfig
+
+    return ParallelConfig(**kw)
+
+
+def test_nd_docstring_examples():
+    import doctest
+
+    from hf_gradfix.integration import nd
+
+    result = doctest.testmod(nd, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_setup_leaves_a_launch_without_parallel_section_alone():
+    from hf_gradfix.integration import nd
+
+    assert not nd.requested(section()) and nd.requested(section(tp=2))
+    trainer = fake_trainer()
+    assert nd.setup(trainer, section()) is None
+    plan = nd.setup(trainer, section(dp_replicate=4, dp_shard=1))  # pure replication: DDP, nothing sharded
+    assert plan.route == "ddp" and plan.data_mesh is None
+    assert not any(type(p.data).__name__ == "DTensor" for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs,trainer_kw,needle",
+    [
+        (dict(dp_shard=1, tp=3), dict(world=3), "parallel.tp=3 does not divide the model's num_attention_heads=4"),
+        (dict(dp_shard=2, tp=2, cp=1), dict(world=8), "= 4 processes, but the world size is 8"),
+        (dict(dp_shard=-1, tp=-1), {}, "at most one degree can take the rest"),
+        (dict(dp_shard=1, tp=2, cp=2), {}, "context parallelism is not supported"),
+        (dict(dp_shard=2, tp=2), dict(fsdp_plugin=object()), "cannot import name 'ReplicateParallel'"),
+        (dict(dp_shard=2, tp=2), dict(optimizer=object()), "the optimizer passed to the Trainer holds the old ones"),
+        (dict(dp_shard=2, tp=2), dict(save_strategy="steps"), "save_only_model=True or save_strategy='no'"),
+    ],
+    ids=["tp-heads", "world", "two-rest", "cp", "accelerate-fsdp-tp", "optimizer", "save"],
+)
+def test_setup_refuses_with_a_clear_error(kwargs, trainer_kw, needle):
+    from hf_gradfix.integration import nd
+    from hf_gradfix.parallel import ParallelDimsError
+
+    with pytest.raises((nd.NDParallelError, ParallelDimsError)) as err:
+        nd.setup(fake_trainer(**trainer_kw), section(**kwargs))
+    assert needle in str(err.value)
+
+
+def test_setup_refuses_a_non_transformers_model_and_a_mismatching_accelerate_config():
+    from accelerate import ParallelismConfig
+
+    from hf_gradfix.integration import nd
+
+    wrapper = H.NoKwargsWrapper(W.build_model())
+    with pytest.raises(nd.NDParallelError, match="shards a transformers PreTrainedModel"):
+        nd.setup(fake_trainer(wrapper), section(dp_shard=2, tp=2))
+    with pytest.raises(nd.NDParallelError, match="does not match accelerate's ParallelismConfig"):
+        nd.setup(fake_trainer(pc=ParallelismConfig(dp_shard_size=4)), section(dp_shard=2, tp=2))
+
+
+TF457 = H.REPO_ROOT / ".venv-tf457" / "bin" / "python"
+
+
+@pytest.mark.skipif(not TF457.exists(), reason="no .venv-tf457 (transformers 4.57) environment")
+def test_transformers_457_refuses_tensor_parallel_with_versions_named():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+        from test_nd_parallel import fake_trainer, section
+        from hf_gradfix.integration import nd
+        try:
+            nd.setup(fake_trainer(), section(dp_shard=2, tp=2))
+        except nd.NDParallelError as err:
+            print("REFUSED:", err)
+        plan = nd.setup(fake_trainer(), section(dp_replicate=4, dp_shard=1))  # DDP needs no DistributedConfig
+        print("DDP:", plan.route)
+        """
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([str(TF457), "-c", code, str(H.REPO_ROOT)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED:" in proc.stdout and "transformers 4.57" in proc.stdout and ">=5.23,<6" in proc.stdout, proc.stdout
+    assert "DistributedConfig" in proc.stdout and "DDP: ddp" in proc.stdout
