@@ -45,6 +45,18 @@ def __getattr__(name: str):
         from .integration import trainer_fix
 
         return getattr(trainer_fix, name)
+    if name == "TokenWindow":
+        from .loss.window import TokenWindow
+
+        return TokenWindow
+    if name == "GradientNoiseScaleCallback":
+        from .integration.gns import GradientNoiseScaleCallback
+
+        return GradientNoiseScaleCallback
+    if name in ("NoiseScaleMonitor", "NoiseScaleEstimator"):
+        from .diagnostics import noise_scale
+
+        return getattr(noise_scale, name)
     raise AttributeError(f"module 'hf_gradfix' has no attribute {name!r}")
 
 
@@ -53,10 +65,14 @@ __all__ = [
     "GradFixCallback",
     "GradFixConfig",
     "GradFixError",
+    "GradientNoiseScaleCallback",
     "LossConfig",
     "is_patched",
     "load_config",
+    "NoiseScaleEstimator",
+    "NoiseScaleMonitor",
     "state_of",
+    "TokenWindow",
     "patch",
     "unpatch",
 ]
