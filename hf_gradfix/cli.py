@@ -9,6 +9,7 @@ splits the file into accelerate's keys (handed to accelerate's own launcher thro
     hf-gradfix launch --config_file configs/cpu_multiprocess.yaml train.py --my-arg 1
     hf-gradfix config check configs/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
     hf-gradfix verify --model tiny --grad-accum 4 --steps 2 [--json] [--plot loss.png]
+    hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100
 """
 
 from __future__ import annotations
@@ -282,9 +283,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
         return launch(argv[1:])
+    if argv and argv[0] == "plan":
+        from .plan import plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="hf-gradfix", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("launch", help="accelerate launch with a YAML that carries an hf_gradfix: section (same arguments)")
+    sub.add_parser("plan", help="per-rank memory for a model and a configuration (closed form, --simulate, --suggest)")
     ver = sub.add_parser("verify", help="prove a run exact: configured gradients vs the one-process ground truth")
     ver.add_argument("--model", default="tiny", help="'tiny' (embedded default), a local directory or a hub id (causal LM)")
     ver.add_argument("--config", default=None, help="YAML with the hf_gradfix section (default: $HF_GRADFIX_CONFIG)")

@@ -1,0 +1,16 @@
+"""``hf-gradfix plan``: per-rank training memory for a model and a mesh, closed form and simulated.
+
+>>> from hf_gradfix.plan import estimate, Settings, load_model_config   # doctest: +SKIP
+"""
+
+from .estimate import (GPU_MEMORY, TINY_MODELS, Plan, PlanError, Settings, estimate, load_model_config, param_table,
+                       parse_memory, playbook_activation_bytes, playbook_model_state_bytes)
+
+__all__ = ["GPU_MEMORY", "TINY_MODELS", "Plan", "PlanError", "Settings", "estimate", "load_model_config", "param_table",
+           "parse_memory", "playbook_activation_bytes", "playbook_model_state_bytes", "plan_main"]
+
+
+def plan_main(argv=None) -> int:
+    from .cli import plan_main as _main
+
+    return _main(argv)

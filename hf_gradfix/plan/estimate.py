@@ -1,0 +1,478 @@
+"""Closed-form per-rank training memory: parameters, gradients, optimizer state, activations, buffers, margin.
+
+Everything here is arithmetic on parameter *shapes* (from a model built on the meta device: no weights) and
+the mesh degrees.  Each term carries a one-line explanation so the table says where a number comes from.
+
+Rules (Ultra-Scale Playbook, "memory usage in transformers"; N = parameter count, k = optimizer bytes/param):
+
+* mixed precision (``bf16``/``fp16``): bf16 weights 2N + bf16 grads 2N + fp32 master 4N + Adam moments 8N
+  = 16N bytes; 20N when gradients are accumulated in fp32 (``grad_fp32=True``, nanotron); ``fp32``: 4+4+8 = 16N;
+  ``bf16-pure`` (no master copy, moments in bf16): 2+2+4 = 8N.
+* ZeRO over the sharding degree ``d`` (FSDP2 shards over ``dp_shard x cp``): stage 1 divides master + moments,
+  stage 2 also the gradients, stage 3 (FSDP) also the weights.  Tensor parallelism divides the weights that the
+  model's tp plan splits (column-wise: out-features, row-wise: in-features) before ZeRO divides the rest.
+* GaLore / APOLLO: per projected matrix of local shape ``(m, n)`` (after FSDP's row split and TP), moments
+  ``2 k r`` and (GaLore only) basis ``d r`` with the side rule of :func:`hf_gradfix.optim.projection.resolve_side`
+  (``auto`` reduces the in-features, so under FSDP2 the basis is not divided by ``d``); everything else AdamW.
+* activations: tensors a SwiGLU decoder block (Llama, Mistral, Qwen2, ...) saves for backward with fused
+  attention (SDPA/flash: no s x s score matrix), counted tensor by tensor; the Playbook's GPT formula
+  ``L s b h (34 + 5 a s / h)`` is reported alongside.  Full recomputation keeps each layer's input plus one
+  layer's activations.  TP (transformers' tp plans, no sequence parallelism) divides the attention and MLP
+  activations by ``tp`` (norms and the residual stream stay replicated); CP divides the tokens by ``cp``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, asdict
+from pathlib import Path
+from typing import Any
+
+GiB = 1024**3
+
+__all__ = [
+    "PlanError",
+    "TINY_MODELS",
+    "GPU_MEMORY",
+    "load_model_config",
+    "param_table",
+    "ParamInfo",
+    "Settings",
+    "Plan",
+    "estimate",
+    "parse_memory",
+    "playbook_model_state_bytes",
+    "playbook_activation_bytes",
+]
+
+
+class PlanError(ValueError):
+    """Input the planner cannot use (unknown model, bad mesh, bad size); the message says what to change."""
+
+
+# ---------------------------------------------------------------------------------------------- models
+TINY_MODELS: dict[str, dict] = {
+    "tiny-llama": dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048),
+    "tiny-mistral": dict(model_type="mistral", hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, vocab_size=640, max_position_embeddings=2048),
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=500, max_position_embeddings=2048,
+                       tie_word_embeddings=True),
+    "llama-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072),
+    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072),
+}
+
+# Memory a training process can use, in bytes (marketing GB -> GiB where the vendor states GB).
+GPU_MEMORY: dict[str, float] = {
+    "h100": 80 * GiB, "h100-80gb": 80 * GiB, "h100-94gb": 94 * GiB, "h200": 141e9, "b200": 180e9,
+    "a100": 80 * GiB, "a100-80gb": 80 * GiB, "a100-40gb": 40 * GiB, "l40s": 48 * GiB, "l4": 24 * GiB,
+    "a10g": 24 * GiB, "rtx4090": 24 * GiB, "rtx3090": 24 * GiB, "v100": 32 * GiB, "v100-16gb": 16 * GiB,
+    "t4": 16 * GiB, "mi300x": 192 * GiB, "mi250x": 128 * GiB,
+}
+
+
+def parse_memory(text: str | float | int) -> float:
+    """Bytes from ``80GiB``, ``80 GB``, ``24g``, a bare number of GiB, or a GPU name (``h100``).
+
+    >>> parse_memory("80GiB") / GiB, parse_memory("h100") / GiB, parse_memory(24) / GiB
+    (80.0, 80.0, 24.0)
+    """
+    if isinstance(text, (int, float)):
+        return float(text) * GiB
+    s = str(text).strip().lower().replace(" ", "")
+    if s in GPU_MEMORY:
+        return GPU_MEMORY[s]
+    m = re.fullmatch(r"([0-9.]+)(gib|gb|g|tib|tb|mib|mb)?", s)
+    if not m:
+        raise PlanError(f"--gpu-memory {text!r}: give a size like 80GiB / 40GB, or a GPU name ({', '.join(sorted(GPU_MEMORY))})")
+    value, unit = float(m.group(1)), m.group(2) or "gib"
+    scale = {"gib": GiB, "g": GiB, "gb": 1e9, "tib": 1024 * GiB, "tb": 1e12, "mib": 1024**2, "mb": 1e6}[unit]
+    return value * scale
+
+
+def load_model_config(spec: str):
+    """A transformers config from a tiny name, a ``config.json``, a local directory or a hub id (config only)."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if spec in TINY_MODELS:
+        kw = dict(TINY_MODELS[spec])
+        return CONFIG_MAPPING[kw.pop("model_type")](**kw)
+    p = Path(spec)
+    if p.is_file():
+        import json
+
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise PlanError(f"--model {spec}: not a JSON config file ({exc})") from exc
+        mt = data.get("model_type")
+        if mt not in CONFIG_MAPPING:
+            raise PlanError(f"--model {spec}: model_type={mt!r} is not a transformers architecture")
+        return CONFIG_MAPPING[mt].from_dict(data)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise PlanError(f"--model {spec}: the directory has no config.json")
+        return AutoConfig.from_pretrained(str(p))
+    try:
+        return AutoConfig.from_pretrained(spec)
+    except Exception as exc:  # OSError (not found / offline), ValueError (unknown type)
+        raise PlanError(
+            f"--model {spec!r}: unknown model. Give a tiny name ({', '.join(TINY_MODELS)}), a config.json, a local "
+            f"directory with a config.json, or a hub id reachable from here (only its config is read). ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
+
+
+@dataclass
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    tp_style: str | None  # colwise / rowwise / None
+    projected: bool = False  # a GaLore/APOLLO target
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _tp_style(name: str, plan: dict) -> str | None:
+    short = name[len("model."):] if name.startswith("model.") else name
+    module = short.rsplit(".", 1)[0]
+    for pattern, style in plan.items():
+        rx = "^" + re.escape(pattern).replace(r"\*", r"\d+") + "$"
+        if re.match(rx, module):
+            if "colwise" in style:
+                return "colwise"
+            if "rowwise" in style:
+                return "rowwise"
+    return None
+
+
+def build_meta_model(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def param_table(config, *, targets=None, exclude=(), min_size: int = 0, model=None) -> list[ParamInfo]:
+    """One row per distinct trainable parameter of the meta-device model (tied weights once)."""
+    from ..optim.groups import select_targets
+
+    model = model if model is not None else build_meta_model(config)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    sel = select_targets(named, targets, exclude, model=model)
+    projected = set(sel.projected)
+    rows = []
+    for n, p in named:
+        proj = n in projected and p.dim() == 2 and min(p.shape) >= min_size
+        rows.append(ParamInfo(n, tuple(p.shape), _tp_style(n, plan), proj))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- settings
+PRECISIONS = {
+    # name: (weight bytes, grad bytes, master bytes, moment bytes, activation bytes)
+    "fp32": (4, 4, 0, 4, 4),
+    "bf16": (2, 2, 4, 4, 2),
+    "fp16": (2, 2, 4, 4, 2),
+    "bf16-pure": (2, 2, 0, 2, 2),
+}
+OPTIMIZERS = ("adamw", "adamw8bit", "galore_adamw", "galore_adamw8bit", "apollo_adamw", "apollo_mini", "sgd")
+
+
+@dataclass
+class Settings:
+    seq_len: int = 2048
+    micro_batch: int = 1
+    grad_accum: int = 1
+    dtype: str = "bf16"
+    grad_fp32: bool = False  # fp32 gradient accumulation buffer (+4N): the Playbook's 20N
+    optimizer: str = "adamw"
+    rank: int = 128
+    proj_side: str = "auto"
+    targets: Any = None
+    exclude: tuple = ()
+    min_size: int = 0
+    recompute: str = "none"  # none | full
+    zero: int | None = None  # None: 3 when dp_shard*cp > 1 (FSDP2), else 0 (DDP)
+    fragmentation: float = 0.10
+    activation_model: str = "decoder"  # decoder (tensor by tensor) | playbook
+
+    def check(self) -> None:
+        if self.dtype not in PRECISIONS:
+            raise PlanError(f"--dtype {self.dtype!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if self.recompute not in ("none", "full"):
+            raise PlanError(f"--recompute {self.recompute!r}: none | full")
+        for key in ("seq_len", "micro_batch", "grad_accum", "rank"):
+            if int(getattr(self, key)) < 1:
+                raise PlanError(f"--{key.replace('_', '-')} must be >= 1")
+        if self.zero not in (None, 0, 1, 2, 3):
+            raise PlanError(f"--zero {self.zero!r}: 0, 1, 2 or 3")
+
+
+COMPONENTS = ("parameters", "master_weights", "gradients", "optimizer_state", "activations", "comm_buffers",
+              "fragmentation")
+
+
+@dataclass
+class Plan:
+    model: str
+    n_params: int
+    mesh: dict
+    settings: dict
+    components: dict  # name -> bytes per rank
+    explain: dict  # name -> text
+    peak: float
+    global_batch_tokens: int
+    activations_no_recompute: float
+    activations_full_recompute: float
+    playbook_activations: float
+    gpu_memory: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_memory is None else self.peak <= self.gpu_memory
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fits"] = self.fits
+        d["peak_gib"] = self.peak / GiB
+        return d
+
+    def table(self) -> str:
+        m = self.mesh
+        unit, div = ("GiB", GiB) if self.peak >= GiB / 4 else ("MiB", 1024**2)
+        lines = [
+            f"model       {self.model}: {self.n_params / 1e9:.3f} B parameters" if self.n_params >= 1e8
+            else f"model       {self.model}: {self.n_params / 1e6:.3f} M parameters",
+            f"mesh        world {m['world_size']}: dp_replicate={m['dp_replicate']} dp_shard={m['dp_shard']} "
+            f"cp={m['cp']} tp={m['tp']} (ZeRO-{self.extra['zero']} over {self.extra['shard_degree']})",
+            f"batch       micro-batch {self.settings['micro_batch']} x seq {self.settings['seq_len']} x grad-accum "
+            f"{self.settings['grad_accum']} x dp {m['dp_replicate'] * m['dp_shard']} = {self.global_batch_tokens:,} tokens/step",
+            f"precision   {self.settings['dtype']}{' + fp32 grad accumulation' if self.settings['grad_fp32'] else ''}, "
+            f"optimizer {self.settings['optimizer']}, recompute {self.settings['recompute']}",
+            "",
+            f"{'component':<17}{unit + '/rank':>10}  how",
+        ]
+        for k in COMPONENTS:
+            lines.append(f"{k:<17}{self.components[k] / div:>10.3f}  {self.explain[k]}")
+        lines.append(f"{'peak':<17}{self.peak / div:>10.3f}  sum of the above (a conservative bound: all live at once)")
+        lines.append(
+            f"activations: {self.activations_no_recompute / div:.3f} {unit} without recomputation, "
+            f"{self.activations_full_recompute / div:.3f} {unit} with full recomputation "
+            f"(Playbook GPT formula, bf16: {self.playbook_activations / div:.3f} {unit})"
+        )
+        if self.gpu_memory is not None:
+            verdict = "FITS" if self.fits else "DOES NOT FIT"
+            lines.append(f"verdict     {verdict} in {self.gpu_memory / GiB:.1f} GiB "
+                         f"({100 * self.peak / self.gpu_memory:.0f} % used)")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- formulas
+def playbook_model_state_bytes(n: float, *, zero: int = 0, dp: int = 1, grad_fp32: bool = False) -> dict:
+    """The Playbook's mixed-precision model state: 2N weights, 2N grads, 4N master + 8N Adam (k = 12)
+    [+4N fp32 grads], divided by ``dp`` per ZeRO stage.
+
+    >>> round(sum(playbook_model_state_bytes(1e9).values()) / 1e9), round(sum(playbook_model_state_bytes(1e9, grad_fp32=True).values()) / 1e9)
+    (16, 20)
+    """
+    w, g, k = 2 * n, 2 * n + (4 * n if grad_fp32 else 0), 12 * n
+    return {"parameters": w / dp if zero >= 3 else w, "gradients": g / dp if zero >= 2 else g,
+            "optimizer_state": k / dp if zero >= 1 else k}
+
+
+def playbook_activation_bytes(config, seq_len: int, micro_batch: int, *, fused_attention: bool = True,
+                              tp: int = 1, cp: int = 1) -> float:
+    """``L s b h (34 + 5 a s / h)`` bytes (bf16, Korthikanti et al.); fused attention drops the ``5as/h`` term."""
+    h, L, a = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    s = seq_len / cp
+    per = 34 + (0 if fused_attention else 5 * a * s / h)
+    return L * s * micro_batch * h * per / tp
+
+
+def _decoder_layer_activation(config, tokens: float, e: int, tp: int) -> float:
+    """Bytes one SwiGLU decoder layer saves for backward (fused SDPA), tensor by tensor (checked against the
+    saved-tensor hooks of a Llama layer: exact in fp32).
+
+    RMSNorm (x2): the fp32 input (4Th, HF upcasts), its rsqrt (4T), ``x * rsqrt`` and the weighted output
+    (2 e Th).  Attention: rotated q (e T hq) and k (e T hk), v (e T hk), the SDPA output (e T hq, also the
+    o_proj input) and its log-sum-exp (4 T heads); GQA runs inside SDPA (no repeated K/V).  MLP: gate,
+    silu(gate), up, their product (4 e T i).
+    """
+    h, i = config.hidden_size, config.intermediate_size
+    nh = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or h // nh
+    hk = (getattr(config, "num_key_value_heads", None) or nh) * hd
+    hq = nh * hd
+    norms = 2 * (4 * tokens * h + 4 * tokens + 2 * e * tokens * h)
+    attn = e * tokens * (2 * hq + 2 * hk) + 4 * tokens * nh
+    mlp = 4 * e * tokens * i
+    # TP (transformers' tp plans: no sequence parallelism) splits attention by heads and the MLP by columns;
+    # the norms and the residual stream stay replicated on every tp rank.
+    return norms + (attn + mlp) / tp
+
+
+def _head_activation(config, tokens: float, e: int, seq: float = 0) -> float:
+    """Final norm, rotary cos/sin, logits kept in the output (e T v), the fp32 log-softmax saved by the loss
+    (4 T v), and two transient fp32 T x v tensors of the loss (the upcast / shifted logits, then their gradient)."""
+    h, v = config.hidden_size, config.vocab_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    return 4 * tokens * h + 4 * tokens + 2 * e * tokens * h + 2 * e * seq * hd + e * tokens * v + 12 * tokens * v
+
+
+def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = None, model_name: str = "model",
+             params: list[ParamInfo] | None = None) -> Plan:
+    """The closed-form per-rank plan (see the module docstring for every rule)."""
+    settings.check()
+    mesh.check_model(config)
+    if settings.seq_len % mesh.cp:
+        raise PlanError(f"--seq-len {settings.seq_len} is not divisible by cp={mesh.cp}")
+    opt = settings.optimizer
+    if params is None:
+        params = param_table(config, targets=settings.targets, exclude=settings.exclude, min_size=settings.min_size)
+    wb, gb, mb, momb, eb = PRECISIONS[settings.dtype]
+    if settings.grad_fp32:
+        gb += 4
+    d = mesh.dp_shard * mesh.cp
+    zero = settings.zero if settings.zero is not None else (3 if d > 1 else 0)
+    if zero == 0:
+        d_eff = 1
+    else:
+        d_eff = d if d > 1 else mesh.dp_replicate  # ZeRO-1/2 without FSDP: over the data-parallel group
+    tp = mesh.tp
+    from ..optim import projection as proj
+    from ..optim.memory import adamw_state_elements, galore_state_elements
+
+    n_total = sum(p.numel for p in params)
+    local_elems = 0.0  # weights on this rank after TP (before ZeRO)
+    opt_bytes = 0.0
+    n_proj = 0
+    layer_local = 0.0
+    root_local = 0.0  # embeddings, final norm, head: FSDP2's root unit, unsharded through forward and backward
+    n_layers = config.num_hidden_layers
+    for p in params:
+        shape = list(p.shape)
+        sharded = set()
+        if tp > 1 and p.tp_style == "colwise":
+            shape[0] = math.ceil(shape[0] / tp); sharded.add(0)
+        elif tp > 1 and p.tp_style == "rowwise" and len(shape) > 1:
+            shape[1] = math.ceil(shape[1] / tp); sharded.add(1)
+        numel = math.prod(shape)
+        local_elems += numel
+        if ".layers.0." in p.name:
+            layer_local += numel
+        elif ".layers." not in p.name:
+            root_local += numel
+        low_rank = p.projected and opt.startswith(("galore", "apollo"))
+        if low_rank:
+            n_proj += 1
+            rank = 1 if opt == "apollo_mini" else settings.rank
+            if zero >= 3 and d_eff > 1:
+                shape[0] = math.ceil(shape[0] / d_eff)  # FSDP2 Shard(0): the projection sees the row shard
+                div = 1
+            else:
+                div = d_eff if zero >= 1 else 1
+            side = proj.resolve_side(tuple(shape), settings.proj_side, frozenset(sharded))
+            moments, basis = galore_state_elements(tuple(shape), rank, side)
+            mom = 1 if opt.endswith("8bit") else momb
+            if opt.startswith("galore"):
+                b = moments * mom + basis * momb + 5
+            else:
+                b = moments * mom + 8 + 5 + 4
+            opt_bytes += b / div
+        elif opt == "sgd":
+            pass
+        else:
+            per = 1 if opt.endswith("8bit") else momb
+            b = adamw_state_elements(tuple(shape)) * per + 4
+            if opt.endswith("8bit"):
+                b += 2 * math.ceil(numel / 256) * 4  # blockwise absmax (bitsandbytes, block 256)
+            opt_bytes += b / (d_eff if zero >= 1 else 1)
+    params_b = local_elems * wb / (d_eff if zero >= 3 else 1)
+    master_b = local_elems * mb / (d_eff if zero >= 1 else 1)
+    grads_b = local_elems * gb / (d_eff if zero >= 2 else 1)
+
+    # activations, per micro-batch, this rank's tokens
+    tokens = settings.micro_batch * settings.seq_len / mesh.cp
+    layer_act = _decoder_layer_activation(config, tokens, eb, tp)
+    head_act = _head_activation(config, tokens, eb, settings.seq_len / mesh.cp)
+    act_none = n_layers * layer_act + head_act
+    # full recompute: the checkpointed layer inputs, plus the larger of the loss (end of forward) and one
+    # recomputed layer during backward (by then only the logits of the head are still alive)
+    ckpt = n_layers * eb * tokens * config.hidden_size
+    act_full = ckpt + max(head_act, layer_act + eb * tokens * config.vocab_size)
+    pb_act = playbook_activation_bytes(config, settings.seq_len, settings.micro_batch, tp=tp, cp=mesh.cp)
+    if settings.activation_model == "playbook":
+        act_none = pb_act * eb / 2 + head_act
+        act_full = ckpt + pb_act * eb / 2 / n_layers + head_act
+    act = act_full if settings.recompute == "full" else act_none
+
+    # communication buffers
+    if zero >= 3 and d_eff > 1:
+        prefetch = layer_local * wb
+        comm = root_local * wb + layer_local * (wb + gb) + prefetch
+        comm_txt = ("FSDP2: root unit (embeddings, head) gathered + 1 layer gathered + its unsharded grads "
+                    "+ 1 layer prefetched")
+    elif mesh.dp > 1:
+        comm = min(2 * 25 * 1024**2, local_elems * gb)
+        comm_txt = "DDP/ZeRO gradient buckets (2 x 25 MiB, at most the gradients)"
+    else:
+        comm, comm_txt = 0.0, "one process per replica: no collectives"
+    if not (zero >= 3 and d_eff > 1):
+        prefetch = 0.0
+    if tp > 1 or mesh.cp > 1:
+        extra = 2 * tokens * config.hidden_size * eb * (1 if tp > 1 else 0) + (2 * tokens * 2 *
+                                                                            config.hidden_size * eb if mesh.cp > 1 else 0)
+        comm += extra
+        comm_txt += "; TP/SP all-gather of one layer input" * (tp > 1) + "; CP ring K/V chunks" * (mesh.cp > 1)
+    subtotal = params_b + master_b + grads_b + opt_bytes + act + comm
+    frag = settings.fragmentation * subtotal
+    comp = {"parameters": params_b, "master_weights": master_b, "gradients": grads_b, "optimizer_state": opt_bytes,
+            "activations": act, "comm_buffers": comm, "fragmentation": frag}
+    shard_txt = lambda on: f" / {d_eff} (ZeRO)" if on and d_eff > 1 else ""
+    tp_txt = f", TP-split weights / {tp}" if tp > 1 else ""
+    if opt.startswith(("galore", "apollo")):
+        opt_txt = (f"{opt} rank {1 if opt == 'apollo_mini' else settings.rank} on {n_proj} matrices "
+                   f"(side {settings.proj_side}), AdamW on the rest")
+    elif opt == "sgd":
+        opt_txt = "SGD without momentum: no state"
+    else:
+        opt_txt = f"{opt}: 2 moments x {1 if opt.endswith('8bit') else momb} B/param"
+    opt_txt += shard_txt(zero >= 1) if not (zero >= 3 and opt.startswith(("galore", "apollo"))) else \
+        f" on the FSDP row shard (1/{d_eff}; the basis is not divided)"
+    explain = {
+        "parameters": f"{wb} B x {n_total:,} params{tp_txt}{shard_txt(zero >= 3)}",
+        "master_weights": (f"fp32 master copy 4 B/param{shard_txt(zero >= 1)}" if mb else "none (weights are the master)"),
+        "gradients": f"{gb} B/param{' (incl. 4 B fp32 accumulation)' if settings.grad_fp32 else ''}{shard_txt(zero >= 2)}",
+        "optimizer_state": opt_txt,
+        "activations": (f"{'full recompute: layer inputs + 1 layer' if settings.recompute == 'full' else 'all layers'}"
+                        f", {int(tokens):,} tokens/rank{' (seq / cp)' if mesh.cp > 1 else ''}"
+                        f"{', attention/MLP / tp (norms replicated)' if tp > 1 else ''}, + logits and fp32 log-softmax"),
+        "comm_buffers": comm_txt,
+        "fragmentation": f"{100 * settings.fragmentation:.0f} % allocator/fragmentation margin",
+    }
+    gbt = settings.micro_batch * settings.seq_len * settings.grad_accum * mesh.dp
+    return Plan(
+        model=model_name, n_params=n_total,
+        mesh={"world_size": mesh.world_size, "dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard,
+              "cp": mesh.cp, "tp": mesh.tp},
+        settings=asdict(settings), components=comp, explain=explain, peak=subtotal + frag,
+        global_batch_tokens=gbt, activations_no_recompute=act_none, activations_full_recompute=act_full,
+        playbook_activations=pb_act, gpu_memory=gpu_memory,
+        extra={"zero": zero, "shard_degree": d_eff, "projected_matrices": n_proj, "prefetch_bytes": prefetch},
+    )

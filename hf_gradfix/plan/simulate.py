@@ -1,0 +1,210 @@
+"""``--simulate``: trace one real training step under fake tensors and report per-category memory of rank 0.
+
+The model is built from its config inside ``FakeTensorMode`` (no storage is ever allocated), optionally sharded
+with FSDP2 over a fake process group of the configured world size (``init_process_group("fake")``: collectives
+return immediately, shapes are real), and run through forward, backward and ``optimizer.step()`` twice (the
+second step is the steady state: the optimizer state exists during the forward).  torch's
+``MemTracker`` / ``FSDPMemTracker`` classify every storage (parameters, gradients, activations, optimizer
+state, temporaries, FSDP all-gather / reduce-scatter buffers); this module also records each category's own
+maximum over the step and where the total peak happens.  Private torch APIs (torch.distributed._tools):
+tested with torch 2.13.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .estimate import PlanError, Settings
+
+__all__ = ["simulate"]
+
+# tracker category -> plan component
+_MAP = {
+    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "comm_buffers",
+    "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "comm_buffers",
+    "Activation": "activations", "Temp": "temporaries", "Optstate": "optimizer_state", "OptState": "optimizer_state", "Other": "other",
+    "All Gather": "comm_buffers", "Reduce Scatter": "comm_buffers",
+}
+
+
+def _make_optimizer(model, settings: Settings):
+    import torch
+
+    name = settings.optimizer
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    if name in ("galore_adamw", "apollo_adamw", "apollo_mini"):
+        from ..optim import ApolloAdamW, GaLoreAdamW, apollo_mini
+
+        kw = dict(targets=settings.targets, exclude=list(settings.exclude), min_size=settings.min_size,
+                  proj_side=settings.proj_side)
+        if name == "galore_adamw":
+            from ..optim import projection as proj
+            from ..optim.lowrank import _full
+
+            class _TracedGaLore(GaLoreAdamW):
+                """GaLoreAdamW whose basis refresh skips the finiteness check (a data-dependent branch that fake
+                tensors cannot take); the stored basis has the real one's shape and dtype."""
+
+                def _new_basis(self, p, state, group, plan):
+                    g32 = _full(p.grad).float()
+                    basis = proj.top_basis(g32, group["rank"], plan.side, method=self._method(group, tuple(g32.shape)),
+                                           oversample=group["oversample"], niter=group["niter"])
+                    return proj.canonicalize_signs(basis)
+
+            return _TracedGaLore(model, lr=1e-4, rank=settings.rank, **kw)
+        if name == "apollo_adamw":
+            return ApolloAdamW(model, lr=1e-4, rank=settings.rank, **kw)
+        return apollo_mini(model, lr=1e-4, **kw)
+    raise PlanError(f"--simulate supports adamw, galore_adamw, apollo_adamw, apollo_mini; not {name!r}")
+
+
+def _apply_tp(model, config, tp_mesh) -> None:
+    """DTensor TP of every decoder layer from the config's ``base_model_tp_plan`` (colwise / rowwise)."""
+    import re
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise PlanError(f"--simulate: {type(config).__name__} has no base_model_tp_plan; tp > 1 cannot be simulated")
+    for idx, layer in enumerate(model.model.layers):
+        sub = {}
+        for pattern, style in plan.items():
+            m = re.fullmatch(r"layers\.\*\.(.+)", pattern)
+            if not m:
+                continue
+            if "colwise" in style:
+                sub[m.group(1)] = ColwiseParallel()
+            elif "rowwise" in style:
+                sub[m.group(1)] = RowwiseParallel()
+        parallelize_module(layer, tp_mesh, sub)
+
+
+def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, Any]:
+    """Trace ``steps`` training steps of rank 0 (bytes): ``peak`` (total), ``at_peak`` (per component at that
+    instant), ``after_step`` (what stays between steps: weights, optimizer state), ``max`` (each component's own
+    maximum), ``phase`` (forward / backward / optimizer step), ``seconds``."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import AutoModelForCausalLM
+
+    settings.check()
+    mesh.check_model(config)
+    if mesh.cp > 1:
+        raise PlanError("--simulate: context parallelism is not simulated yet (cp > 1); use the closed form")
+    if mesh.tp > 1 and mesh.dp_shard > 1:
+        raise PlanError("--simulate: FSDP2 x TP is not simulated yet (FSDP2's 2-D setup takes data-dependent steps that "
+                        "fake tensors cannot trace); simulate tp alone or dp_shard alone, or use the closed form")
+    if settings.dtype not in ("fp32", "bf16-pure"):
+        raise PlanError("--simulate traces fp32 or bf16-pure (mixed precision keeps the same 16N total but a "
+                        "different split); use --dtype fp32 or bf16-pure")
+    dtype = torch.float32 if settings.dtype == "fp32" else torch.bfloat16
+    t0 = time.perf_counter()
+    sharded = mesh.dp_shard * mesh.cp > 1
+    started_pg = False
+    if sharded or mesh.tp > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            raise PlanError("--simulate needs to start its own fake process group; one is already initialized")
+        dist.init_process_group("fake", rank=0, world_size=mesh.world_size, store=FakeStore())
+        started_pg = True
+    cat_max: dict[str, int] = {}
+    phase = {"now": "forward", "peak": None}
+
+    def mixin(base):
+        class _Tracker(base):
+            def _update_peak_stats(self, peak_state):  # noqa: D401
+                before = dict(self._peak_mem)
+                super()._update_peak_stats(peak_state)
+                for dev, snap in self._curr_mem_snap.items():
+                    for k, v in snap.items():
+                        key = getattr(k, "value", k)
+                        if v > cat_max.get(key, 0):
+                            cat_max[key] = v
+                    if self._peak_mem.get(dev, 0) != before.get(dev, 0):
+                        phase["peak"] = ("optimizer step" if self._in_opt else
+                                         "backward" if self._mod_tracker.is_bw else "forward")
+        return _Tracker
+
+    try:
+        config = config.__class__.from_dict(config.to_dict())
+        config._attn_implementation = "sdpa"
+        config.use_cache = False
+        dm = mesh.build_mesh("cpu") if started_pg else None
+        tp_mesh = fsdp_mesh = None  # sub-meshes are sliced outside fake mode (slicing reads the mesh tensor)
+        if dm is not None:
+            names = dm.mesh_dim_names
+            if mesh.tp > 1:
+                tp_mesh = dm["tp"] if len(names) > 1 else dm
+            if sharded:
+                shard = "dp_shard_cp" if mesh.cp > 1 else "dp_shard"
+                if len(names) == 1:
+                    fsdp_mesh = dm
+                elif mesh.dp_replicate > 1:
+                    fsdp_mesh = dm[("dp_replicate", shard)]
+                else:
+                    fsdp_mesh = dm[shard]
+        with FakeTensorMode():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model.train()
+            if settings.recompute == "full":
+                if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                else:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if mesh.tp > 1:
+                _apply_tp(model, config, tp_mesh)
+            if sharded:
+                from torch.distributed.fsdp import fully_shard
+
+                for layer in model.model.layers:
+                    fully_shard(layer, mesh=fsdp_mesh)
+                fully_shard(model, mesh=fsdp_mesh)
+            opt = _make_optimizer(model, settings)
+            tokens = settings.seq_len // mesh.cp
+            ids = torch.randint(0, config.vocab_size, (settings.micro_batch, tokens))
+            tracker = (mixin(FSDPMemTracker)(model, opt) if sharded else mixin(MemTracker)())
+            if not sharded:
+                tracker.track_external(model, opt)
+            with tracker:
+                for step in range(steps):
+                    if step == steps - 1:
+                        tracker.reset_mod_stats()
+                        cat_max.clear()
+                        tracker._peak_mem.clear(); tracker._peak_mem_snap.clear()
+                    out = model(input_ids=ids, labels=ids)
+                    out.loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                after_snap = tracker.get_tracker_snapshot()  # steady state, after the step
+            peak_snap = tracker.get_tracker_snapshot("peak")
+    finally:
+        if started_pg:
+            dist.destroy_process_group()
+    snap = next(iter(peak_snap.values()))
+
+    def by_component(snapshot):
+        out: dict[str, int] = {}
+        for k, v in snapshot.items():
+            key = getattr(k, "value", k)
+            if key != "Total":
+                comp = _MAP.get(key, "other")
+                out[comp] = out.get(comp, 0) + v
+        return out
+
+    at_peak = by_component(snap)
+    after_step = by_component(next(iter(after_snap.values()))) if after_snap else {}
+    maxima: dict[str, int] = {}
+    for k, v in cat_max.items():
+        if k == "Total":
+            continue
+        comp = _MAP.get(k, "other")
+        maxima[comp] = max(maxima.get(comp, 0), v) if comp != "parameters" else maxima.get(comp, 0) + v
+    return {"peak": snap["Total"], "at_peak": at_peak, "after_step": after_step, "max": maxima, "phase": phase["peak"],
+            "seconds": time.perf_counter() - t0, "raw_max": cat_max}
