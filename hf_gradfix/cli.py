@@ -133,8 +133,9 @@ def resolve_config(
         raise ConfigError(f"{path}: num_processes={world} must be >= 1")
     acc_sizes = _accelerate_sizes(acc, path)
     par = gradfix.parallel
-    # Same rule as the run time (integration.nd): the section applies when it differs from its defaults.
-    ours_set = section is not None and "parallel" in section and par != type(par)()
+    from .integration.nd import requested  # the run time's own rule: the section applies when not the defaults
+
+    ours_set = section is not None and requested(par)
     if ours_set:
         mesh = ParallelDims(world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, cp=par.cp)
         source = f"{SECTION}.parallel"
