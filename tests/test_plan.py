@@ -94,7 +94,7 @@ def test_closed_form_matches_simulation(name, mesh_kw):
     assert p.components["parameters"] == pytest.approx(r["max"]["parameters"], rel=0.10)
     assert p.components["gradients"] == pytest.approx(r["max"]["gradients"], rel=0.10)
     assert p.components["optimizer_state"] == pytest.approx(r["after_step"]["optimizer_state"], rel=0.10)
-    assert p.components["activations"] == pytest.approx(r["max"]["activations"], rel=0.10)
+    assert p.components["activations"] == pytest.approx(r["max"]["activations_and_temporaries"], rel=0.10)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
@@ -105,8 +105,9 @@ def test_recompute_matches_simulation(name):
     s = Settings(seq_len=128, micro_batch=2, dtype="fp32", recompute="full")
     p = estimate(cfg, ParallelDims(1), s)
     r = simulate(cfg, ParallelDims(1), s)
-    assert p.components["activations"] == pytest.approx(r["max"]["activations"], rel=0.10)
-    assert p.components["activations"] < 0.5 * estimate(cfg, ParallelDims(1), Settings(seq_len=128, micro_batch=2,
+    assert p.components["activations"] == pytest.approx(r["max"]["activations_and_temporaries"], rel=0.10)
+    # two layers: recomputation keeps one layer instead of two (plus the checkpoints)
+    assert p.components["activations"] < 0.75 * estimate(cfg, ParallelDims(1), Settings(seq_len=128, micro_batch=2,
                                                                                        dtype="fp32")).components["activations"]
 
 

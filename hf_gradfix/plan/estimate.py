@@ -14,11 +14,13 @@ Rules (Ultra-Scale Playbook, "memory usage in transformers"; N = parameter count
 * GaLore / APOLLO: per projected matrix of local shape ``(m, n)`` (after FSDP's row split and TP), moments
   ``2 k r`` and (GaLore only) basis ``d r`` with the side rule of :func:`hf_gradfix.optim.projection.resolve_side`
   (``auto`` reduces the in-features, so under FSDP2 the basis is not divided by ``d``); everything else AdamW.
-* activations: tensors a SwiGLU decoder block (Llama, Mistral, Qwen2, ...) saves for backward with fused
-  attention (SDPA/flash: no s x s score matrix), counted tensor by tensor; the Playbook's GPT formula
-  ``L s b h (34 + 5 a s / h)`` is reported alongside.  Full recomputation keeps each layer's input plus one
-  layer's activations.  TP (transformers' tp plans, no sequence parallelism) divides the attention and MLP
-  activations by ``tp`` (norms and the residual stream stay replicated); CP divides the tokens by ``cp``.
+* activations (default ``activation_model="traced"``): every tensor the architecture's own forward saves for
+  backward, counted on fake tensors at the planned shape (``activations.py``: any architecture, fused attention
+  by default), plus the logits and the fp32 loss gradients.  ``"formula"`` is the same count written out by
+  hand for SwiGLU decoders (Llama, Mistral, Qwen2: equal to the trace there, a test checks it); the Playbook's
+  GPT formula ``L s b h (34 + 5 a s / h)`` is reported alongside.  Full recomputation keeps each layer's input
+  plus one layer's activations.  TP (transformers' tp plans, no sequence parallelism) divides what attention
+  and MLP create by ``tp`` (norms and the residual stream stay replicated); CP divides the tokens by ``cp``.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     tp_style: str | None  # colwise / rowwise / None
     projected: bool = False  # a GaLore/APOLLO target
+    layer: int | None = None  # index of the decoder block holding it (None: embeddings, final norm, head)
 
     @property
     def numel(self) -> int:
@@ -168,15 +171,21 @@ def param_table(config, *, targets=None, exclude=(), min_size: int = 0, model=No
     """One row per distinct trainable parameter of the meta-device model (tied weights once)."""
     from ..optim.groups import select_targets
 
+    from .activations import decoder_layers
+
     model = model if model is not None else build_meta_model(config)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     sel = select_targets(named, targets, exclude, model=model)
     projected = set(sel.projected)
+    layer_of = {}
+    for i, (_, block) in enumerate(decoder_layers(model)):
+        for p in block.parameters():
+            layer_of.setdefault(id(p), i)
     rows = []
     for n, p in named:
         proj = n in projected and p.dim() == 2 and min(p.shape) >= min_size
-        rows.append(ParamInfo(n, tuple(p.shape), _tp_style(n, plan), proj))
+        rows.append(ParamInfo(n, tuple(p.shape), _tp_style(n, plan), proj, layer_of.get(id(p))))
     return rows
 
 
@@ -207,7 +216,10 @@ class Settings:
     recompute: str = "none"  # none | full
     zero: int | None = None  # None: 3 when dp_shard*cp > 1 (FSDP2), else 0 (DDP)
     fragmentation: float = 0.10
-    activation_model: str = "decoder"  # decoder (tensor by tensor) | playbook
+    # traced: counted from the architecture's forward on fake tensors (any architecture; activations.py);
+    # formula: the SwiGLU-decoder closed form written out tensor by tensor; playbook: Korthikanti et al.
+    activation_model: str = "traced"
+    attention: str = "fused"  # fused (FlashAttention 2 / SDPA: no s x s scores saved) | eager
 
     def check(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -221,6 +233,10 @@ class Settings:
                 raise PlanError(f"--{key.replace('_', '-')} must be >= 1")
         if self.zero not in (None, 0, 1, 2, 3):
             raise PlanError(f"--zero {self.zero!r}: 0, 1, 2 or 3")
+        if self.activation_model not in ("traced", "formula", "playbook"):
+            raise PlanError(f"activation_model={self.activation_model!r}: traced | formula | playbook")
+        if self.attention not in ("fused", "eager"):
+            raise PlanError(f"--attention {self.attention!r}: fused (FlashAttention / SDPA) | eager")
 
 
 COMPONENTS = ("parameters", "master_weights", "gradients", "optimizer_state", "activations", "comm_buffers",
@@ -284,6 +300,13 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------------------------- formulas
+def _fmt(b: float) -> str:
+    for unit, div in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if b >= div:
+            return f"{b / div:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
 def playbook_model_state_bytes(n: float, *, zero: int = 0, dp: int = 1, grad_fp32: bool = False) -> dict:
     """The Playbook's mixed-precision model state: 2N weights, 2N grads, 4N master + 8N Adam (k = 12)
     [+4N fp32 grads], divided by ``dp`` per ZeRO stage.
@@ -364,7 +387,7 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     n_proj = 0
     layer_local = 0.0
     root_local = 0.0  # embeddings, final norm, head: FSDP2's root unit, unsharded through forward and backward
-    n_layers = config.num_hidden_layers
+    n_layers = len({p.layer for p in params if p.layer is not None}) or config.num_hidden_layers
     for p in params:
         shape = list(p.shape)
         sharded = set()
@@ -374,9 +397,9 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
             shape[1] = math.ceil(shape[1] / tp); sharded.add(1)
         numel = math.prod(shape)
         local_elems += numel
-        if ".layers.0." in p.name:
+        if p.layer == 0:
             layer_local += numel
-        elif ".layers." not in p.name:
+        elif p.layer is None:
             root_local += numel
         low_rank = p.projected and opt.startswith(("galore", "apollo"))
         if low_rank:
@@ -409,17 +432,38 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
 
     # activations, per micro-batch, this rank's tokens
     tokens = settings.micro_batch * settings.seq_len / mesh.cp
-    layer_act = _decoder_layer_activation(config, tokens, eb, tp)
-    head_act = _head_activation(config, tokens, eb, settings.seq_len / mesh.cp)
-    act_none = n_layers * layer_act + head_act
-    # full recompute: the checkpointed layer inputs, plus the larger of the loss (end of forward) and one
-    # recomputed layer during backward (by then only the logits of the head are still alive)
-    ckpt = n_layers * eb * tokens * config.hidden_size
-    act_full = ckpt + max(head_act, layer_act + eb * tokens * config.vocab_size)
     pb_act = playbook_activation_bytes(config, settings.seq_len, settings.micro_batch, tp=tp, cp=mesh.cp)
-    if settings.activation_model == "playbook":
-        act_none = pb_act * eb / 2 + head_act
-        act_full = ckpt + pb_act * eb / 2 / n_layers + head_act
+    act_how = ""
+    if settings.activation_model == "traced":
+        from .activations import trace_activations
+
+        tr = trace_activations(config, micro_batch=settings.micro_batch, seq_len=settings.seq_len // mesh.cp,
+                               dtype="fp32" if eb == 4 else "bf16", attention=settings.attention)
+        per_layer = [tr.layer(i, tp) for i in range(len(tr.layer_split))]
+        # a layer's backward footprint (its saved tensors + gradients) shrinks with tp as its activations do
+        layer_bwd = tr.layer_backward * max(per_layer) / max(tr.layer(i) for i in range(len(per_layer)))
+        head_act = tr.outside + tr.logits + tr.loss_transient
+        # without recompute the peak is where backward starts (everything saved + the loss gradients), or in the
+        # last layer's backward for a model whose layer working set outweighs the loss gradients
+        act_none = tr.outside + tr.logits + max(sum(per_layer) + tr.loss_transient, sum(per_layer[:-1]) + layer_bwd)
+        # full recompute: the checkpointed layer inputs, plus the larger of the loss (end of forward) and one
+        # recomputed layer's backward footprint (by then only the logits of the head are still alive)
+        ckpt = len(per_layer) * tr.hidden
+        act_full = ckpt + max(head_act, tr.logits + layer_bwd)
+        act_how = (f"counted from the forward ({tr.attention} attention): {len(per_layer)} layers x "
+                   f"{_fmt(sum(per_layer) / len(per_layer))} + outside the layers {_fmt(tr.outside)} + logits "
+                   f"{_fmt(tr.logits)} + fp32 loss gradients {_fmt(tr.loss_transient)}"
+                   + (f"; a recomputed layer's backward peaks at {_fmt(layer_bwd)}"
+                      if settings.recompute == "full" else ""))
+    else:
+        layer_act = _decoder_layer_activation(config, tokens, eb, tp)
+        head_act = _head_activation(config, tokens, eb, settings.seq_len / mesh.cp)
+        act_none = n_layers * layer_act + head_act
+        ckpt = n_layers * eb * tokens * config.hidden_size
+        act_full = ckpt + max(head_act, layer_act + eb * tokens * config.vocab_size)
+        if settings.activation_model == "playbook":
+            act_none = pb_act * eb / 2 + head_act
+            act_full = ckpt + pb_act * eb / 2 / n_layers + head_act
     act = act_full if settings.recompute == "full" else act_none
 
     # communication buffers
@@ -462,7 +506,8 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         "optimizer_state": opt_txt,
         "activations": (f"{'full recompute: layer inputs + 1 layer' if settings.recompute == 'full' else 'all layers'}"
                         f", {int(tokens):,} tokens/rank{' (seq / cp)' if mesh.cp > 1 else ''}"
-                        f"{', attention/MLP / tp (norms replicated)' if tp > 1 else ''}, + logits and fp32 log-softmax"),
+                        f"{', attention/MLP / tp (norms replicated)' if tp > 1 else ''}"
+                        + (f"; {act_how}" if act_how else ", + logits and fp32 log-softmax")),
         "comm_buffers": comm_txt,
         "fragmentation": f"{100 * settings.fragmentation:.0f} % allocator/fragmentation margin",
     }

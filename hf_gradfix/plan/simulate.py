@@ -69,7 +69,9 @@ def _apply_tp(model, config, tp_mesh) -> None:
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
         raise PlanError(f"--simulate: {type(config).__name__} has no base_model_tp_plan; tp > 1 cannot be simulated")
-    for idx, layer in enumerate(model.model.layers):
+    from .activations import decoder_layers
+
+    for _, layer in decoder_layers(model):
         sub = {}
         for pattern, style in plan.items():
             m = re.fullmatch(r"layers\.\*\.(.+)", pattern)
@@ -115,6 +117,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
         dist.init_process_group("fake", rank=0, world_size=mesh.world_size, store=FakeStore())
         started_pg = True
     cat_max: dict[str, int] = {}
+    comp_max: dict[str, int] = {}
     phase = {"now": "forward", "peak": None}
 
     def mixin(base):
@@ -123,19 +126,30 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
                 before = dict(self._peak_mem)
                 super()._update_peak_stats(peak_state)
                 for dev, snap in self._curr_mem_snap.items():
+                    comp: dict[str, int] = {}
                     for k, v in snap.items():
                         key = getattr(k, "value", k)
                         if v > cat_max.get(key, 0):
                             cat_max[key] = v
+                        if key != "Total":
+                            c = _MAP.get(key, "other")
+                            comp[c] = comp.get(c, 0) + v
+                    if not self._in_opt:
+                        # what forward and backward hold beyond the model state: saved activations plus the
+                        # backward's transient gradients (the tracker files those under Temp)
+                        comp["activations_and_temporaries"] = comp.get("activations", 0) + comp.get("temporaries", 0)
+                    for c, v in comp.items():  # each component's own maximum over the step (summed categories)
+                        if v > comp_max.get(c, 0):
+                            comp_max[c] = v
                     if self._peak_mem.get(dev, 0) != before.get(dev, 0):
                         phase["peak"] = ("optimizer step" if self._in_opt else
                                          "backward" if self._mod_tracker.is_bw else "forward")
         return _Tracker
 
+    from .activations import decoder_layers, fake_kernel_mode, prepare_config, set_trace_attention
+
     try:
-        config = config.__class__.from_dict(config.to_dict())
-        config._attn_implementation = "sdpa"
-        config.use_cache = False
+        config = prepare_config(config)
         dm = mesh.build_mesh("cpu") if started_pg else None
         tp_mesh = fsdp_mesh = None  # sub-meshes are sliced outside fake mode (slicing reads the mesh tensor)
         if dm is not None:
@@ -153,6 +167,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
         with FakeTensorMode():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             model.train()
+            set_trace_attention(model, settings.attention)  # the same attention as the closed form's count
             if settings.recompute == "full":
                 if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
                     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -163,7 +178,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
             if sharded:
                 from torch.distributed.fsdp import fully_shard
 
-                for layer in model.model.layers:
+                for _, layer in decoder_layers(model):
                     fully_shard(layer, mesh=fsdp_mesh)
                 fully_shard(model, mesh=fsdp_mesh)
             opt = _make_optimizer(model, settings)
@@ -172,11 +187,11 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
             tracker = (mixin(FSDPMemTracker)(model, opt) if sharded else mixin(MemTracker)())
             if not sharded:
                 tracker.track_external(model, opt)
-            with tracker:
+            with tracker, fake_kernel_mode():
                 for step in range(steps):
                     if step == steps - 1:
                         tracker.reset_mod_stats()
-                        cat_max.clear()
+                        cat_max.clear(); comp_max.clear()
                         tracker._peak_mem.clear(); tracker._peak_mem_snap.clear()
                     out = model(input_ids=ids, labels=ids)
                     out.loss.backward()
@@ -200,11 +215,6 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
 
     at_peak = by_component(snap)
     after_step = by_component(next(iter(after_snap.values()))) if after_snap else {}
-    maxima: dict[str, int] = {}
-    for k, v in cat_max.items():
-        if k == "Total":
-            continue
-        comp = _MAP.get(k, "other")
-        maxima[comp] = max(maxima.get(comp, 0), v) if comp != "parameters" else maxima.get(comp, 0) + v
-    return {"peak": snap["Total"], "at_peak": at_peak, "after_step": after_step, "max": maxima, "phase": phase["peak"],
+    return {"peak": snap["Total"], "at_peak": at_peak, "after_step": after_step, "max": dict(comp_max),
+            "phase": phase["peak"],
             "seconds": time.perf_counter() - t0, "raw_max": cat_max}

@@ -1,0 +1,313 @@
+"""Activation memory counted from the architecture's own forward, on fake tensors (no storage, no weights).
+
+Fixed formulas do not carry across architectures: the Playbook's ``L s b h (34 + 5 a s / h)`` is off by -28 % /
++56 % on a Llama block (``../shared/research/landscape.md``), and every family differs (gated or plain MLP,
+LayerNorm or RMSNorm with an fp32 upcast, fused QKV, QK-norm, dropout masks, MoE experts that see ``top_k``
+copies of each token).  So the planner *detects* what a block saves: it builds the model from its config inside
+``FakeTensorMode``, runs one forward at the planned micro-batch and sequence length, and counts every distinct
+storage that autograd saves for backward (``saved_tensors_hooks``), skipping parameters.  Each saved tensor is
+attributed to the decoder layer that saves it, and flagged *tp-split* when it was created inside a module whose
+children the model's tp plan splits (attention and MLP: q/k/v, the SDPA output, gate/up and their product);
+norms and the residual stream stay replicated under transformers' tp plans (no sequence parallelism).
+
+Attention is traced with a fused kernel's memory profile (q, k, v, output and log-sum-exp saved; no ``s x s``
+score matrix), as FlashAttention 2 / SDPA train: ``attention="eager"`` traces the model's eager path instead.
+MoE blocks run transformers' ``grouped_mm`` experts; fake tensors only accept that kernel in bf16, so fp32
+traces run it through a bf16 shape stand-in (same shapes, fp32 result; autograd still saves the fp32 inputs).
+
+This is one forward of shapes, not a training step: ``--simulate`` (``simulate.py``) traces the whole step.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ActivationTrace", "trace_activations", "decoder_layers", "TRACE_ATTENTION", "prepare_config",
+           "fake_kernel_mode"]
+
+TRACE_ATTENTION = "flash_fused_memory_trace"
+
+
+@dataclass
+class ActivationTrace:
+    """Bytes a forward saves for backward, per decoder layer and outside the layers (one micro-batch)."""
+
+    layer_replicated: list[float]  # per layer: saved bytes that tensor parallelism does not divide
+    layer_split: list[float]  # per layer: saved bytes created inside tp-split modules (attention, MLP)
+    outside: float  # saved outside the layers: embeddings, final norm, the loss's log-softmax
+    logits: float  # the logits tensor the output holds
+    hidden: float  # one layer input (what full recomputation keeps per layer)
+    loss_transient: float  # fp32 loss gradients alive while the loss backward runs (2 x 4 T v)
+    attention: str
+    # a layer's backward at its peak: what is left of its saved tensors plus the gradients alive at that moment
+    # (the most over the layers); under full recomputation this is the recomputed layer's footprint
+    layer_backward: float = 0.0
+    layer0: list[tuple[str, tuple, str, int]] = field(default_factory=list)  # (where, shape, dtype, bytes)
+
+    def layer(self, i: int, tp: int = 1) -> float:
+        return self.layer_replicated[i] + self.layer_split[i] / tp
+
+    def layers_total(self, tp: int = 1) -> float:
+        return sum(self.layer(i, tp) for i in range(len(self.layer_split)))
+
+    def scaled(self, other: "ActivationTrace", micro_batch: int) -> "ActivationTrace":
+        """Extrapolate from this (micro-batch 1) and ``other`` (micro-batch 2): every saved tensor is either
+        proportional to the micro-batch or independent of it (rotary tables), so the bytes are affine in it."""
+        lin = lambda a, b: a + (b - a) * (micro_batch - 1)  # noqa: E731
+        return ActivationTrace(
+            [lin(a, b) for a, b in zip(self.layer_replicated, other.layer_replicated)],
+            [lin(a, b) for a, b in zip(self.layer_split, other.layer_split)],
+            lin(self.outside, other.outside), lin(self.logits, other.logits), lin(self.hidden, other.hidden),
+            lin(self.loss_transient, other.loss_transient), self.attention,
+            lin(self.layer_backward, other.layer_backward),
+            [(w, s, d, int(lin(b, b2))) for (w, s, d, b), (_, _, _, b2) in zip(self.layer0, other.layer0)]
+            if len(self.layer0) == len(other.layer0) else self.layer0,
+        )
+
+
+def decoder_layers(model) -> list[tuple[str, Any]]:
+    """The repeated blocks of a transformers model, found by behaviour: the ``nn.ModuleList`` whose children are
+    the model's ``_no_split_modules`` classes (what FSDP auto-wrapping uses), else the ModuleList holding the
+    most parameters."""
+    import torch.nn as nn
+
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no nn.ModuleList of blocks found")
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    hits = [(n, m) for n, m in lists if all(type(c).__name__ in no_split for c in m)]
+    pool = hits or lists
+    name, blocks = max(pool, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    return [(f"{name}.{i}", b) for i, b in enumerate(blocks)]
+
+
+def _fused_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Trace-only attention with a fused kernel's memory profile: SDPA saves q, k, v, the output and its
+    log-sum-exp, never the ``s x s`` scores (softcap / window / dropout live inside FlashAttention's kernel and
+    do not change what it saves)."""
+    import torch.nn.functional as F
+
+    causal = query.shape[2] == key.shape[2] and query.shape[2] > 1
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling,
+                                         enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_trace_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if AttentionInterface._global_mapping.get(TRACE_ATTENTION) is not _fused_attention_forward:
+        AttentionInterface.register(TRACE_ATTENTION, _fused_attention_forward)
+        AttentionMaskInterface.register(TRACE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    return TRACE_ATTENTION
+
+
+def prepare_config(config):
+    """A copy of ``config`` for tracing: no KV cache, eager attention at build time (switched after the build)."""
+    config = config.__class__.from_dict(config.to_dict())
+    config.use_cache = False
+    config._attn_implementation = "eager"
+    return config
+
+
+def set_trace_attention(model, attention: str) -> str:
+    """Switch a built model to the fused trace attention (``attention="fused"``) or leave it eager."""
+    if attention == "eager":
+        return "eager"
+    from ..packing.attention import _set_on_every_config
+
+    # set on the configs directly: transformers 5.x would look a custom flash-named kernel up on the hub
+    _set_on_every_config(model, model.config, _register_trace_attention())
+    return "fused"
+
+
+def fake_kernel_mode():
+    """A dispatch mode for fake-tensor traces: fp32 ``grouped_mm`` (MoE experts) runs as a bf16 shape stand-in,
+    because the fake kernel accepts bf16 only; the result is fp32 with the real shape."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    grouped = getattr(torch.ops.aten, "_grouped_mm", None)
+
+    class _FakeKernels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if grouped is not None and func is grouped.default and args[0].dtype != torch.bfloat16:
+                dt = args[0].dtype
+                a, b = (x.to(torch.bfloat16) for x in args[:2])
+                return func(a, b, *args[2:], **kwargs).to(dt)
+            return func(*args, **kwargs)
+
+    return _FakeKernels()
+
+
+def _tp_blocks(model, config) -> set[str]:
+    """Names of modules that own a tp-planned child (attention, MLP): tensors created inside them are split."""
+    from .estimate import _tp_style
+
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    out = set()
+    if not plan:
+        return out
+    for name, _ in model.named_modules():
+        if name and _tp_style(name + ".weight", plan) is not None and "." in name:
+            out.add(name.rsplit(".", 1)[0])
+    return out
+
+
+def _config_key(config) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True, default=str)
+
+
+def trace_activations(config, *, micro_batch: int, seq_len: int, dtype: str = "bf16",
+                      attention: str = "fused") -> ActivationTrace:
+    """Saved-for-backward bytes of one forward of ``micro_batch x seq_len`` tokens (cached per model and shape;
+    micro-batches above 2 are extrapolated exactly from 1 and 2).
+
+    >>> from hf_gradfix.plan import load_model_config
+    >>> t = trace_activations(load_model_config("tiny-llama"), micro_batch=2, seq_len=64, dtype="fp32")
+    >>> len(t.layer_split), t.logits == 4 * 2 * 64 * 512
+    (2, True)
+    """
+    key = _config_key(config)
+    _CONFIGS.setdefault(key, config)
+    if micro_batch > 2:
+        one = _trace_cached(key, 1, seq_len, dtype, attention)
+        two = _trace_cached(key, 2, seq_len, dtype, attention)
+        return one.scaled(two, micro_batch)
+    return _trace_cached(key, micro_batch, seq_len, dtype, attention)
+
+
+_CONFIGS: dict[str, Any] = {}  # cache key -> the config it was made from
+
+
+@functools.lru_cache(maxsize=64)
+def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attention: str) -> ActivationTrace:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from transformers import AutoModelForCausalLM
+
+    config = prepare_config(_CONFIGS[key])
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    state = {"layer": None, "tp_depth": 0}
+    born: dict = {}  # storage -> (created inside a tp-split module, op name)
+
+    class _Provenance(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    w = StorageWeakRef(t.untyped_storage())
+                    if w not in born:
+                        born[w] = (state["tp_depth"] > 0, func.__name__.split(".")[0])
+            return out
+
+    with FakeTensorMode():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        model.train()
+        used = set_trace_attention(model, attention)
+        layers = decoder_layers(model)
+        skip = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+        skip |= {StorageWeakRef(b.untyped_storage()) for b in model.buffers()}
+        tp_names = _tp_blocks(model, config)
+        handles = []
+        for i, (_, layer) in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: state.__setitem__("layer", i)))
+            handles.append(layer.register_forward_hook(lambda m, a, o: state.__setitem__("layer", None)))
+        for name, mod in model.named_modules():
+            if name in tp_names:
+                handles.append(mod.register_forward_pre_hook(lambda m, a: state.__setitem__("tp_depth", state["tp_depth"] + 1)))
+                handles.append(mod.register_forward_hook(lambda m, a, o: state.__setitem__("tp_depth", state["tp_depth"] - 1)))
+        n = len(layers)
+        rep, split, outside = [0.0] * n, [0.0] * n, [0.0]
+        layer0: list = []
+        saved: set = set()
+        by_layer: list[list] = [[] for _ in range(n)]
+
+        def pack(t):
+            w = StorageWeakRef(t.untyped_storage())
+            if w in skip or w in saved:
+                return t
+            saved.add(w)
+            nbytes = t.untyped_storage().nbytes()
+            in_tp, op = born.get(w, (False, "input"))
+            i = state["layer"]
+            if i is None:
+                outside[0] += nbytes
+            else:
+                (split if in_tp else rep)[i] += nbytes
+                by_layer[i].append((w, nbytes))
+                if i == 0:
+                    layer0.append((f"{op}{' (tp-split)' if in_tp else ''}", tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                   nbytes))
+            return t
+
+        ends: dict = {}
+        first, last = layers[0][1], layers[-1][1]
+        handles.append(first.register_forward_pre_hook(
+            lambda m, a, kw: ends.__setitem__("input", a[0] if a else kw["hidden_states"]), with_kwargs=True))
+        handles.append(last.register_forward_hook(
+            lambda m, a, o: ends.__setitem__("output", o[0] if isinstance(o, tuple) else o)))
+        ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+        with _Provenance(), fake_kernel_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(input_ids=ids, labels=ids)
+        for h in handles:
+            h.remove()
+        logits = out.logits.untyped_storage().nbytes()
+        elem = torch.finfo(torch_dtype).bits // 8
+        hidden = ends["input"].untyped_storage().nbytes() if "input" in ends else \
+            micro_batch * seq_len * config.get_text_config().hidden_size * elem
+        vocab = out.logits.shape[-1]
+        layer_backward = _backward_working_set(ends, skip | saved, by_layer)
+    return ActivationTrace(rep, split, outside[0], float(logits), float(hidden),
+                           float(2 * 4 * micro_batch * seq_len * vocab), used, float(layer_backward), layer0)
+
+
+def _backward_working_set(ends: dict, known: set, by_layer: list[list]) -> int:
+    """Backward through the decoder layers only (last layer's output to first layer's input, no weight
+    gradients), recording at every op the bytes of the layer being differentiated that are still alive (its
+    saved tensors, released as autograd goes) plus every gradient temporary alive: the maximum over the step."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    x, y = ends.get("input"), ends.get("output")
+    if x is None or y is None or not (x.requires_grad and y.requires_grad):
+        return 0
+    live: dict = {}
+    peak = [0]
+    current = [len(by_layer) - 1]  # layers above it are released, layers below it untouched
+
+    def layer_live() -> int:
+        while current[0] > 0 and all(w.expired() for w, _ in by_layer[current[0]]):
+            current[0] -= 1
+        return sum(b for w, b in by_layer[current[0]] if not w.expired())
+
+    seed = torch.ones_like(y)
+    known = known | {StorageWeakRef(seed.untyped_storage())}
+
+    class _Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    w = StorageWeakRef(t.untyped_storage())
+                    if w not in known and w not in live:
+                        live[w] = t.untyped_storage().nbytes()
+            for w in [w for w in live if w.expired()]:
+                del live[w]
+            peak[0] = max(peak[0], sum(live.values()) + layer_live())
+            return out
+
+    with _Live(), fake_kernel_mode():
+        grad = torch.autograd.grad(y, x, grad_outputs=seed, allow_unused=True)
+    del grad
+    return peak[0] + seed.untyped_storage().nbytes()
