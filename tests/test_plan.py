@@ -51,8 +51,15 @@ def test_galore_paper_llama7b():
                                        proj_side="std")).components["optimizer_state"]
     gal8 = estimate(cfg, mesh, Settings(dtype="bf16-pure", seq_len=128, optimizer="galore_adamw8bit", rank=1024,
                                         proj_side="std")).components["optimizer_state"]
-    assert 1 - gal / adam == pytest.approx(0.655, rel=0.05)
+    assert 1 - gal / adam == pytest.approx(0.655, rel=0.05)  # 65.1 % (std side)
+    # The paper's 8-bit figure counts the whole GaLore state at 8 bits, projector included (9.4 GB / 2 = 4.7 GB
+    # of 27 GB: 82.6 %); implementations keep the projector in the gradients' dtype (galore-torch: bf16), which
+    # is what the planner reports by default: 79.0 %.
+    paper8 = estimate(cfg, mesh, Settings(dtype="bf16-pure", seq_len=128, optimizer="galore_adamw8bit", rank=1024,
+                                          proj_side="std", projector_bytes=1)).components["optimizer_state"]
+    assert 1 - paper8 / adam == pytest.approx(0.825, rel=0.01)
     assert 1 - gal8 / adam == pytest.approx(0.825, rel=0.05)
+    assert gal8 > paper8
 
 
 def test_galore_estimate_equals_measured_state():
@@ -79,6 +86,8 @@ SIM_CASES = [
     ("tiny-llama", dict(world_size=2, dp_shard=2)),
     ("tiny-qwen2", dict(world_size=2, dp_shard=1, tp=2)),
     ("tiny-mistral", dict(world_size=4, dp_replicate=2, dp_shard=1, tp=2)),
+    ("tiny-qwen2", dict(world_size=4, dp_shard=2, tp=2)),  # FSDP2 x TP (2-D)
+    ("tiny-llama", dict(world_size=8, dp_replicate=2, dp_shard=2, tp=2)),  # HSDP x TP (3-D)
 ]
 
 
@@ -95,6 +104,37 @@ def test_closed_form_matches_simulation(name, mesh_kw):
     assert p.components["gradients"] == pytest.approx(r["max"]["gradients"], rel=0.10)
     assert p.components["optimizer_state"] == pytest.approx(r["after_step"]["optimizer_state"], rel=0.10)
     assert p.components["activations"] == pytest.approx(r["max"]["activations_and_temporaries"], rel=0.10)
+    if mesh.dp_shard > 1:  # FSDP2's gathered weights, unsharded grads, all-gather / reduce-scatter buffers
+        assert p.components["comm_buffers"] == pytest.approx(r["max"]["comm_buffers"], rel=0.10)
+    else:  # the trace has no DDP buckets (one replica) and TP's all-reduces write into activations
+        assert "comm_buffers" not in r["max"]
+
+
+@pytest.mark.parametrize("name,mesh_kw", [
+    ("tiny-llama", dict(world_size=1)),  # torch.autocast: fp32 weights, bf16 weight copies saved by the matmuls
+    ("tiny-mistral", dict(world_size=2, dp_shard=2)),  # FSDP2 MixedPrecisionPolicy(bf16, reduce fp32)
+    ("tiny-qwen2", dict(world_size=2, dp_shard=1, tp=2)),
+])
+def test_mixed_precision_matches_simulation(name, mesh_kw):
+    from hf_gradfix.plan.simulate import simulate
+
+    cfg = load_model_config(name)
+    mesh = ParallelDims(**mesh_kw)
+    s = Settings(seq_len=128, micro_batch=2, dtype="amp-bf16")
+    p = estimate(cfg, mesh, s)
+    r = simulate(cfg, mesh, s)
+    for k in ("parameters", "gradients"):
+        assert p.components[k] == pytest.approx(r["max"][k], rel=0.10), k
+    assert p.components["optimizer_state"] == pytest.approx(r["after_step"]["optimizer_state"], rel=0.10)
+    assert p.components["activations"] == pytest.approx(r["max"]["activations_and_temporaries"], rel=0.10)
+    if mesh.dp_shard > 1:
+        assert p.components["comm_buffers"] == pytest.approx(r["max"]["comm_buffers"], rel=0.10)
+    # the Playbook's split (bf16 weights + fp32 master) has the same 16N model state but is not what torch runs
+    with pytest.raises(PlanError, match="amp-bf16"):
+        simulate(cfg, mesh, Settings(seq_len=128, micro_batch=2, dtype="bf16"))
+    state = sum(p.components[k] for k in MODEL_STATE)
+    playbook = estimate(cfg, mesh, Settings(seq_len=128, micro_batch=2, dtype="bf16"))
+    assert state == pytest.approx(sum(playbook.components[k] for k in MODEL_STATE), rel=1e-3)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
@@ -138,7 +178,8 @@ def test_simulated_galore_state_equals_measured(mesh_kw):
     (["--model", "no-such-model-xyz"], "unknown model"),
     (["--model", "tiny-llama", "--num-gpus", "3", "--config", "CFG"], "world size"),
     (["--model", "tiny-llama", "--config", "CFGTP"], "num_attention_heads"),
-    (["--model", "tiny-llama", "--num-gpus", "4", "--config", "CFG", "--simulate", "--dtype", "fp32"], "FSDP2 x TP"),
+    (["--model", "tiny-llama", "--config", "CFGCP", "--simulate", "--dtype", "fp32"], "context parallelism"),
+    (["--model", "tiny-llama", "--config", "CFG", "--micro-batch", "0"], "--micro-batch"),
     (["--model", "tiny-llama", "--gpu-memory", "lots"], "--gpu-memory"),
 ])
 def test_bad_input(argv, needle, tmp_path, capsys, monkeypatch):
@@ -147,7 +188,10 @@ def test_bad_input(argv, needle, tmp_path, capsys, monkeypatch):
     cfg.write_text("num_processes: 4\nhf_gradfix:\n  parallel: {dp_shard: 2, tp: 2}\n")
     cfgtp = tmp_path / "tp.yaml"
     cfgtp.write_text("num_processes: 8\nhf_gradfix:\n  parallel: {dp_shard: 1, tp: 8}\n")
-    argv = [str(cfg) if a == "CFG" else str(cfgtp) if a == "CFGTP" else a for a in argv]
+    cfgcp = tmp_path / "cp.yaml"
+    cfgcp.write_text("num_processes: 2\nhf_gradfix:\n  parallel: {dp_shard: 1, cp: 2}\n")
+    files = {"CFG": cfg, "CFGTP": cfgtp, "CFGCP": cfgcp}
+    argv = [str(files[a]) if a in files else a for a in argv]
     assert plan_main(argv) == 2
     assert needle in capsys.readouterr().err
 
@@ -188,3 +232,66 @@ def test_model_from_config_json_and_dir(tmp_path):
     assert estimate(a, mesh, Settings(seq_len=32)).n_params == n == estimate(b, mesh, Settings(seq_len=32)).n_params
     with pytest.raises(PlanError, match="no config.json"):
         load_model_config(str(tmp_path / "sub") if (tmp_path / "sub").mkdir() is None else "")
+
+
+# Architectures beyond the SwiGLU decoders the hand formula covers: plain GeLU MLPs with fused QKV (GPT-2),
+# LayerNorm + parallel attention (GPT-NeoX), softcap + sliding window (Gemma2), fused gate_up (Phi3), QK-norm
+# (Qwen3), learned positions with ReLU (OPT), and MoE experts (Mixtral, Qwen3-MoE: top-k copies of each token).
+MORE_ARCHS = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=256, bos_token_id=0, eos_token_id=0),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=300),
+    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=300, sliding_window=16),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, pad_token_id=0, eos_token_id=0, bos_token_id=0),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=300),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=300,
+                word_embed_proj_dim=64, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "mixtral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300, num_experts=4,
+                      num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(MORE_ARCHS))
+def test_more_architectures_match_simulation(arch):
+    from transformers import CONFIG_MAPPING
+
+    from hf_gradfix.plan.simulate import simulate
+
+    cfg = CONFIG_MAPPING[arch](**MORE_ARCHS[arch])
+    mesh = ParallelDims(2, dp_shard=2) if arch in ("gpt2", "mixtral") else ParallelDims(1)
+    for recompute in ("none", "full"):
+        s = Settings(seq_len=64, micro_batch=2, dtype="fp32", recompute=recompute)
+        p = estimate(cfg, mesh, s)
+        r = simulate(cfg, mesh, s)
+        for k in ("parameters", "gradients"):
+            assert p.components[k] == pytest.approx(r["max"][k], rel=0.10), k
+        assert p.components["optimizer_state"] == pytest.approx(r["after_step"]["optimizer_state"], rel=0.10)
+        assert p.components["activations"] == pytest.approx(r["max"]["activations_and_temporaries"], rel=0.10)
+        if mesh.dp_shard > 1:
+            assert p.components["comm_buffers"] == pytest.approx(r["max"]["comm_buffers"], rel=0.10)
+
+
+def test_traced_activations_equal_the_swiglu_formula():
+    """The hand-written SwiGLU formula (term by term) and the traced count agree on the decoders it covers."""
+    for name in ("tiny-llama", "tiny-mistral", "tiny-qwen2"):
+        cfg = load_model_config(name)
+        for tp in (1, 2):
+            mesh = ParallelDims(tp, dp_shard=1, tp=tp)
+            traced = estimate(cfg, mesh, Settings(seq_len=128, micro_batch=2, dtype="fp32"))
+            formula = estimate(cfg, mesh, Settings(seq_len=128, micro_batch=2, dtype="fp32", activation_model="formula"))
+            assert traced.components["activations"] == pytest.approx(formula.components["activations"], rel=0.02)
+
+
+def test_eager_attention_counts_the_score_matrix():
+    """With eager attention the s x s probabilities are saved: the count grows by about L * b * heads * s^2 * e
+    (x2: the softmax output and the dropout/matmul input), which the fused count does not have."""
+    cfg = load_model_config("tiny-llama")
+    fused = estimate(cfg, ParallelDims(1), Settings(seq_len=256, micro_batch=1, dtype="fp32"))
+    eager = estimate(cfg, ParallelDims(1), Settings(seq_len=256, micro_batch=1, dtype="fp32", attention="eager"))
+    scores = cfg.num_hidden_layers * cfg.num_attention_heads * 256 * 256 * 4
+    assert eager.components["activations"] - fused.components["activations"] >= scores

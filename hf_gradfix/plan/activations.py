@@ -20,6 +20,7 @@ This is one forward of shapes, not a training step: ``--simulate`` (``simulate.p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from dataclasses import dataclass, field
@@ -163,7 +164,7 @@ def _config_key(config) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, default=str)
 
 
-def trace_activations(config, *, micro_batch: int, seq_len: int, dtype: str = "bf16",
+def trace_activations(config, *, micro_batch: int, seq_len: int, dtype: str = "bf16",  # fp32 | bf16 | amp
                       attention: str = "fused") -> ActivationTrace:
     """Saved-for-backward bytes of one forward of ``micro_batch x seq_len`` tokens (cached per model and shape;
     micro-batches above 2 are extrapolated exactly from 1 and 2).
@@ -195,7 +196,10 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
     from transformers import AutoModelForCausalLM
 
     config = prepare_config(_CONFIGS[key])
-    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    # "amp": fp32 weights under torch.autocast(bf16), as the Trainer runs mixed precision; autocast's bf16 weight
+    # copies are saved by the matmuls and so counted with the layer that uses them
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "amp" else contextlib.nullcontext()
     state = {"layer": None, "tp_depth": 0}
     born: dict = {}  # storage -> (created inside a tp-split module, op name)
 
@@ -256,7 +260,7 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
         handles.append(last.register_forward_hook(
             lambda m, a, o: ends.__setitem__("output", o[0] if isinstance(o, tuple) else o)))
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
-        with _Provenance(), fake_kernel_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _Provenance(), fake_kernel_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             out = model(input_ids=ids, labels=ids)
         for h in handles:
             h.remove()

@@ -21,7 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "bf16-pure"])
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
+                    help="bf16/fp16: the Playbook's mixed precision (bf16 weights + fp32 master, 16N); amp-bf16: torch "
+                         "autocast / FSDP2 MixedPrecisionPolicy as the Trainer runs it; bf16-pure: no master copy")
+    ap.add_argument("--attention", default="fused", choices=["fused", "eager"],
+                    help="fused: FlashAttention 2 / SDPA (no s x s scores saved); eager: the model's eager path")
     ap.add_argument("--grad-fp32", action="store_true", help="fp32 gradient accumulation buffer (the Playbook's 20N)")
     ap.add_argument("--optimizer", help="adamw | adamw8bit | galore_adamw | galore_adamw8bit | apollo_adamw | apollo_mini | sgd")
     ap.add_argument("--rank", type=int, help="GaLore/APOLLO rank (default: the YAML's, else 128)")
@@ -57,7 +61,8 @@ def _mesh_and_settings(ns, config):
         mesh.check_model(config)
     s = Settings(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum, dtype=ns.dtype,
                  grad_fp32=ns.grad_fp32, optimizer=ns.optimizer or opt_name, rank=ns.rank or rank, proj_side=side,
-                 targets=targets, exclude=exclude, min_size=min_size, recompute=ns.recompute, zero=ns.zero)
+                 targets=targets, exclude=exclude, min_size=min_size, recompute=ns.recompute, zero=ns.zero,
+                 attention=ns.attention)
     return mesh, s
 
 

@@ -196,6 +196,10 @@ PRECISIONS = {
     "bf16": (2, 2, 4, 4, 2),
     "fp16": (2, 2, 4, 4, 2),
     "bf16-pure": (2, 2, 0, 2, 2),
+    # torch AMP as transformers' Trainer and accelerate run it: fp32 weights (they are the master), fp32 grads;
+    # autocast's bf16 weight copies live from forward to backward; under FSDP2 MixedPrecisionPolicy(bf16, fp32)
+    # instead, the gathered weights and unsharded grads are bf16 and the reduce-scatter fp32
+    "amp-bf16": (4, 4, 0, 4, 2),
 }
 OPTIMIZERS = ("adamw", "adamw8bit", "galore_adamw", "galore_adamw8bit", "apollo_adamw", "apollo_mini", "sgd")
 
@@ -220,6 +224,7 @@ class Settings:
     # formula: the SwiGLU-decoder closed form written out tensor by tensor; playbook: Korthikanti et al.
     activation_model: str = "traced"
     attention: str = "fused"  # fused (FlashAttention 2 / SDPA: no s x s scores saved) | eager
+    projector_bytes: int | None = None  # bytes per GaLore basis element (None: the moments' unquantized dtype)
 
     def check(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -385,7 +390,7 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     local_elems = 0.0  # weights on this rank after TP (before ZeRO)
     opt_bytes = 0.0
     n_proj = 0
-    layer_local = 0.0
+    layer_elems: dict[int, float] = {}  # per decoder layer, after TP
     root_local = 0.0  # embeddings, final norm, head: FSDP2's root unit, unsharded through forward and backward
     n_layers = len({p.layer for p in params if p.layer is not None}) or config.num_hidden_layers
     for p in params:
@@ -397,9 +402,9 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
             shape[1] = math.ceil(shape[1] / tp); sharded.add(1)
         numel = math.prod(shape)
         local_elems += numel
-        if p.layer == 0:
-            layer_local += numel
-        elif p.layer is None:
+        if p.layer is not None:
+            layer_elems[p.layer] = layer_elems.get(p.layer, 0.0) + numel
+        else:
             root_local += numel
         low_rank = p.projected and opt.startswith(("galore", "apollo"))
         if low_rank:
@@ -414,7 +419,7 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
             moments, basis = galore_state_elements(tuple(shape), rank, side)
             mom = 1 if opt.endswith("8bit") else momb
             if opt.startswith("galore"):
-                b = moments * mom + basis * momb + 5
+                b = moments * mom + basis * (settings.projector_bytes or momb) + 5
             else:
                 b = moments * mom + 8 + 5 + 4
             opt_bytes += b / div
@@ -431,6 +436,8 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     grads_b = local_elems * gb / (d_eff if zero >= 2 else 1)
 
     # activations, per micro-batch, this rank's tokens
+    amp = settings.dtype == "amp-bf16"
+    fsdp = zero >= 3 and d_eff > 1
     tokens = settings.micro_batch * settings.seq_len / mesh.cp
     pb_act = playbook_activation_bytes(config, settings.seq_len, settings.micro_batch, tp=tp, cp=mesh.cp)
     act_how = ""
@@ -438,7 +445,8 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         from .activations import trace_activations
 
         tr = trace_activations(config, micro_batch=settings.micro_batch, seq_len=settings.seq_len // mesh.cp,
-                               dtype="fp32" if eb == 4 else "bf16", attention=settings.attention)
+                               dtype="fp32" if eb == 4 else "amp" if (amp and not fsdp) else "bf16",
+                               attention=settings.attention)
         per_layer = [tr.layer(i, tp) for i in range(len(tr.layer_split))]
         # a layer's backward footprint (its saved tensors + gradients) shrinks with tp as its activations do
         layer_bwd = tr.layer_backward * max(per_layer) / max(tr.layer(i) for i in range(len(per_layer)))
@@ -467,23 +475,28 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     act = act_full if settings.recompute == "full" else act_none
 
     # communication buffers
-    if zero >= 3 and d_eff > 1:
-        prefetch = layer_local * wb
-        comm = root_local * wb + layer_local * (wb + gb) + prefetch
-        comm_txt = ("FSDP2: root unit (embeddings, head) gathered + 1 layer gathered + its unsharded grads "
-                    "+ 1 layer prefetched")
+    layer_local = max(layer_elems.values(), default=0.0)  # the largest FSDP unit (one decoder layer)
+    prefetch = 0.0
+    if fsdp:
+        # FSDP2 in backward (traced: torch's FSDPMemTracker): the root unit (embeddings, final norm, head) stays
+        # gathered; per layer unit (the largest): one gathered layer, its unsharded gradients, the reduce-scatter
+        # buffer in the reduce dtype, and from 3 layers on the next layer's all-gather (prefetch)
+        gathered_b, unsharded_grad_b = (2, 2) if amp else (wb, gb)  # MixedPrecisionPolicy(bf16, reduce fp32)
+        reduce_b = 4 if amp else gb
+        prefetch = layer_local * gathered_b if n_layers >= 3 else 0.0
+        comm = root_local * gathered_b + layer_local * (gathered_b + unsharded_grad_b + reduce_b) + prefetch
+        comm_txt = ("FSDP2: root unit (embeddings, head) gathered + per layer unit: gathered weights, unsharded "
+                    "grads, reduce-scatter buffer" + (", next layer's all-gather" if prefetch else ""))
     elif mesh.dp > 1:
         comm = min(2 * 25 * 1024**2, local_elems * gb)
         comm_txt = "DDP/ZeRO gradient buckets (2 x 25 MiB, at most the gradients)"
     else:
         comm, comm_txt = 0.0, "one process per replica: no collectives"
-    if not (zero >= 3 and d_eff > 1):
-        prefetch = 0.0
-    if tp > 1 or mesh.cp > 1:
-        extra = 2 * tokens * config.hidden_size * eb * (1 if tp > 1 else 0) + (2 * tokens * 2 *
-                                                                            config.hidden_size * eb if mesh.cp > 1 else 0)
-        comm += extra
-        comm_txt += "; TP/SP all-gather of one layer input" * (tp > 1) + "; CP ring K/V chunks" * (mesh.cp > 1)
+    if tp > 1:
+        comm_txt += "; TP all-reduces write the layer outputs (counted in activations)"
+    if mesh.cp > 1:
+        comm += 2 * tokens * 2 * config.hidden_size * eb
+        comm_txt += "; CP ring: the K/V chunk in flight, double-buffered"
     subtotal = params_b + master_b + grads_b + opt_bytes + act + comm
     frag = settings.fragmentation * subtotal
     comp = {"parameters": params_b, "master_weights": master_b, "gradients": grads_b, "optimizer_state": opt_bytes,
@@ -507,7 +520,8 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         "activations": (f"{'full recompute: layer inputs + 1 layer' if settings.recompute == 'full' else 'all layers'}"
                         f", {int(tokens):,} tokens/rank{' (seq / cp)' if mesh.cp > 1 else ''}"
                         f"{', attention/MLP / tp (norms replicated)' if tp > 1 else ''}"
-                        + (f"; {act_how}" if act_how else ", + logits and fp32 log-softmax")),
+                        + (f"; {act_how}" if act_how else ", + logits and fp32 log-softmax")
+                        + ("; incl. autocast's bf16 weight copies" if amp and not fsdp else "")),
         "comm_buffers": comm_txt,
         "fragmentation": f"{100 * settings.fragmentation:.0f} % allocator/fragmentation margin",
     }

@@ -12,6 +12,7 @@ tested with torch 2.13.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -84,6 +85,32 @@ def _apply_tp(model, config, tp_mesh) -> None:
         parallelize_module(layer, tp_mesh, sub)
 
 
+@contextlib.contextmanager
+def _device_meshes_built_for_real():
+    """FSDP2 on a TP-sharded parameter concatenates the dp and tp meshes (``DeviceMesh._concatenate``) while the
+    model is being sharded, i.e. inside ``FakeTensorMode``, where the mesh's rank tensor would become fake and
+    the mesh unusable.  For the length of the trace, build those meshes outside fake mode (torch's own
+    ``unset_fake_temporarily``); restored on exit."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__.get("_concatenate")
+    if not isinstance(original, staticmethod):  # a torch that builds 2-D FSDP meshes another way: nothing to do
+        yield
+        return
+    fn = original.__func__
+
+    def _concatenate(*args, **kwargs):
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    DeviceMesh._concatenate = staticmethod(_concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original
+
+
 def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, Any]:
     """Trace ``steps`` training steps of rank 0 (bytes): ``peak`` (total), ``at_peak`` (per component at that
     instant), ``after_step`` (what stays between steps: weights, optimizer state), ``max`` (each component's own
@@ -99,13 +126,12 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
     mesh.check_model(config)
     if mesh.cp > 1:
         raise PlanError("--simulate: context parallelism is not simulated yet (cp > 1); use the closed form")
-    if mesh.tp > 1 and mesh.dp_shard > 1:
-        raise PlanError("--simulate: FSDP2 x TP is not simulated yet (FSDP2's 2-D setup takes data-dependent steps that "
-                        "fake tensors cannot trace); simulate tp alone or dp_shard alone, or use the closed form")
-    if settings.dtype not in ("fp32", "bf16-pure"):
-        raise PlanError("--simulate traces fp32 or bf16-pure (mixed precision keeps the same 16N total but a "
-                        "different split); use --dtype fp32 or bf16-pure")
-    dtype = torch.float32 if settings.dtype == "fp32" else torch.bfloat16
+    if settings.dtype not in ("fp32", "bf16-pure", "amp-bf16"):
+        raise PlanError(f"--simulate traces what torch runs: fp32, bf16-pure, or amp-bf16 (autocast; FSDP2's "
+                        f"MixedPrecisionPolicy when sharded). --dtype {settings.dtype} is the Playbook's Megatron-style "
+                        f"split (bf16 weights + fp32 master), closed form only")
+    amp = settings.dtype == "amp-bf16"
+    dtype = torch.bfloat16 if settings.dtype == "bf16-pure" else torch.float32
     t0 = time.perf_counter()
     sharded = mesh.dp_shard * mesh.cp > 1
     started_pg = False
@@ -164,7 +190,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
                     fsdp_mesh = dm[("dp_replicate", shard)]
                 else:
                     fsdp_mesh = dm[shard]
-        with FakeTensorMode():
+        two_d = _device_meshes_built_for_real() if (mesh.tp > 1 and sharded) else contextlib.nullcontext()
+        with FakeTensorMode(), two_d:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             model.train()
             set_trace_attention(model, settings.attention)  # the same attention as the closed form's count
@@ -176,11 +203,13 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
             if mesh.tp > 1:
                 _apply_tp(model, config, tp_mesh)
             if sharded:
-                from torch.distributed.fsdp import fully_shard
+                from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp else \
+                    MixedPrecisionPolicy()
                 for _, layer in decoder_layers(model):
-                    fully_shard(layer, mesh=fsdp_mesh)
-                fully_shard(model, mesh=fsdp_mesh)
+                    fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+                fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
             opt = _make_optimizer(model, settings)
             tokens = settings.seq_len // mesh.cp
             ids = torch.randint(0, config.vocab_size, (settings.micro_batch, tokens))
@@ -193,7 +222,10 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
                         tracker.reset_mod_stats()
                         cat_max.clear(); comp_max.clear()
                         tracker._peak_mem.clear(); tracker._peak_mem_snap.clear()
-                    out = model(input_ids=ids, labels=ids)
+                    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if (amp and not sharded) else \
+                        contextlib.nullcontext()
+                    with autocast:
+                        out = model(input_ids=ids, labels=ids)
                     out.loss.backward()
                     opt.step()
                     opt.zero_grad()
