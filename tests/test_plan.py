@@ -199,11 +199,14 @@ def test_bad_input(argv, needle, tmp_path, capsys, monkeypatch):
 def test_cli_json_plot_suggest(tmp_path, capsys):
     import json
 
+    import importlib.util
+
     png = tmp_path / "p.png"
+    plot = importlib.util.find_spec("matplotlib") is not None  # the [demo] extra
     assert plan_main(["--model", "llama-3.1-8b", "--num-gpus", "8", "--seq-len", "4096", "--gpu", "h100",
-                      "--json", "--plot", str(png), "--suggest"]) == 0
+                      "--json", "--suggest"] + (["--plot", str(png)] if plot else [])) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["plan"]["fits"] is True and png.stat().st_size > 1000
+    assert out["plan"]["fits"] is True and (not plot or png.stat().st_size > 1000)
     assert out["suggest"] and all(r["peak_gib"] <= 80 for r in out["suggest"])
 
 
@@ -262,7 +265,16 @@ def test_more_architectures_match_simulation(arch):
 
     from hf_gradfix.plan.simulate import simulate
 
+    import transformers
+
     cfg = CONFIG_MAPPING[arch](**MORE_ARCHS[arch])
+    if "moe" in arch or arch in ("mixtral", "opt"):
+        # transformers 4.x: MoE experts loop over nonzero routing, OPT's positions read a tensor's value: data-
+        # dependent steps fake tensors cannot take, refused with a clear error
+        if int(transformers.__version__.split(".")[0]) < 5:
+            with pytest.raises(PlanError, match="data-dependent"):
+                estimate(cfg, ParallelDims(1), Settings(seq_len=64, micro_batch=2, dtype="fp32"))
+            return
     mesh = ParallelDims(2, dp_shard=2) if arch in ("gpt2", "mixtral") else ParallelDims(1)
     for recompute in ("none", "full"):
         s = Settings(seq_len=64, micro_batch=2, dtype="fp32", recompute=recompute)

@@ -176,11 +176,32 @@ def trace_activations(config, *, micro_batch: int, seq_len: int, dtype: str = "b
     """
     key = _config_key(config)
     _CONFIGS.setdefault(key, config)
-    if micro_batch > 2:
-        one = _trace_cached(key, 1, seq_len, dtype, attention)
-        two = _trace_cached(key, 2, seq_len, dtype, attention)
-        return one.scaled(two, micro_batch)
-    return _trace_cached(key, micro_batch, seq_len, dtype, attention)
+    with data_dependent_refused(config):
+        if micro_batch > 2:
+            one = _trace_cached(key, 1, seq_len, dtype, attention)
+            two = _trace_cached(key, 2, seq_len, dtype, attention)
+            return one.scaled(two, micro_batch)
+        return _trace_cached(key, micro_batch, seq_len, dtype, attention)
+
+
+@contextlib.contextmanager
+def data_dependent_refused(config):
+    """Turn fake tensors' refusal of a data-dependent shape into the planner's error (e.g. MoE experts as a
+    Python loop over ``nonzero`` routing, transformers 4.x: 5.x runs them as ``grouped_mm``)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    from .estimate import PlanError
+
+    try:
+        yield
+    except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+        import transformers
+
+        raise PlanError(
+            f"{type(config).__name__}: the forward takes a data-dependent step ({exc}) that fake tensors cannot "
+            f"trace, so its activations cannot be counted (transformers {transformers.__version__}; MoE experts "
+            f"run as grouped_mm on transformers 5.x, which traces). Use activation_model='formula' for a SwiGLU "
+            f"decoder, or plan on transformers 5.x") from exc
 
 
 _CONFIGS: dict[str, Any] = {}  # cache key -> the config it was made from

@@ -109,7 +109,10 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
 
 def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memory: float | None = None) -> None:
     """A stacked bar per rank (or per layout) of the components, with the GPU size as a line."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlanError("--plot needs matplotlib: pip install matplotlib (or drop --plot)") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -155,12 +158,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                 raise PlanError("--suggest needs --gpu-memory or --gpu")
             rows = suggest(config, ns.num_gpus or mesh.world_size, gpu, s, params=params)
             out["suggest"] = rows
+        if ns.plot:
+            plot_plan([plan] * min(mesh.world_size, 8), ns.plot, gpu_memory=gpu)
     except (PlanError, ConfigError, ParallelDimsError) as exc:
         print(f"hf-gradfix plan: error: {exc}", file=sys.stderr)
         return 2
-    if ns.plot:
-        ranks = min(mesh.world_size, 8)
-        plot_plan([plan] * ranks, ns.plot, gpu_memory=gpu)
     if ns.json:
         print(json.dumps(out, indent=2, default=str))
         return 0

@@ -182,11 +182,19 @@ def param_table(config, *, targets=None, exclude=(), min_size: int = 0, model=No
     for i, (_, block) in enumerate(decoder_layers(model)):
         for p in block.parameters():
             layer_of.setdefault(id(p), i)
-    rows = []
+    rows = ParamTable()
     for n, p in named:
         proj = n in projected and p.dim() == 2 and min(p.shape) >= min_size
         rows.append(ParamInfo(n, tuple(p.shape), _tp_style(n, plan), proj, layer_of.get(id(p))))
+    # buffers (rotary tables, GPT-2's causal-mask buffer on transformers 4.x): replicated on every rank
+    rows.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     return rows
+
+
+class ParamTable(list):
+    """The rows of :func:`param_table`, plus ``buffer_bytes`` (the model's buffers, never sharded)."""
+
+    buffer_bytes: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -431,7 +439,7 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
             if opt.endswith("8bit"):
                 b += 2 * math.ceil(numel / 256) * 4  # blockwise absmax (bitsandbytes, block 256)
             opt_bytes += b / (d_eff if zero >= 1 else 1)
-    params_b = local_elems * wb / (d_eff if zero >= 3 else 1)
+    params_b = local_elems * wb / (d_eff if zero >= 3 else 1) + getattr(params, "buffer_bytes", 0)
     master_b = local_elems * mb / (d_eff if zero >= 1 else 1)
     grads_b = local_elems * gb / (d_eff if zero >= 2 else 1)
 

@@ -172,7 +172,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
                                          "backward" if self._mod_tracker.is_bw else "forward")
         return _Tracker
 
-    from .activations import decoder_layers, fake_kernel_mode, prepare_config, set_trace_attention
+    from .activations import (data_dependent_refused, decoder_layers, fake_kernel_mode, prepare_config,
+                              set_trace_attention)
 
     try:
         config = prepare_config(config)
@@ -191,7 +192,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
                 else:
                     fsdp_mesh = dm[shard]
         two_d = _device_meshes_built_for_real() if (mesh.tp > 1 and sharded) else contextlib.nullcontext()
-        with FakeTensorMode(), two_d:
+        with FakeTensorMode(), two_d, data_dependent_refused(config):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             model.train()
             set_trace_attention(model, settings.attention)  # the same attention as the closed form's count
