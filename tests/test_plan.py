@@ -239,7 +239,8 @@ def test_model_from_config_json_and_dir(tmp_path):
 
 # Architectures beyond the SwiGLU decoders the hand formula covers: plain GeLU MLPs with fused QKV (GPT-2),
 # LayerNorm + parallel attention (GPT-NeoX), softcap + sliding window (Gemma2), fused gate_up (Phi3), QK-norm
-# (Qwen3), learned positions with ReLU (OPT), and MoE experts (Mixtral, Qwen3-MoE: top-k copies of each token).
+# (Qwen3), learned positions with ReLU (OPT), MoE experts (Mixtral, Qwen3-MoE: top-k copies of each token), a
+# model outside AttentionInterface (Falcon) and an attention-free one (Mamba).
 MORE_ARCHS = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=256, bos_token_id=0, eos_token_id=0),
     "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=300),
@@ -253,6 +254,10 @@ MORE_ARCHS = {
                 word_embed_proj_dim=64, bos_token_id=0, eos_token_id=0, pad_token_id=0),
     "mixtral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=300, num_local_experts=4, num_experts_per_tok=2),
+    # no AttentionInterface (the model's own SDPA path is traced), and an attention-free state-space model
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=300,
+                   new_decoder_architecture=True, num_kv_heads=2),
+    "mamba": dict(hidden_size=64, num_hidden_layers=2, vocab_size=300),
     "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300, num_experts=4,
                       num_experts_per_tok=2),

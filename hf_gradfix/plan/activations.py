@@ -116,11 +116,19 @@ def prepare_config(config):
 
 
 def set_trace_attention(model, attention: str) -> str:
-    """Switch a built model to the fused trace attention (``attention="fused"``) or leave it eager."""
+    """Switch a built model to the fused trace attention (``attention="fused"``) or leave it eager; returns the
+    attention traced.  A model that does not dispatch through ``AttentionInterface``
+    (``_supports_attention_backend`` false: Falcon, Bloom, ...) gets its own SDPA path when it has one (a fused
+    kernel when no mask is materialized), else stays eager."""
     if attention == "eager":
         return "eager"
-    from ..packing.attention import _set_on_every_config
+    from ..packing.attention import _set_on_every_config, set_attention_implementation
 
+    if not getattr(model, "_supports_attention_backend", False):
+        if getattr(model, "_supports_sdpa", False):
+            set_attention_implementation(model, "sdpa")
+            return "sdpa (the model has no attention interface)"
+        return "eager (the model has neither an attention interface nor SDPA)"
     # set on the configs directly: transformers 5.x would look a custom flash-named kernel up on the hub
     _set_on_every_config(model, model.config, _register_trace_attention())
     return "fused"

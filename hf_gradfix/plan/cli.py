@@ -80,8 +80,9 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
 
     params = params if params is not None else param_table(config)
     rows = []
-    heads = config.num_attention_heads
-    for tp in [d for d in _divisors(num_gpus) if d <= 8 and heads % d == 0]:
+    heads = getattr(config, "num_attention_heads", None)
+    tps = [d for d in _divisors(num_gpus) if d <= 8 and heads and heads % d == 0] or [1]
+    for tp in tps:
         for cp in [c for c in (1, 2, 4) if num_gpus % (tp * c) == 0 and base.seq_len % c == 0]:
             rest = num_gpus // (tp * cp)
             for rep in _divisors(rest):

@@ -335,7 +335,8 @@ def playbook_model_state_bytes(n: float, *, zero: int = 0, dp: int = 1, grad_fp3
 def playbook_activation_bytes(config, seq_len: int, micro_batch: int, *, fused_attention: bool = True,
                               tp: int = 1, cp: int = 1) -> float:
     """``L s b h (34 + 5 a s / h)`` bytes (bf16, Korthikanti et al.); fused attention drops the ``5as/h`` term."""
-    h, L, a = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    h, L = config.hidden_size, config.num_hidden_layers
+    a = getattr(config, "num_attention_heads", None) or 0  # attention-free models (Mamba): no score term
     s = seq_len / cp
     per = 34 + (0 if fused_attention else 5 * a * s / h)
     return L * s * micro_batch * h * per / tp
