@@ -34,7 +34,15 @@ def _make_optimizer(model, settings: Settings):
 
     name = settings.optimizer
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        # the Trainer's default optimizer on torch >= 2.8 ("adamw_torch_fused"): updates in place, no temporaries
+        # (the foreach path would hold one moment-sized temporary at the step, the for-loop two of the largest weight)
+        from torch.distributed.tensor import DTensor
+
+        # one fused call may not mix DTensors (TP-sharded weights) and plain tensors (the rest): two groups
+        params = list(model.parameters())
+        groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
+                              [p for p in params if not isinstance(p, DTensor)]) if g]
+        return torch.optim.AdamW([{"params": g} for g in groups], lr=1e-4, fused=True)
     if name in ("galore_adamw", "apollo_adamw", "apollo_mini"):
         from ..optim import ApolloAdamW, GaLoreAdamW, apollo_mini
 
