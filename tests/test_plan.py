@@ -312,3 +312,17 @@ def test_eager_attention_counts_the_score_matrix():
     eager = estimate(cfg, ParallelDims(1), Settings(seq_len=256, micro_batch=1, dtype="fp32", attention="eager"))
     scores = cfg.num_hidden_layers * cfg.num_attention_heads * 256 * 256 * 4
     assert eager.components["activations"] - fused.components["activations"] >= scores
+
+
+@pytest.mark.parametrize("optimizer,recompute", [("adamw", "none"), ("galore_adamw", "full")])
+def test_fake_trace_equals_a_real_step(optimizer, recompute):
+    """The simulator's premise: a step on fake tensors allocates exactly what the same step on real tensors does
+    (same tracker, real storages on CPU)."""
+    from hf_gradfix.plan.simulate import simulate
+
+    cfg = load_model_config("tiny-qwen2")
+    s = Settings(seq_len=32, micro_batch=2, dtype="fp32", optimizer=optimizer, rank=8, recompute=recompute)
+    torch.manual_seed(0)
+    fake = simulate(cfg, ParallelDims(1), s)
+    real = simulate(cfg, ParallelDims(1), s, fake=False)
+    assert fake["peak"] == real["peak"] and fake["max"] == real["max"] and fake["after_step"] == real["after_step"]

@@ -119,10 +119,11 @@ def _device_meshes_built_for_real():
         DeviceMesh._concatenate = original
 
 
-def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, Any]:
+def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = True) -> dict[str, Any]:
     """Trace ``steps`` training steps of rank 0 (bytes): ``peak`` (total), ``at_peak`` (per component at that
     instant), ``after_step`` (what stays between steps: weights, optimizer state), ``max`` (each component's own
-    maximum), ``phase`` (forward / backward / optimizer step), ``seconds``."""
+    maximum), ``phase`` (forward / backward / optimizer step), ``seconds``.  ``fake=False`` runs the same step
+    on real tensors (one process), which is how the fake trace itself is checked."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -200,7 +201,10 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2) -> dict[str, A
                 else:
                     fsdp_mesh = dm[shard]
         two_d = _device_meshes_built_for_real() if (mesh.tp > 1 and sharded) else contextlib.nullcontext()
-        with FakeTensorMode(), two_d, data_dependent_refused(config):
+        if not fake and started_pg:
+            raise PlanError("simulate(fake=False) runs a real step and needs one process (no fake process group)")
+        # fake=False: the same step on real tensors (a check of the fake trace; tiny models only)
+        with (FakeTensorMode() if fake else contextlib.nullcontext()), two_d, data_dependent_refused(config):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             model.train()
             set_trace_attention(model, settings.attention)  # the same attention as the closed form's count
