@@ -207,7 +207,10 @@ def test_cli_json_plot_suggest(tmp_path, capsys):
                       "--json", "--suggest"] + (["--plot", str(png)] if plot else [])) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["fits"] is True and (not plot or png.stat().st_size > 1000)
-    assert out["suggest"] and all(r["peak_gib"] <= 80 for r in out["suggest"])
+    rows = out["suggest"]
+    assert rows and all(r["peak_gib"] <= 80 for r in rows)
+    speeds = [r["tokens_per_s_per_gpu"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True) and all(0 < r["mfu"] < 0.55 for r in rows)
 
 
 def test_docstring_examples_run():

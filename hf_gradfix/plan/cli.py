@@ -70,17 +70,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=None, limit: int = 15) -> list[dict]:
-    """Layouts that fit, ordered by a throughput-per-GPU heuristic (documented in each row's ``score``):
-    recomputation costs a third more compute (x 0.75), each doubling of tp or cp costs 7 % (communication on
-    the critical path), micro-batches below 4 lose utilization (x 0.85 per halving), GaLore's refresh ~2 %."""
+def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=None, limit: int = 15,
+            gpu: str | None = None) -> list[dict]:
+    """Layouts that fit, best expected throughput per GPU first.
+
+    Throughput comes from :func:`hf_gradfix.plan.throughput.layout_throughput` (an analytic roofline model of
+    compute, TP/CP/FSDP/DDP communication and overlap, for ``gpu``'s spec sheet; H100 when the GPU is not
+    named): a model, not a measurement.  Each row carries its predicted peak, tokens/s/GPU and MFU."""
     from dataclasses import replace
 
     from ..parallel import ParallelDims, ParallelDimsError
+    from .throughput import GPU_SPECS, layout_throughput
 
+    spec = GPU_SPECS.get((gpu or "h100").lower().replace(" ", ""), GPU_SPECS["h100"])
     params = params if params is not None else param_table(config)
-    rows = []
+    n_params = sum(p.numel for p in params)
+    n_layers = len({p.layer for p in params if p.layer is not None}) or config.num_hidden_layers
+    hidden = config.hidden_size
     heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else hidden)
+    kv_hidden = (getattr(config, "num_key_value_heads", None) or heads or 1) * head_dim
+    rows = []
     tps = [d for d in _divisors(num_gpus) if d <= 8 and heads and heads % d == 0] or [1]
     for tp in tps:
         for cp in [c for c in (1, 2, 4) if num_gpus % (tp * c) == 0 and base.seq_len % c == 0]:
@@ -98,14 +108,24 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                             p = estimate(config, mesh, s, gpu_memory=gpu_memory, params=params)
                             if not p.fits:
                                 continue
-                            score = (0.75 if rc == "full" else 1.0) * (0.93 ** math.log2(tp * cp))
-                            score *= 0.85 ** max(0, math.log2(4 / mb)) * (0.98 if opt.startswith("galore") else 1.0)
+                            t = layout_throughput(
+                                n_params, n_layers, hidden, kv_hidden, seq_len=s.seq_len, micro_batch=mb,
+                                grad_accum=s.grad_accum, dp_replicate=rep, dp_shard=rest // rep, tp=tp, cp=cp,
+                                recompute=rc == "full", gpu=spec,
+                                optimizer_overhead=1.02 if opt.startswith(("galore", "apollo")) else 1.0)
                             rows.append({"dp_replicate": rep, "dp_shard": rest // rep, "tp": tp, "cp": cp,
                                          "micro_batch": mb, "recompute": rc, "optimizer": opt,
-                                         "peak_gib": round(p.peak / GiB, 2), "score": round(score, 3),
-                                         "global_batch_tokens": p.global_batch_tokens})
-    rows.sort(key=lambda r: (-r["score"], r["peak_gib"]))
+                                         "peak_gib": round(p.peak / GiB, 2),
+                                         "tokens_per_s_per_gpu": round(t["tokens_per_s_per_gpu"]),
+                                         "mfu": round(t["mfu"], 3), "global_batch_tokens": p.global_batch_tokens})
+    rows.sort(key=lambda r: (-r["tokens_per_s_per_gpu"], r["peak_gib"]))
     return rows[:limit]
+
+
+def _gpu_specs() -> dict:
+    from .throughput import GPU_SPECS
+
+    return GPU_SPECS
 
 
 def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memory: float | None = None) -> None:
@@ -157,7 +177,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         if ns.suggest:
             if gpu is None:
                 raise PlanError("--suggest needs --gpu-memory or --gpu")
-            rows = suggest(config, ns.num_gpus or mesh.world_size, gpu, s, params=params)
+            rows = suggest(config, ns.num_gpus or mesh.world_size, gpu, s, params=params, gpu=ns.gpu)
             out["suggest"] = rows
         if ns.plot:
             plot_plan([plan] * min(mesh.world_size, 8), ns.plot, gpu_memory=gpu)
@@ -179,11 +199,14 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             print(f"  {k:<17}{cf_s}{sim['max'].get(k, 0) / div:>12.3f}{sim['at_peak'].get(k, 0) / div:>10.3f}"
                   f"{sim['after_step'].get(k, 0) / div:>11.3f}")
     if rows is not None:
-        print(f"\nlayouts that fit ({len(rows)} shown, best expected throughput/GPU first):")
-        print(f"  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'mb':>3} {'recompute':>9} {'optimizer':>13} {'peak GiB':>9} {'score':>6}")
+        print(f"\nlayouts that fit ({len(rows)} shown, best expected throughput/GPU first; an analytic model "
+              f"for {(ns.gpu or 'h100') if (ns.gpu or 'h100').lower() in _gpu_specs() else 'h100'}, not measured):")
+        print(f"  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'mb':>3} {'recompute':>9} {'optimizer':>13} "
+              f"{'peak GiB':>9} {'tok/s/GPU':>10} {'MFU':>5}")
         for r in rows:
             print(f"  {r['dp_replicate']:>6} {r['dp_shard']:>8} {r['tp']:>3} {r['cp']:>3} {r['micro_batch']:>3} "
-                  f"{r['recompute']:>9} {r['optimizer']:>13} {r['peak_gib']:>9} {r['score']:>6}")
+                  f"{r['recompute']:>9} {r['optimizer']:>13} {r['peak_gib']:>9} {r['tokens_per_s_per_gpu']:>10,} "
+                  f"{r['mfu']:>5.2f}")
         if not rows:
             print("  none: more GPUs, a bigger GPU, or a smaller sequence")
     if ns.plot:
