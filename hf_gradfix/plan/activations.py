@@ -285,7 +285,9 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
         ends: dict = {}
         first, last = layers[0][1], layers[-1][1]
         handles.append(first.register_forward_pre_hook(
-            lambda m, a, kw: ends.__setitem__("input", a[0] if a else kw["hidden_states"]), with_kwargs=True))
+            lambda m, a, kw: ends.__setitem__("input", a[0] if a else kw.get("hidden_states", next(
+                (v for v in kw.values() if isinstance(v, torch.Tensor) and v.is_floating_point()), None))),
+            with_kwargs=True))
         handles.append(last.register_forward_hook(
             lambda m, a, o: ends.__setitem__("output", o[0] if isinstance(o, tuple) else o)))
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
@@ -295,7 +297,7 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
             h.remove()
         logits = out.logits.untyped_storage().nbytes()
         elem = torch.finfo(torch_dtype).bits // 8
-        hidden = ends["input"].untyped_storage().nbytes() if "input" in ends else \
+        hidden = ends["input"].untyped_storage().nbytes() if ends.get("input") is not None else \
             micro_batch * seq_len * config.get_text_config().hidden_size * elem
         vocab = out.logits.shape[-1]
         layer_backward = _backward_working_set(ends, skip | saved, by_layer)

@@ -450,6 +450,7 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     tokens = settings.micro_batch * settings.seq_len / mesh.cp
     pb_act = playbook_activation_bytes(config, settings.seq_len, settings.micro_batch, tp=tp, cp=mesh.cp)
     act_how = ""
+    tr = None
     if settings.activation_model == "traced":
         from .activations import trace_activations
 
@@ -542,5 +543,8 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         settings=asdict(settings), components=comp, explain=explain, peak=subtotal + frag,
         global_batch_tokens=gbt, activations_no_recompute=act_none, activations_full_recompute=act_full,
         playbook_activations=pb_act, gpu_memory=gpu_memory,
-        extra={"zero": zero, "shard_degree": d_eff, "projected_matrices": n_proj, "prefetch_bytes": prefetch},
+        extra={"zero": zero, "shard_degree": d_eff, "projected_matrices": n_proj, "prefetch_bytes": prefetch,
+               # what the first decoder layer saves for backward, tensor by tensor (the traced count's evidence)
+               "layer0_saved_tensors": [{"op": w, "shape": list(sh), "dtype": dt, "bytes": b}
+                                        for w, sh, dt, b in (tr.layer0 if tr is not None else [])]},
     )
