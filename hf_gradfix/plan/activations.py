@@ -231,16 +231,34 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "amp" else contextlib.nullcontext()
     state = {"layer": None, "tp_depth": 0}
     born: dict = {}  # storage -> (created inside a tp-split module, op name)
+    # per layer, every storage it creates: [birth op, death op or None, bytes, storage]; replayed after the forward
+    # to find what a recomputation of the layer holds at once (checkpointing stops after the last saved tensor)
+    lifetimes: dict[int, list] = {}
+    layer_live: dict = {}  # storage -> its lifetime record, for the running layer
+    clock = [0]
 
     class _Provenance(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            clock[0] += 1
+            i = state["layer"]
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     w = StorageWeakRef(t.untyped_storage())
                     if w not in born:
                         born[w] = (state["tp_depth"] > 0, func.__name__.split(".")[0])
+                        if i is not None:
+                            rec = [clock[0], None, t.untyped_storage().nbytes(), w]
+                            lifetimes.setdefault(i, []).append(rec)
+                            layer_live[w] = rec
+            if i is not None:
+                for w in [w for w in layer_live if w.expired()]:
+                    layer_live.pop(w)[1] = clock[0]
             return out
+
+    def enter_layer(i):
+        state["layer"] = i
+        layer_live.clear()
 
     with FakeTensorMode():
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
@@ -252,7 +270,7 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
         tp_names = _tp_blocks(model, config)
         handles = []
         for i, (_, layer) in enumerate(layers):
-            handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: state.__setitem__("layer", i)))
+            handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: enter_layer(i)))
             handles.append(layer.register_forward_hook(lambda m, a, o: state.__setitem__("layer", None)))
         for name, mod in model.named_modules():
             if name in tp_names:
@@ -301,8 +319,34 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
             micro_batch * seq_len * config.get_text_config().hidden_size * elem
         vocab = out.logits.shape[-1]
         layer_backward = _backward_working_set(ends, skip | saved, by_layer)
+    # full recomputation re-runs one layer's forward during backward with the incoming gradient alive (one
+    # hidden-state-sized tensor), then its backward: the larger of the two is the recomputed layer's footprint
+    footprint = max(layer_backward, _recompute_forward_peak(lifetimes, saved) + hidden)
     return ActivationTrace(rep, split, outside[0], float(logits), float(hidden),
-                           float(2 * 4 * micro_batch * seq_len * vocab), used, float(layer_backward), layer0)
+                           float(2 * 4 * micro_batch * seq_len * vocab), used, float(footprint), layer0)
+
+
+def _recompute_forward_peak(lifetimes: dict[int, list], saved: set) -> int:
+    """The most bytes one layer's forward holds at once, up to its last saved tensor (non-reentrant checkpointing
+    stops recomputing there): saved tensors from birth on, transient ones from birth to death."""
+    peak = 0
+    for records in lifetimes.values():
+        births = [r[0] for r in records if r[3] in saved]
+        if not births:
+            continue
+        stop = max(births)
+        events: dict[int, int] = {}
+        for birth, death, nbytes, w in records:
+            if birth > stop:
+                continue
+            events[birth] = events.get(birth, 0) + nbytes
+            if death is not None and w not in saved:
+                events[death] = events.get(death, 0) - nbytes
+        live = 0
+        for t in sorted(events):
+            live += events[t]
+            peak = max(peak, live)
+    return peak
 
 
 def _backward_working_set(ends: dict, known: set, by_layer: list[list]) -> int:
