@@ -1,13 +1,17 @@
 """``--simulate``: trace one real training step under fake tensors and report per-category memory of rank 0.
 
-The model is built from its config inside ``FakeTensorMode`` (no storage is ever allocated), optionally sharded
-with FSDP2 over a fake process group of the configured world size (``init_process_group("fake")``: collectives
-return immediately, shapes are real), and run through forward, backward and ``optimizer.step()`` twice (the
-second step is the steady state: the optimizer state exists during the forward).  torch's
-``MemTracker`` / ``FSDPMemTracker`` classify every storage (parameters, gradients, activations, optimizer
-state, temporaries, FSDP all-gather / reduce-scatter buffers); this module also records each category's own
-maximum over the step and where the total peak happens.  Private torch APIs (torch.distributed._tools):
-tested with torch 2.13.
+The model is built from its config inside ``FakeTensorMode`` (no storage is ever allocated), tensor-parallel
+from its tp plan and/or sharded with FSDP2 (``MixedPrecisionPolicy(bf16, reduce fp32)`` for ``amp-bf16``) over a
+fake process group of the configured world size (``init_process_group("fake")``: collectives return at once,
+shapes are real), and run through forward (under autocast for unsharded ``amp-bf16``), backward and
+``optimizer.step()`` twice (the second step is the steady state: the optimizer state exists during the
+forward).  Attention is the same fused-profile function the closed form counts with (``activations.py``).
+torch's ``MemTracker`` / ``FSDPMemTracker`` classify every storage (parameters, gradients, activations,
+optimizer state, temporaries, FSDP all-gather / reduce-scatter buffers); this module records each plan
+component's own maximum over the step (categories summed at every instant) and where the total peak happens.
+Not traced: context parallelism (torch's ring attention has no sharding rule for the CPU SDPA kernel) and DDP
+buckets (one replica is traced).  Private torch APIs (torch.distributed._tools, the fake process group,
+``DeviceMesh._concatenate``): tested with torch 2.13.
 """
 
 from __future__ import annotations
@@ -134,7 +138,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     settings.check()
     mesh.check_model(config)
     if mesh.cp > 1:
-        raise PlanError("--simulate: context parallelism is not simulated yet (cp > 1); use the closed form")
+        raise PlanError("--simulate: context parallelism is not simulated (cp > 1): torch's ring attention has no "
+                        "sharding rule for the CPU SDPA kernel that fake tensors run; use the closed form")
     if settings.dtype not in ("fp32", "bf16-pure", "amp-bf16"):
         raise PlanError(f"--simulate traces what torch runs: fp32, bf16-pure, or amp-bf16 (autocast; FSDP2's "
                         f"MixedPrecisionPolicy when sharded). --dtype {settings.dtype} is the Playbook's Megatron-style "
