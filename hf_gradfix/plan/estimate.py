@@ -505,8 +505,11 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     if tp > 1:
         comm_txt += "; TP all-reduces write the layer outputs (counted in activations)"
     if mesh.cp > 1:
-        comm += 2 * tokens * 2 * config.hidden_size * eb
-        comm_txt += "; CP ring: the K/V chunk in flight, double-buffered"
+        heads = getattr(config, "num_attention_heads", None) or 1
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_width = (getattr(config, "num_key_value_heads", None) or heads) * head_dim / tp
+        comm += 2 * tokens * 2 * kv_width * eb
+        comm_txt += "; CP ring: the next K/V chunk in flight, double-buffered"
     subtotal = params_b + master_b + grads_b + opt_bytes + act + comm
     frag = settings.fragmentation * subtotal
     comp = {"parameters": params_b, "master_weights": master_b, "gradients": grads_b, "optimizer_state": opt_bytes,
