@@ -311,6 +311,22 @@ def test_eager_attention_counts_the_score_matrix():
     eager = estimate(cfg, ParallelDims(1), Settings(seq_len=256, micro_batch=1, dtype="fp32", attention="eager"))
     scores = cfg.num_hidden_layers * cfg.num_attention_heads * 256 * 256 * 4
     assert eager.components["activations"] - fused.components["activations"] >= scores
+    from hf_gradfix.plan.simulate import simulate
+
+    s = Settings(seq_len=256, micro_batch=1, dtype="fp32", attention="eager")
+    _assert_components_match(eager, simulate(cfg, ParallelDims(1), s), ParallelDims(1))
+
+
+def test_low_rank_on_fsdp_x_tp_rowwise_weights_is_refused_clearly(tmp_path, capsys):
+    """Row-wise tp weights under FSDP2 are sharded on both dimensions: the optimizer refuses them, so does the
+    planner (same advice), and --suggest skips such layouts instead of failing."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num_processes: 4\nhf_gradfix:\n  parallel: {dp_shard: 2, tp: 2}\n  optimizer: {name: galore_adamw}\n")
+    assert plan_main(["--model", "tiny-llama", "--config", str(cfg), "--seq-len", "64"]) == 2
+    assert "exclude" in capsys.readouterr().err
+    cfg.write_text("num_processes: 4\nhf_gradfix:\n  parallel: {dp_shard: 2, tp: 2}\n  optimizer: {name: galore_adamw, "
+                   "exclude: [o_proj, down_proj]}\n")
+    assert plan_main(["--model", "tiny-llama", "--config", str(cfg), "--seq-len", "64"]) == 0
 
 
 @pytest.mark.parametrize("optimizer,recompute", [("adamw", "none"), ("galore_adamw", "full")])

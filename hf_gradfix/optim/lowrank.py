@@ -238,6 +238,13 @@ class LowRankAdamW(torch.optim.Optimizer):
                 side = proj.resolve_side(tuple(p.shape), group["proj_side"], _sharded_dims(p))
             except ValueError as err:
                 raise OptimizerConfigError(f"{self._name}: {err}") from None
+            if {0, 1} <= _sharded_dims(p):
+                raise OptimizerConfigError(
+                    f"{self._name}: both dimensions of {name} are sharded ({p.placements}: FSDP2 rows x tensor-parallel "
+                    "columns), so projecting it on either side would need a collective every step. Leave these "
+                    "weights out of the low-rank targets (optimizer.exclude, e.g. [o_proj, down_proj] for a Llama "
+                    "tp plan) or run the low-rank optimizer on a mesh without tp"
+                )
             if proj.reduced_dim(side) in _sharded_dims(p):
                 raise OptimizerConfigError(
                     f"{self._name}: proj_side={group['proj_side']!r} reduces dimension {proj.reduced_dim(side)} of {name}, "

@@ -44,8 +44,11 @@ class ActivationTrace:
     loss_transient: float  # fp32 loss gradients alive while the loss backward runs (2 x 4 T v)
     attention: str
     # a layer's backward at its peak: what is left of its saved tensors plus the gradients alive at that moment
-    # (the most over the layers); under full recomputation this is the recomputed layer's footprint
+    # (the most over the layers)
     layer_backward: float = 0.0
+    # under full recomputation: the larger of that and the layer's re-run forward (up to its last saved tensor)
+    # with the incoming gradient alive
+    layer_recompute: float = 0.0
     layer0: list[tuple[str, tuple, str, int]] = field(default_factory=list)  # (where, shape, dtype, bytes)
 
     def layer(self, i: int, tp: int = 1) -> float:
@@ -63,7 +66,7 @@ class ActivationTrace:
             [lin(a, b) for a, b in zip(self.layer_split, other.layer_split)],
             lin(self.outside, other.outside), lin(self.logits, other.logits), lin(self.hidden, other.hidden),
             lin(self.loss_transient, other.loss_transient), self.attention,
-            lin(self.layer_backward, other.layer_backward),
+            lin(self.layer_backward, other.layer_backward), lin(self.layer_recompute, other.layer_recompute),
             [(w, s, d, int(lin(b, b2))) for (w, s, d, b), (_, _, _, b2) in zip(self.layer0, other.layer0)]
             if len(self.layer0) == len(other.layer0) else self.layer0,
         )
@@ -321,9 +324,10 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
         layer_backward = _backward_working_set(ends, skip | saved, by_layer)
     # full recomputation re-runs one layer's forward during backward with the incoming gradient alive (one
     # hidden-state-sized tensor), then its backward: the larger of the two is the recomputed layer's footprint
-    footprint = max(layer_backward, _recompute_forward_peak(lifetimes, saved) + hidden)
+    recompute = max(layer_backward, _recompute_forward_peak(lifetimes, saved) + hidden)
     return ActivationTrace(rep, split, outside[0], float(logits), float(hidden),
-                           float(2 * 4 * micro_batch * seq_len * vocab), used, float(footprint), layer0)
+                           float(2 * 4 * micro_batch * seq_len * vocab), used, float(layer_backward),
+                           float(recompute), layer0)
 
 
 def _recompute_forward_peak(lifetimes: dict[int, list], saved: set) -> int:

@@ -105,7 +105,10 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                     for rc in ("none", "full"):
                         for opt in dict.fromkeys((base.optimizer, "adamw")):
                             s = replace(base, micro_batch=mb, recompute=rc, optimizer=opt, zero=None)
-                            p = estimate(config, mesh, s, gpu_memory=gpu_memory, params=params)
+                            try:
+                                p = estimate(config, mesh, s, gpu_memory=gpu_memory, params=params)
+                            except PlanError:  # e.g. a low-rank optimizer on FSDP2 x TP row-wise weights
+                                continue
                             if not p.fits:
                                 continue
                             t = layout_throughput(
@@ -158,6 +161,7 @@ def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memor
 def plan_main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(argv) if argv is not None else None)
     from ..config import ConfigError
+    from ..optim.groups import OptimizerConfigError
     from ..parallel import ParallelDimsError
 
     try:
@@ -181,7 +185,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             out["suggest"] = rows
         if ns.plot:
             plot_plan([plan] * min(mesh.world_size, 8), ns.plot, gpu_memory=gpu)
-    except (PlanError, ConfigError, ParallelDimsError) as exc:
+    except (PlanError, ConfigError, ParallelDimsError, OptimizerConfigError) as exc:
         print(f"hf-gradfix plan: error: {exc}", file=sys.stderr)
         return 2
     if ns.json:
@@ -196,8 +200,12 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         for k in ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "temporaries"):
             cf = plan.components.get(k)
             cf_s = f"{cf / div:>12.3f}" if cf is not None else f"{'-':>12}"
-            print(f"  {k:<17}{cf_s}{sim['max'].get(k, 0) / div:>12.3f}{sim['at_peak'].get(k, 0) / div:>10.3f}"
+            # the closed-form activations include the backward's transient gradients (the tracker's Temp)
+            traced = sim["max"].get("activations_and_temporaries" if k == "activations" else k, 0)
+            print(f"  {k:<17}{cf_s}{traced / div:>12.3f}{sim['at_peak'].get(k, 0) / div:>10.3f}"
                   f"{sim['after_step'].get(k, 0) / div:>11.3f}")
+        print("  (traced max of activations: saved tensors + the backward's transient gradients, as the closed "
+              "form counts them)")
     if rows is not None:
         print(f"\nlayouts that fit ({len(rows)} shown, best expected throughput/GPU first; an analytic model "
               f"for {(ns.gpu or 'h100') if (ns.gpu or 'h100').lower() in _gpu_specs() else 'h100'}, not measured):")

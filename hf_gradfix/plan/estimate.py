@@ -416,6 +416,11 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         else:
             root_local += numel
         low_rank = p.projected and opt.startswith(("galore", "apollo"))
+        if low_rank and zero >= 3 and d_eff > 1 and 1 in sharded:
+            raise PlanError(
+                f"--optimizer {opt}: {p.name} is sharded on both dimensions (FSDP2 rows x tensor-parallel columns), "
+                "so the low-rank optimizer refuses it (a collective every step). Exclude the row-wise tp weights "
+                "from the targets (optimizer.exclude, e.g. [o_proj, down_proj] for a Llama tp plan) or drop tp")
         if low_rank:
             n_proj += 1
             rank = 1 if opt == "apollo_mini" else settings.rank
@@ -459,7 +464,8 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
                                attention=settings.attention)
         per_layer = [tr.layer(i, tp) for i in range(len(tr.layer_split))]
         # a layer's backward footprint (its saved tensors + gradients) shrinks with tp as its activations do
-        layer_bwd = tr.layer_backward * max(per_layer) / max(tr.layer(i) for i in range(len(per_layer)))
+        tp_share = max(per_layer) / max(tr.layer(i) for i in range(len(per_layer)))
+        layer_bwd, layer_rc = tr.layer_backward * tp_share, tr.layer_recompute * tp_share
         head_act = tr.outside + tr.logits + tr.loss_transient
         # without recompute the peak is where backward starts (everything saved + the loss gradients), or in the
         # last layer's backward for a model whose layer working set outweighs the loss gradients
@@ -467,11 +473,11 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         # full recompute: the checkpointed layer inputs, plus the larger of the loss (end of forward) and one
         # recomputed layer's backward footprint (by then only the logits of the head are still alive)
         ckpt = len(per_layer) * tr.hidden
-        act_full = ckpt + max(head_act, tr.logits + layer_bwd)
+        act_full = ckpt + max(head_act, tr.logits + layer_rc)
         act_how = (f"counted from the forward ({tr.attention} attention): {len(per_layer)} layers x "
                    f"{_fmt(sum(per_layer) / len(per_layer))} + outside the layers {_fmt(tr.outside)} + logits "
                    f"{_fmt(tr.logits)} + fp32 loss gradients {_fmt(tr.loss_transient)}"
-                   + (f"; a recomputed layer's backward peaks at {_fmt(layer_bwd)}"
+                   + (f"; a recomputed layer peaks at {_fmt(layer_rc)}"
                       if settings.recompute == "full" else ""))
     else:
         layer_act = _decoder_layer_activation(config, tokens, eb, tp)

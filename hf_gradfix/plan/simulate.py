@@ -70,7 +70,10 @@ def _make_optimizer(model, settings: Settings):
         if name == "apollo_adamw":
             return ApolloAdamW(model, lr=1e-4, rank=settings.rank, **kw)
         return apollo_mini(model, lr=1e-4, **kw)
-    raise PlanError(f"--simulate supports adamw, galore_adamw, apollo_adamw, apollo_mini; not {name!r}")
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-4)
+    raise PlanError(f"--simulate supports adamw, galore_adamw, apollo_adamw, apollo_mini and sgd; not {name!r} "
+                    "(8-bit optimizers need bitsandbytes' CUDA kernels, which fake tensors on CPU cannot run)")
 
 
 def _apply_tp(model, config, tp_mesh) -> None:
