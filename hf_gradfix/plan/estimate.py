@@ -19,7 +19,8 @@ Rules (Ultra-Scale Playbook, "memory usage in transformers"; N = parameter count
   by default), plus the logits and the fp32 loss gradients.  ``"formula"`` is the same count written out by
   hand for SwiGLU decoders (Llama, Mistral, Qwen2: equal to the trace there, a test checks it); the Playbook's
   GPT formula ``L s b h (34 + 5 a s / h)`` is reported alongside.  Full recomputation keeps each layer's input
-  plus one layer's activations.  TP (transformers' tp plans, no sequence parallelism) divides what attention
+  plus one recomputed layer's footprint (the larger of its re-run forward and its backward working set, both
+  traced).  TP (transformers' tp plans, no sequence parallelism) divides what attention
   and MLP create by ``tp`` (norms and the residual stream stay replicated); CP divides the tokens by ``cp``.
 """
 
