@@ -87,6 +87,9 @@ _DECODER = dict(
     use_cache=False,
     **_SPECIAL,
 )
+#: the tiny GQA Llama the multi-process workers share (nd_worker, optim_dist_worker): 4 query / 2 K-V heads, so
+#: tp=2 splits both, and vocabulary 128 so the workers' random ids need no special-token care
+TINY_GQA_LLAMA = dict(_DECODER, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=128)
 _BERT = dict(
     vocab_size=VOCAB,
     hidden_size=32,

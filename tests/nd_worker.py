@@ -32,21 +32,7 @@ import torch  # noqa: E402
 import harness  # noqa: E402
 
 N_SAMPLES = 12
-LLAMA = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=128,
-    attention_dropout=0.0,
-    tie_word_embeddings=False,
-    use_cache=False,
-    pad_token_id=harness.PAD_ID,
-    bos_token_id=harness.BOS_ID,
-    eos_token_id=harness.EOS_ID,
-)
+LLAMA = harness.TINY_GQA_LLAMA
 
 # name -> (hf_gradfix config, options). "yaml": write the config to a YAML file and patch() with its path.
 SCENARIOS: dict[str, tuple[dict, dict]] = {

@@ -41,6 +41,8 @@ for _p in (str(_TESTS), str(_TESTS.parent)):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import harness  # noqa: E402
+
 WORLD = 2  # data-parallel ranks
 GA = 2  # micro-batches per optimizer step and rank
 MB = 2  # sequences per micro-batch
@@ -49,18 +51,7 @@ STEPS = 5  # optimizer steps; refreshes at steps 0 and 3 (update_proj_gap 3)
 SEED = 0
 LR = 3e-3
 
-MODEL_CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    use_cache=False,
-    attention_dropout=0.0,
-)
+MODEL_CONFIG = dict(harness.TINY_GQA_LLAMA, max_position_embeddings=64)
 
 #: case -> (parallelism, optimizer, optimizer keyword arguments).  The exactness cases use the exact SVD
 #: (``proj_method="svd"``): the randomized range finder (the default "auto" picks it here, rank 8 < 64 / 4) is far more
