@@ -34,6 +34,7 @@ import collections
 import logging
 import math
 import os
+from collections.abc import Mapping
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -246,7 +247,7 @@ class GradientNoiseScaleCallback(TrainerCallback):
         self._weighting, self._window_size = weighting, window_size
         for batch in batches:
             size = 0.0
-            if rule is not None and isinstance(batch, dict):
+            if rule is not None and isinstance(batch, Mapping):
                 size = float(count_targets(batch, rule))
                 labels = batch.get("labels")
                 if self.unit == "targets" and torch.is_tensor(labels) and size > 0:

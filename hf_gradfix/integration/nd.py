@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -417,7 +418,7 @@ def setup(trainer, section: ParallelConfig) -> NDPlan | None:
 def _fingerprint(batches: list) -> list[float]:
     rows, tokens, checksum = 0.0, 0.0, 0.0
     for batch in batches:
-        if not isinstance(batch, dict):
+        if not isinstance(batch, Mapping):
             continue
         for key in ("input_ids", "labels"):
             value = batch.get(key)

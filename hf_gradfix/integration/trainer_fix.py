@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from transformers import Trainer
 
 from ..config import GradFixConfig
 from ..loss.counting import CountRule, count_targets, mean_term_share
-from ..loss.probe import LossBehaviour, ProbeError, detect_count_rule, probe_honors_num_items
+from ..loss.probe import LossBehaviour, NonFiniteProbeError, ProbeError, detect_count_rule, probe_honors_num_items
 from .versions import transformers_major
 
 logger = logging.getLogger("hf_gradfix")
@@ -41,6 +42,10 @@ _STATE_ATTR = "_gradfix"
 
 class GradFixError(RuntimeError):
     """hf_gradfix cannot make this trainer's loss exact; the message says why and what to do."""
+
+
+class _ProbeDeferred(GradFixError):
+    """The probe batch's loss was not finite: undecided, probe again on a later window (the run goes on as stock)."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -82,6 +87,8 @@ class GradFixState:
     in_probe: bool = False
     no_labels_logged: bool = False
     disabled_reason: str | None = None  # set when a probe failed and on_undetermined is "warn"
+    stock_window: bool = False  # this optimizer window runs exactly as stock transformers (probe deferred)
+    deferred_logged: bool = False
     packing_line: str | None = None  # what prepare_model_for_packing did, for the fix log
     optimizer_line: str | None = None  # which low-rank optimizer create_optimizer built, for the fix log
     saved_accepts_loss_kwargs: Any = None
@@ -90,7 +97,7 @@ class GradFixState:
 
     @property
     def enabled(self) -> bool:
-        return self.config.loss.enabled and not self.in_probe and self.disabled_reason is None
+        return self.config.loss.enabled and not self.in_probe and self.disabled_reason is None and not self.stock_window
 
 
 def state_of(trainer: Trainer) -> GradFixState | None:
@@ -154,8 +161,26 @@ def _replicated_divisor(trainer: Trainer) -> int:
     return max(1, size)
 
 
+def _has_labels(batch: Any) -> bool:
+    """A batch the plugin can count: any Mapping (dict, ``BatchEncoding``, ...) with a ``labels`` tensor."""
+    return isinstance(batch, Mapping) and torch.is_tensor(batch.get("labels"))
+
+
+def _check_readable(batches: list) -> None:
+    """Every batch must be a Mapping: the Trainer passes it on as ``model(**batch)``; anything else is named, not
+    skipped (a skipped batch would silently drop its targets from the count)."""
+    for batch in batches:
+        if not isinstance(batch, Mapping):
+            raise GradFixError(
+                f"hf_gradfix cannot read a training batch of type {type(batch).__module__}.{type(batch).__qualname__}: "
+                "it counts targets in a Mapping's 'labels' (a dict or transformers.BatchEncoding, what every "
+                "transformers and TRL collator returns). Fix: make the data collator return a Mapping with the targets "
+                "under 'labels', or set `loss: {on_undetermined: warn}` to leave the loss to transformers."
+            )
+
+
 def _loss_of(outputs: Any) -> torch.Tensor | None:
-    if isinstance(outputs, dict):
+    if isinstance(outputs, Mapping):
         return outputs.get("loss")
     if isinstance(outputs, (tuple, list)) and outputs and torch.is_tensor(outputs[0]):
         return outputs[0]
@@ -163,7 +188,7 @@ def _loss_of(outputs: Any) -> torch.Tensor | None:
 
 
 def _aux_of(outputs: Any) -> torch.Tensor | None:
-    aux = outputs.get("aux_loss") if isinstance(outputs, dict) else getattr(outputs, "aux_loss", None)
+    aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else getattr(outputs, "aux_loss", None)
     return aux if torch.is_tensor(aux) else None
 
 
@@ -172,7 +197,7 @@ def _zero_connected(loss: torch.Tensor | None, outputs: Any, model: torch.nn.Mod
 
     Used for a micro-batch without targets, whose mean loss is 0/0 = NaN (a NaN that ``* 0`` would keep).
     """
-    logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
     if torch.is_tensor(logits) and logits.requires_grad:
         return logits.sum() * 0.0
     params = [p for p in model.parameters() if p.requires_grad]
@@ -218,6 +243,7 @@ def _forced_rule(state: GradFixState) -> CountRule | None:
 
 
 def _probe_callable(loss_fn, batch, state: GradFixState, what: str) -> LossBehaviour:
+    # Two probes, two different fixes: the count rule can be set in the config, the scaling cannot.
     try:
         try:
             honors, additive = probe_honors_num_items(loss_fn, batch)
@@ -225,17 +251,28 @@ def _probe_callable(loss_fn, batch, state: GradFixState, what: str) -> LossBehav
             if not _is_num_items_type_error(err):
                 raise
             honors, additive = False, 0.0  # forward without **kwargs: cannot take the count at all
-        rule = _forced_rule(state)
-        if rule is None:
-            rule, why = detect_count_rule(loss_fn, batch, honors)
-        else:
-            why = "set by loss.count_rule in the configuration"
+    except NonFiniteProbeError as err:
+        raise _ProbeDeferred(f"hf_gradfix could not probe how {what} normalizes its loss: {err}") from err
     except ProbeError as err:
         raise GradFixError(
-            f"hf_gradfix could not tell how {what} normalizes its loss: {err}. "
-            "Fix: set `loss.count_rule` (shifted | unshifted | elements) in the hf_gradfix config, "
-            "or disable the fix with `loss: {enabled: false}`."
+            f"hf_gradfix could not tell how {what} scales its loss with num_items_in_batch: {err}. "
+            "Fix: make it return (sum of per-target losses) / num_items_in_batch (or ignore num_items_in_batch and "
+            "return a mean), or leave this loss to transformers with `loss: {on_undetermined: warn}`."
         ) from err
+    rule = _forced_rule(state)
+    if rule is None:
+        try:
+            rule, why = detect_count_rule(loss_fn, batch, honors)
+        except NonFiniteProbeError as err:
+            raise _ProbeDeferred(f"hf_gradfix could not probe how {what} counts its targets: {err}") from err
+        except ProbeError as err:
+            raise GradFixError(
+                f"hf_gradfix could not tell which targets {what} counts: {err}. "
+                "Fix: set `loss.count_rule` (shifted | unshifted | elements) in the hf_gradfix config, "
+                "or leave this loss to transformers with `loss: {on_undetermined: warn}`."
+            ) from err
+    else:
+        why = "set by loss.count_rule in the configuration"
     reason = f"counts {rule.value} targets ({why})"
     return LossBehaviour(honors_num_items=honors, count_rule=rule, additive_term=additive, reason=reason)
 
@@ -248,9 +285,9 @@ def _first_class_defining(trainer: Trainer, name: str, after: type) -> type | No
     return None
 
 
-def _probe(trainer: Trainer, state: GradFixState, batch: dict) -> None:
+def _probe(trainer: Trainer, state: GradFixState, batch: Mapping) -> None:
     model = trainer.model
-    batch = trainer._prepare_inputs(dict(batch))
+    batch = dict(trainer._prepare_inputs(batch))  # the probes edit labels on copies: a plain dict of the same tensors
     was_training = model.training
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     holder: dict[str, Any] = {}
@@ -297,7 +334,8 @@ def _probe(trainer: Trainer, state: GradFixState, batch: dict) -> None:
                 chain = super(_GradFixTop, trainer).compute_loss
 
                 def chain_loss(b, n):
-                    loss, _ = _split(chain(model, dict(b), return_outputs=True, num_items_in_batch=n))
+                    # return_outputs=False: the outputs are not needed, and TRL deprecates asking for them
+                    loss, _ = _split(chain(model, dict(b), return_outputs=False, num_items_in_batch=n))
                     return loss
 
                 state.chain = _probe_callable(chain_loss, batch, state, f"{owner.__name__}.compute_loss")
@@ -417,20 +455,50 @@ def _set_flags(trainer: Trainer, state: GradFixState) -> None:
     state.flags_set = True
 
 
-def _prepare(trainer: Trainer, state: GradFixState, batches: list) -> None:
+def _prepare(trainer: Trainer, state: GradFixState, batches: list) -> bool:
+    """Probe on the first batch with labels (once per trainer). Returns False when every probe batch of ``batches``
+    gave a NaN / inf loss: nothing could be decided, and the caller runs this window as stock and retries later."""
     if not state.flags_set:
         _set_flags(trainer, state)
     if state.probed:
-        return
-    for batch in batches:
-        if isinstance(batch, dict) and torch.is_tensor(batch.get("labels")):
+        return True
+    deferred = None
+    try:
+        _check_readable(batches)
+        for batch in filter(_has_labels, batches):
             try:
                 _probe(trainer, state, batch)
-            except GradFixError as err:
-                if state.config.loss.on_undetermined != "warn":
-                    raise
-                _disable(trainer, state, str(err))
-            return
+                return True
+            except _ProbeDeferred as err:
+                deferred = str(err)  # NaN weights or a NaN sample: try the window's next batch
+                state.default = None
+    except GradFixError as err:
+        if state.config.loss.on_undetermined != "warn":
+            raise
+        _disable(trainer, state, str(err))
+        return True
+    if deferred is None:
+        return True
+    if not state.deferred_logged:
+        logger.warning(
+            "%s. This window is left exactly as stock transformers computes it; the probe runs again on each "
+            "following window until a loss is finite.", deferred
+        )
+        state.deferred_logged = True
+    return False
+
+
+def _begin_stock_window(trainer: Trainer, state: GradFixState) -> None:
+    """Run this optimizer window exactly as stock transformers would (the probe was deferred on some rank)."""
+    state.stock_window = True
+    if state.saved_accepts_loss_kwargs is not None:
+        trainer.model_accepts_loss_kwargs = state.saved_accepts_loss_kwargs
+
+
+def _end_stock_window(trainer: Trainer, state: GradFixState) -> None:
+    if state.stock_window:
+        state.stock_window = False
+        state.flags_set = False  # re-applied by the next _prepare (the 4.57 accepts_loss_kwargs flag)
 
 
 def _disable(trainer: Trainer, state: GradFixState, reason: str) -> None:
@@ -483,7 +551,7 @@ class _GradFixTop:
         # transformers 5.x: our compute_loss returns window-normalized losses, so training_step must not
         # divide by the accumulation steps. When the fix is off, the user's or the class's own value.
         state = state_of(self)
-        if state is not None and state.config.loss.enabled and state.disabled_reason is None:
+        if state is not None and state.config.loss.enabled and state.disabled_reason is None and not state.stock_window:
             return True
         if "_gradfix_loss_is_scaled_for_ga" in self.__dict__:
             return self.__dict__["_gradfix_loss_is_scaled_for_ga"]
@@ -520,6 +588,8 @@ class _GradFixTop:
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         state = state_of(self)
+        if state is not None:
+            _end_stock_window(self, state)  # a deferred probe is tried again on every window
         if state is not None and state.config.packing.enabled and not state.config.loss.enabled:
             batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
             _check_packed(batches)
@@ -538,24 +608,30 @@ class _GradFixTop:
             check_window(self, state.nd, batches)
         if state.config.packing.enabled:
             _check_packed(batches)
-        _prepare(self, state, batches)
+        decided = _prepare(self, state, batches)
         if not state.enabled:  # a probe failed with on_undetermined: warn
             return batches, self._get_num_items_in_batch(batches, device)
-        has_labels = any(isinstance(b, dict) and torch.is_tensor(b.get("labels")) for b in batches)
+        has_labels = any(_has_labels(b) for b in batches)
         local = 0.0
         if state.probed and has_labels:
             local = float(sum(int(count_targets(b, state.chain.count_rule)) for b in batches))
         # Every rank joins this reduction, also with an empty window, so nobody hangs.
-        total, ranks_with_labels = _all_reduce_sum(self, [local, 1.0 if has_labels else 0.0])
+        total, ranks_with_labels, ranks_undecided = _all_reduce_sum(
+            self, [local, 1.0 if has_labels else 0.0, 0.0 if decided else 1.0]
+        )
+        if ranks_undecided:  # a NaN / inf probe on some rank: every rank runs this window as stock
+            _begin_stock_window(self, state)
+            state.window = None
+            return batches, self._get_num_items_in_batch(batches, device)
         if ranks_with_labels == 0:
             if not state.no_labels_logged:
                 logger.warning(
-                    "hf_gradfix: batches carry no 'labels'; targets cannot be counted, so micro-batch losses are "
-                    "averaged (transformers' behaviour). Put the targets under 'labels' for an exact token mean."
+                    "hf_gradfix: batches carry no 'labels'; targets cannot be counted, so the loss is left as "
+                    "transformers computes it. Put the targets under 'labels' for an exact token mean."
                 )
                 state.no_labels_logged = True
             state.window = _Window(None, len(batches))
-            return batches, None
+            return batches, self._get_num_items_in_batch(batches, device)
         global_count = total / _replicated_divisor(self)
         state.window = _Window(global_count, len(batches))
         # int64 like transformers' own count (a float64 count would turn the loss into float64)
@@ -571,23 +647,25 @@ class _GradFixTop:
         if not state.probed:  # no labels in this batch
             result = chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
             if model.training and state.window is not None and _we_divide_by_ga(self, num_items_in_batch):
-                loss, outputs = _split(result) if return_outputs else (result, None)
+                loss, outputs = _split(result)
                 loss = loss / state.window.micro_batches
                 return (loss, outputs) if return_outputs else loss
             return result
         if model.training and state.window is not None and state.window.global_count is not None:
-            loss, outputs = self._gradfix_train_loss(state, model, inputs, num_items_in_batch, kwargs)
+            loss, outputs = self._gradfix_train_loss(state, model, inputs, num_items_in_batch, return_outputs, kwargs)
         else:
-            loss, outputs = self._gradfix_eval_loss(state, model, inputs, kwargs)
+            loss, outputs = self._gradfix_eval_loss(state, model, inputs, return_outputs, kwargs)
         return (loss, outputs) if return_outputs else loss
 
-    def _gradfix_train_loss(self, state, model, inputs, num_items_in_batch, kwargs):
+    def _gradfix_train_loss(self, state, model, inputs, num_items_in_batch, return_outputs, kwargs):
         chain = super().compute_loss
         global_count = state.window.global_count
         n = num_items_in_batch if num_items_in_batch is not None else torch.tensor(global_count)
         state.last_aux = 0.0
         local = int(count_targets(inputs, state.chain.count_rule))  # before: user code may pop "labels"
-        loss, outputs = _split(chain(model, inputs, return_outputs=True, num_items_in_batch=n, **kwargs))
+        # outputs only when the caller asked: TRL deprecates return_outputs=True (an extra forward there)
+        result = chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=n, **kwargs)
+        loss, outputs = _split(result)
         if global_count == 0:
             return _zero_connected(loss, outputs, model), outputs
         if state.chain.honors_num_items:
@@ -596,12 +674,13 @@ class _GradFixTop:
             return _zero_connected(loss, outputs, model), outputs
         return loss * (local * _dp_world(self) / global_count), outputs
 
-    def _gradfix_eval_loss(self, state, model, inputs, kwargs):
+    def _gradfix_eval_loss(self, state, model, inputs, return_outputs, kwargs):
         chain = super().compute_loss
         state.last_aux = 0.0
-        untouched = dict(inputs)  # user code may pop "labels" from the dict it is given
+        untouched = dict(inputs)  # user code may pop "labels" from the mapping it is given
         local = int(count_targets(untouched, state.chain.count_rule))
-        loss, outputs = _split(chain(model, inputs, return_outputs=True, num_items_in_batch=None, **kwargs))
+        result = chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=None, **kwargs)
+        loss, outputs = _split(result)
         totals = state.eval_totals
         if totals is not None and loss is not None and not model.training:
             aux = state.last_aux
@@ -632,7 +711,7 @@ class _GradFixTop:
         if self.accelerator.num_processes <= 1 or not gradient_state.end_of_dataloader:
             return None
         remainder = gradient_state.remainder
-        labels = inputs.get("labels") if isinstance(inputs, dict) else None
+        labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
         if remainder is None or remainder <= 0 or not torch.is_tensor(labels):
             return None
         rows = int(labels.shape[0])
@@ -664,7 +743,7 @@ class _GradFixTop:
         if self.accelerator.num_processes <= 1 or not gradient_state.end_of_dataloader or not self._gradfix_sharded_model():
             return False
         remainder = gradient_state.remainder
-        labels = inputs.get("labels") if isinstance(inputs, dict) else None
+        labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
         if remainder is None or remainder <= 0 or not torch.is_tensor(labels):
             return False
         rows = int(labels.shape[0])
@@ -680,12 +759,23 @@ class _GradFixTop:
         subset = {k: (v[:real_rows] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == rows else v) for k, v in inputs.items()}
         local = int(count_targets(subset, state.chain.count_rule))
         state.last_aux = 0.0
-        loss, _ = _split(super().compute_loss(model, subset, return_outputs=True, num_items_in_batch=None, **kwargs))
+        loss = super().compute_loss(model, subset, return_outputs=False, num_items_in_batch=None, **kwargs)
+        loss, _ = _split(loss)
         return float(loss.detach().double().mean()), local
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
         state = state_of(self)
-        if state is None or not state.enabled or not state.config.loss.eval_token_mean:
+        if state is None:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        stock_window, state.stock_window = state.stock_window, False  # a stock training window does not make eval stock
+        try:
+            return self._gradfix_evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        finally:
+            state.stock_window = stock_window
+
+    def _gradfix_evaluation_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):
+        state = state_of(self)
+        if not state.enabled or not state.config.loss.eval_token_mean:
             return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         state.eval_totals = _EvalTotals()
         try:
@@ -716,7 +806,13 @@ class _GradFixDefaultLoss(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
         state = state_of(self)
-        if state is None or state.default is None or state.disabled_reason is not None or not state.config.loss.enabled:
+        if (
+            state is None
+            or state.default is None
+            or state.disabled_reason is not None
+            or state.stock_window
+            or not state.config.loss.enabled
+        ):
             if state is not None and state.in_probe and state.default is None:
                 raise ProbeError("compute_loss was probed before the model")
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
@@ -759,7 +855,7 @@ class _GradFixDefaultLoss(Trainer):
         else:
             raw = _loss_of(outputs)
             if raw is None:
-                keys = ",".join(outputs.keys()) if isinstance(outputs, dict) else type(outputs).__name__
+                keys = ",".join(outputs.keys()) if isinstance(outputs, Mapping) else type(outputs).__name__
                 raise ValueError(
                     f"The model did not return a loss from the inputs, only the following keys: {keys}. "
                     f"For reference, the inputs it received are {','.join(inputs.keys())}."

@@ -31,6 +31,11 @@ class ProbeError(RuntimeError):
     """Raised when a probe cannot decide how a loss is normalized."""
 
 
+class NonFiniteProbeError(ProbeError):
+    """The loss was NaN or infinite on the probe batch: nothing can be read from it (the data or the weights, not the
+    loss code, decide that), so the caller should probe again on a later batch rather than give up."""
+
+
 @dataclass(frozen=True)
 class LossBehaviour:
     """What the probes found about one loss producer."""
@@ -97,11 +102,13 @@ def probe_honors_num_items(loss_fn: LossFn, batch: Mapping[str, Any]) -> tuple[b
     loss1 = _scalar(loss_fn(full, _as_num_items(_N1, like)))
     loss2 = _scalar(loss_fn(full, _as_num_items(_N2, like)))
     if not (math.isfinite(loss1) and math.isfinite(loss2)):
-        raise ProbeError(f"the loss is not finite on the probe batch (loss({_N1})={loss1}, loss({_N2})={loss2})")
+        raise NonFiniteProbeError(f"the loss is not finite on the probe batch (loss({_N1})={loss1}, loss({_N2})={loss2})")
     if abs(loss1 - loss2) <= _REL_TOL * max(abs(loss1), abs(loss2), 1e-12):
         return False, 0.0
     # loss(n) = S/n + A: loss(7) - loss(14) = S/14 must be exactly twice loss(14) - loss(28) = S/28.
     loss4 = _scalar(loss_fn(full, _as_num_items(2 * _N2, like)))
+    if not math.isfinite(loss4):
+        raise NonFiniteProbeError(f"the loss is not finite on the probe batch (loss({2 * _N2:g})={loss4})")
     first, second = loss1 - loss2, loss2 - loss4
     additive = 2.0 * loss2 - loss1
     if first <= 0 or abs(first - 2.0 * second) > 1e-4 * abs(first):
