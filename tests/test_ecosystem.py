@@ -336,3 +336,39 @@ def test_collators_return_batch_encoding():
     make, task = CASES["clm_right_padding"]()
     result = E.run_case(make, task, mode="patch")
     assert result.batch_types == {"BatchEncoding"}
+
+
+@pytest.mark.parametrize("how", ["model_loss", "loss_from_mean"])
+def test_token_window_with_transformers_collator(how):
+    """A hand-written accelerate loop over a DataLoader with transformers' own collator (BatchEncoding batches) and a
+    datasets.Dataset: TokenWindow's accumulated gradient equals the ground truth on the batches the loop drew."""
+    from accelerate import Accelerator
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_gradfix import TokenWindow
+
+    tok = E.build_tokenizer()
+    ds = _tokenized(tok, E.sentences(N_SAMPLES, seed=16))
+    recorder = E.BatchRecorder(DataCollatorForLanguageModeling(tok, mlm=False))
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, collate_fn=recorder)
+    model = H.build_model("llama", seed=0)
+    accelerator = Accelerator(cpu=True)
+    model, loader = accelerator.prepare(model, loader)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    got = []
+    for window in TokenWindow(accelerator, loader, grad_accum_steps=2, model=model):
+        for batch, micro in window:
+            assert type(batch).__name__ == "BatchEncoding"
+            if how == "model_loss":
+                out = model(**batch, num_items_in_batch=micro.num_items_in_batch)
+                accelerator.backward(micro.model_loss(out.loss))
+            else:
+                accelerator.backward(micro.loss_from_mean(model(**batch).loss))
+        got.append(({n: p.grad.clone() for n, p in model.named_parameters()}, window.loss))
+        model.zero_grad(set_to_none=True)
+    model.load_state_dict(initial)
+    assert len(got) == 2
+    for k, (grads, loss) in enumerate(got):
+        gt_loss, gt, _ = E.window_ground_truth(model, recorder.batches[2 * k : 2 * k + 2], "causal")
+        assert H.rel_err(grads, gt) <= 1e-5
+        assert abs(loss - gt_loss) <= 1e-6 * gt_loss
