@@ -2,8 +2,10 @@
 
 Run (normally through ``test_context_parallel.py``)::
 
-    python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT \
+    hf-gradfix launch --config_file configs/cpu_cp.yaml --main_process_port PORT \
         tests/cp_worker.py --out DIR --scenarios attention,cp2,...
+    python -m torch.distributed.run --nproc_per_node 4 --master_addr 127.0.0.1 --master_port PORT \
+        tests/cp_worker.py --out DIR --scenarios shard2_cp2,...
 
 * ``attention``: torch's own ``context_parallel`` on a cp mesh of the whole world with the CPU SDPA kernel
   registered (:mod:`hf_gradfix.parallel.cpu_ring_attention`): causal attention output and q/k/v gradients,
@@ -34,7 +36,8 @@ import nd_worker  # noqa: E402
 
 PROMPT_MASK = 0.4
 CP_SCENARIOS: dict[str, tuple[dict, dict]] = {
-    "cp2": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"eval": True}),
+    # launched by `hf-gradfix launch --config_file configs/cpu_cp.yaml`: patch() reads the file's hf_gradfix section
+    "cp2": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"eval": True, "from_env": True}),
     "cp2_control_shift_after_split": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"control": "shift_after_split"}),
     "cp2_control_no_position_ids": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"control": "no_position_ids"}),
     "cp2_eager_refused": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"attn": "eager"}),

@@ -1,6 +1,6 @@
 """Context parallelism (cp) through the Trainer, exact against one process on the full sequences.
 
-Two launches (gloo, CPU): 2 processes run the attention unit check (torch's own ``context_parallel`` with the CPU
+Two launches (gloo, CPU): 2 processes (``hf-gradfix launch --config_file configs/cpu_cp.yaml``) run the attention unit check (torch's own ``context_parallel`` with the CPU
 SDPA kernel registered vs. one process on the full sequence, fp32 / fp64 / GQA, and the registration's absence
 must raise torch's error) plus the cp 2 Trainer scenarios (exact, two negative controls, a refusal); 4 processes
 run dp_shard 2 x cp 2, cp 2 x tp 2 and dp_replicate 2 x cp 2. Ground truth: ``harness.ground_truth`` (plain
@@ -26,6 +26,7 @@ import test_nd_parallel as ND
 
 GRAD_TOL = 1e-5
 LOSS_TOL = 1e-5
+CPU_CP_CONFIG = H.REPO_ROOT / "configs" / "cpu_cp.yaml"
 TWO = ["attention", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", "cp2_eager_refused"]
 FOUR = ["shard2_cp2", "cp2_tp2", "rep2_cp2"]
 
@@ -39,12 +40,16 @@ def _launch(n: int, scenarios: list[str]) -> dict:
     except nd.NDParallelError as err:
         pytest.skip(str(err))
     out = Path(tempfile.mkdtemp(prefix="hgf_cp_"))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
-        str(H.TESTS_DIR / "cp_worker.py"), "--out", str(out), "--scenarios", ",".join(scenarios),
-    ]
+    worker = [str(H.TESTS_DIR / "cp_worker.py"), "--out", str(out), "--scenarios", ",".join(scenarios)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("HF_GRADFIX_CONFIG", None)
+    if n == 2:  # what users run: the shipped CPU CP file through the launcher (its section reaches every rank)
+        launcher = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(CPU_CP_CONFIG),
+                    "--main_process_port", str(H._free_port())]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--nnodes", "1",
+                    "--master_addr", "127.0.0.1", "--master_port", str(H._free_port())]
+    cmd = launcher + worker
     env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("HF_HUB_OFFLINE", "1")
     proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=540)
@@ -264,3 +269,43 @@ def test_setup_refuses_cp_under_accelerate_fsdp_plugin():
     model = W.build_model(attn="sdpa")
     with pytest.raises(nd.NDParallelError, match="under accelerate's FSDP plugin"):
         nd.setup(ND.fake_trainer(model, world=2, fsdp_plugin=object()), ND.section(dp_shard=1, cp=2))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shipped configs, config check, launcher
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cpu_cp.yaml", "accelerate/fsdp2_tp_cp.yaml"])
+def test_config_check_treats_cp_as_runnable(name, capsys):
+    from hf_gradfix.cli import main
+
+    assert main(["config", "check", str(H.REPO_ROOT / "configs" / name), "--micro-batch", "1", "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "context parallel  cp=2: torch ring attention" in out and "multiple of 4" in out
+
+
+def test_config_check_refuses_cp_under_accelerate_fsdp(tmp_path, capsys):
+    import yaml
+
+    from hf_gradfix.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2},
+                                    "hf_gradfix": {"parallel": {"dp_shard": 1, "cp": 2}}}))
+    assert main(["config", "check", str(path)]) == 1
+    assert "cp=2 with accelerate's FSDP plugin" in capsys.readouterr().err
+
+
+def test_launch_allows_accelerate_cp_without_its_fsdp_plugin(monkeypatch):
+    """accelerate refuses parallelism_config cp > 1 without its FSDP plugin; the launcher lifts that (the plugin shards)."""
+    import accelerate.commands.launch as accelerate_launch
+
+    from hf_gradfix.cli import launch
+
+    seen = {}
+    monkeypatch.setenv("ACCELERATE_ALLOW_CP_STANDALONE", "false")  # restored (unset) after the test
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.update(
+        allow=os.environ.get("ACCELERATE_ALLOW_CP_STANDALONE"), config=open(args.config_file).read()))
+    assert launch(["--config_file", str(H.REPO_ROOT / "configs" / "accelerate" / "fsdp2_tp_cp.yaml"), "train.py"]) == 0
+    assert seen["allow"] == "true" and "parallelism_config_cp_size: 2" in seen["config"]
