@@ -146,6 +146,13 @@ def main(argv=None) -> None:
         try:
             if name == "attention":
                 attention_case(out, rank, world)
+            elif name == "verify":  # hf-gradfix verify under CP (its own ground truth, lr 1e-3: the weights move)
+                from hf_gradfix.verify import verify
+
+                report = verify(config={"parallel": {"dp_shard": 1, "cp": world}}, steps=2, grad_accum=2,
+                                output_dir=str(out / name / f"trainer_rank{rank}"))
+                torch.save(dict(exact=report.exact, errors=[s.grad_rel_err for s in report.steps],
+                                loss_errors=[s.loss_rel_err for s in report.steps]), out / name / f"rank{rank}.pt")
             else:
                 opts = CP_SCENARIOS[name][1]
                 if "control" in opts:

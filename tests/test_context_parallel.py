@@ -27,7 +27,7 @@ import test_nd_parallel as ND
 GRAD_TOL = 1e-5
 LOSS_TOL = 1e-5
 CPU_CP_CONFIG = H.REPO_ROOT / "configs" / "cpu_cp.yaml"
-TWO = ["attention", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", "cp2_eager_refused"]
+TWO = ["attention", "verify", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", "cp2_eager_refused"]
 FOUR = ["shard2_cp2", "cp2_tp2", "rep2_cp2"]
 
 
@@ -145,6 +145,12 @@ def test_registration_is_idempotent_reversible_and_version_gated(monkeypatch):
 @pytest.mark.distributed
 def test_cp2_matches_single_process_full_sequence(two):
     _check_exact(two["cp2"], cp=2)
+
+
+@pytest.mark.distributed
+def test_verify_under_cp(two):
+    for r in two["verify"]:
+        assert r["exact"] and len(r["errors"]) == 2 and max(r["errors"]) <= GRAD_TOL, r
 
 
 @pytest.mark.distributed

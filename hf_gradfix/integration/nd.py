@@ -346,7 +346,7 @@ def _resolve(trainer, section: ParallelConfig) -> tuple[ParallelDims | None, str
             f"(DistributedConfig; fsdp_size = dp_shard): {'; '.join(wrong)}. Fix: make them agree, or load the "
             "model without distributed_config and let hf_gradfix shard it."
         )
-    if from_accelerate is not None and source != "accelerate" and (dims.tp > 1 or from_accelerate["tp"] > 1):
+    if from_accelerate is not None and source != "accelerate" and max(dims.tp, dims.cp, from_accelerate["tp"], from_accelerate["cp"]) > 1:
         wrong = _mismatch(dims, from_accelerate, ("dp_replicate", "dp_shard", "tp", "cp"))
         if wrong:
             raise NDParallelError(
