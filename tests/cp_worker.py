@@ -40,6 +40,8 @@ CP_SCENARIOS: dict[str, tuple[dict, dict]] = {
     "cp2": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"eval": True, "from_env": True}),
     "cp2_control_shift_after_split": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"control": "shift_after_split"}),
     "cp2_control_no_position_ids": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"control": "no_position_ids"}),
+    # the guard: without the data mesh accelerate shards over both processes, so the cp ranks get different batches
+    "cp2_data_differs_refused": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"break_tp_data": True}),
     "cp2_eager_refused": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"attn": "eager"}),
     "shard2_cp2": ({"parallel": {"dp_shard": 2, "cp": 2}}, {"eval": True}),
     "cp2_tp2": ({"parallel": {"dp_shard": 1, "cp": 2, "tp": 2}}, {}),

@@ -27,7 +27,8 @@ import test_nd_parallel as ND
 GRAD_TOL = 1e-5
 LOSS_TOL = 1e-5
 CPU_CP_CONFIG = H.REPO_ROOT / "configs" / "cpu_cp.yaml"
-TWO = ["attention", "verify", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", "cp2_eager_refused"]
+TWO = ["attention", "verify", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", "cp2_eager_refused",
+       "cp2_data_differs_refused"]  # the guard last: it aborts a training run
 FOUR = ["shard2_cp2", "cp2_tp2", "rep2_cp2"]
 
 
@@ -171,10 +172,12 @@ def test_cp_controls_fail_the_check(two, control):
 
 
 @pytest.mark.distributed
-def test_cp_refuses_non_sdpa_attention(two):
+def test_cp_refuses_non_sdpa_attention_and_cp_ranks_with_different_batches(two):
     errors = {r["error"] for r in two["cp2_eager_refused"]}
     assert len(errors) == 1
     assert "attn_implementation='eager'" in errors.pop()
+    guard = {r["error"] for r in two["cp2_data_differs_refused"]}
+    assert len(guard) == 1 and "context-parallel ranks [0, 1] received different batches" in guard.pop()
 
 
 # ----------------------------------------------------------------------------------------------------------------
