@@ -318,3 +318,27 @@ def test_launch_allows_accelerate_cp_without_its_fsdp_plugin(monkeypatch):
         allow=os.environ.get("ACCELERATE_ALLOW_CP_STANDALONE"), config=open(args.config_file).read()))
     assert launch(["--config_file", str(H.REPO_ROOT / "configs" / "accelerate" / "fsdp2_tp_cp.yaml"), "train.py"]) == 0
     assert seen["allow"] == "true" and "parallelism_config_cp_size: 2" in seen["config"]
+
+
+def test_setup_refuses_cp_on_cpu_with_an_untested_torch(monkeypatch):
+    from hf_gradfix.integration import nd
+
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
+    monkeypatch.delenv("HF_GRADFIX_ALLOW_UNTESTED", raising=False)
+    with pytest.raises(nd.NDParallelError, match="written for torch 2.13, not 2.99.0"):
+        nd.setup(ND.fake_trainer(W.build_model(attn="sdpa"), world=2), ND.section(dp_shard=1, cp=2))
+
+
+def test_cp_hook_refuses_compute_metrics_in_eval():
+    from types import SimpleNamespace
+
+    from hf_gradfix.integration import nd
+    from hf_gradfix.parallel import ParallelDims
+
+    model = W.build_model(attn="sdpa").eval()
+    trainer = SimpleNamespace(model=model, compute_metrics=lambda p: {}, args=SimpleNamespace(prediction_loss_only=False),
+                              _prepare_inputs=lambda x: x)
+    plan = nd.NDPlan(dims=ParallelDims(2, dp_shard=1, cp=2), route="transformers", source="config")
+    hook = nd._cp_inputs_hook(trainer, plan)
+    with pytest.raises(nd.NDParallelError, match="compute_metrics under context parallelism"):
+        hook(model, {"input_ids": torch.arange(4)[None] + 4, "labels": torch.arange(4)[None] + 4})

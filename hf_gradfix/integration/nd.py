@@ -513,6 +513,13 @@ def _check_cp(trainer, dims: ParallelDims, fsdp_plugin) -> None:
             f"{what}: the model has attention layers of type {non_full}; ring attention expresses full causal "
             "attention only, so those layers would silently see the whole causal context. Fix: parallel.cp: 1."
         )
+    if trainer.args.device.type == "cpu":  # the CPU kernel's ring handler is on private torch APIs: fail now, not mid-step
+        from ..parallel.cpu_ring_attention import UnsupportedTorchError, _check_version
+
+        try:
+            _check_version()
+        except UnsupportedTorchError as err:
+            raise NDParallelError(str(err)) from err
     bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", None) is False]
     if bidirectional:
         raise NDParallelError(
@@ -542,6 +549,12 @@ def _cp_inputs_hook(trainer, plan: NDPlan):
             )
         if state is not None and state.config.packing.enabled:
             raise NDParallelError(_PACKING_CP.format(cp=cp))
+        if not model.training and trainer.compute_metrics is not None and not trainer.args.prediction_loss_only:
+            raise NDParallelError(
+                f"hf_gradfix parallel.cp={cp}: compute_metrics under context parallelism would see each rank's "
+                "sequence shard (load-balanced chunks) as if it were whole rows; only eval_loss is exact under CP. "
+                "Fix: prediction_loss_only=True (or no compute_metrics) for the CP run."
+            )
         pad = getattr(_text_config(model), "pad_token_id", None)
         try:
             prepared, buffers, seq_dims = prepare_batch(
