@@ -103,6 +103,11 @@ class ResolvedConfig:
             f"optimizer         {opt.name if opt.name != 'none' else 'the Trainer default'}"
             + (f" (rank {opt.rank or 128}, gap {opt.update_proj_gap})" if opt.name != "none" else ""),
         ]
+        if self.mesh.cp > 1:
+            out.insert(3, (
+                f"context parallel  cp={self.mesh.cp}: torch ring attention (sdpa, causal only), FSDP2 over dp_shard x cp; "
+                f"sequences padded to a multiple of {2 * self.mesh.cp}, labels shifted and counted before the split"
+            ))
         if self.global_batch_tokens is not None:
             out.append(
                 f"global batch      {self.global_batch_tokens:,} tokens = {self.tokens_per_micro_batch:,} per micro-batch "
@@ -159,6 +164,12 @@ def resolve_config(
         source = "default: every process a data-parallel replica"
     if model_config is not None:
         mesh.check_model(model_config)
+    if mesh.cp > 1 and (str(acc.get("distributed_type", "")).upper() == "FSDP" or acc.get("fsdp_config")):
+        raise ConfigError(
+            f"{path}: cp={mesh.cp} with accelerate's FSDP plugin (distributed_type FSDP / fsdp_config): hf_gradfix shards "
+            "the model itself for context parallelism (FSDP2 over dp_shard x cp); use distributed_type MULTI_GPU without "
+            "fsdp_config"
+        )
     if mesh.cp > 1 and gradfix.packing.enabled:
         raise ConfigError(
             f"{path}: {SECTION}.parallel.cp={mesh.cp} with packing enabled: context parallelism splits sequences with "
@@ -249,7 +260,7 @@ def launch(argv: Sequence[str]) -> int:
     tmp = None
     try:
         if path is not None:
-            resolve_config(path, num_processes=args.num_processes)  # validate everything before any process starts
+            resolved = resolve_config(path, num_processes=args.num_processes)  # validate before any process starts
             acc, section = split_config(path)
             tmp = tempfile.mkdtemp(prefix="hf_gradfix_launch_")
             acc_path = os.path.join(tmp, "accelerate.yaml")
@@ -265,6 +276,10 @@ def launch(argv: Sequence[str]) -> int:
                 # accelerate does not export use_cpu on the torchrun path; scripts that build Accelerator /
                 # TrainingArguments without cpu=True would otherwise run N independent single-process jobs.
                 os.environ["ACCELERATE_USE_CPU"] = "true"
+            if resolved.mesh.cp > 1:
+                # accelerate refuses parallelism_config cp > 1 without its FSDP plugin; hf_gradfix shards the
+                # model itself (FSDP2 over dp_shard x cp), as axolotl does
+                os.environ["ACCELERATE_ALLOW_CP_STANDALONE"] = "true"
         launch_command(args)
     except ConfigError as err:
         print(f"hf-gradfix launch: {err}", file=sys.stderr)

@@ -256,6 +256,12 @@ def _inject_trainer(base: type, bug: str | None, grad_accum: int) -> type:
     return Injected
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A detached full CPU copy (a DTensor shard of FSDP2 / TP gathered: a collective on every rank)."""
+    full = getattr(t, "full_tensor", None)
+    return (full() if callable(full) else t).detach().clone().cpu()
+
+
 def _world() -> int:
     d = torch.distributed
     return d.get_world_size() if d.is_available() and d.is_initialized() else 1
@@ -330,9 +336,9 @@ def verify(
     class Recorder(transformers.TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
             m = model.module if hasattr(model, "module") else model
-            grads.append({n: p.grad.detach().clone().cpu() for n, p in m.named_parameters() if p.grad is not None})
+            grads.append({n: _full(p.grad) for n, p in m.named_parameters() if p.grad is not None})
             marks.append(len(recorded))  # the micro-batches of this window end here (packing may give fewer than GA)
-            params.append({n: p.detach().clone().cpu() for n, p in m.named_parameters()})
+            params.append({n: _full(p) for n, p in m.named_parameters()})
 
     params: list[dict] = []
     marks: list[int] = []
@@ -350,6 +356,10 @@ def verify(
             recorded.append({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in inputs.items()})
             return super().training_step(model, inputs, *a, **kw)
 
+    from hf_gradfix.integration.nd import requested
+
+    # an ND mesh (tp / FSDP2 / cp) shards the model in place: keep an unsharded copy for the references
+    unsharded = copy.deepcopy(model.inner if isinstance(model, _BoundaryBlind) else model) if requested(cfg.parallel) else None
     collator = _PadCollator(int(getattr(model.config, "pad_token_id", None) or 0))
     trainer = RecordingTrainer(model=model, args=args, train_dataset=_ListDataset(samples), data_collator=collator,
                                callbacks=[Recorder(), hf_gradfix.GradFixCallback(cfg)])
@@ -361,12 +371,18 @@ def verify(
             losses.append(float(entry["loss"]))
     world = _world()
     report = VerifyReport(exact=True, tolerance=tolerance, world_size=world, grad_accum=grad_accum, packing=cfg.packing.enabled)
-    base_model = model.inner if isinstance(model, _BoundaryBlind) else model
+    base_model = unsharded if unsharded is not None else (model.inner if isinstance(model, _BoundaryBlind) else model)
+    state = hf_gradfix.state_of(trainer)
+    dims = state.nd.dims if state is not None and state.nd is not None else None
+    # ranks of one tp x cp group trained on the same batches: the window holds one of them (coords tp = cp = 0)
+    holds_data = [dims is None or (dims.coords(r)["tp"] == 0 and dims.coords(r)["cp"] == 0) for r in range(world)]
+    data_ranks = sum(holds_data)
     for step in range(len(grads)):
-        window = _gather(recorded[(marks[step - 1] if step else 0):marks[step]])
+        gathered = _gather(recorded[(marks[step - 1] if step else 0):marks[step]])
+        window = [w for r, w in enumerate(gathered) if holds_data[r]]
         ref_model = copy.deepcopy(base_model).cpu()
         ref_model.load_state_dict({k.removeprefix("inner."): v for k, v in params[step].items()}, strict=False)
-        hyps, loss_exact = references(ref_model, window, grad_accum=grad_accum, world=world, packed=cfg.packing.enabled or inject == "cross_attention")
+        hyps, loss_exact = references(ref_model, window, grad_accum=grad_accum, world=data_ranks, packed=cfg.packing.enabled or inject == "cross_attention")
         g = {k.removeprefix("inner."): v for k, v in grads[step].items()}
         keys = [k for k in hyps["exact"] if k in g]
         candidates = {name: _rel(g, h, keys) for name, h in hyps.items()}

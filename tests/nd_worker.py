@@ -127,7 +127,7 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
     import hf_gradfix
 
     config, opts = SCENARIOS[name]
-    source = config
+    source = None if opts.get("from_env") else config  # from_env: patch() reads $HF_GRADFIX_CONFIG (hf-gradfix launch)
     if opts.get("yaml"):
         import yaml
 

@@ -1,4 +1,4 @@
-"""ND-parallel training (dp_replicate x dp_shard x tp) of a transformers model inside the ``Trainer``.
+"""ND-parallel training (dp_replicate x dp_shard x cp x tp) of a transformers model inside the ``Trainer``.
 
 The degrees come from the ``parallel`` section of the hf_gradfix configuration (or from a model already
 sharded by ``from_pretrained(distributed_config=...)``, or from accelerate's ``ParallelismConfig``); they are
@@ -23,9 +23,20 @@ which accelerate's ``prepare_data_loader`` gives every data-parallel rank differ
 the same ones. IterableDatasets are sharded per data-parallel rank (``dispatch_batches=False``): accelerate's
 ``DataLoaderDispatcher`` sends every rank the same batch under ``dp_shard x tp``.
 
+Context parallelism (``cp > 1``): FSDP2 shards over ``dp_shard x cp`` (``DistributedConfig(fsdp_size=dp_shard*cp)``,
+torchtitan's and accelerate's layout; HSDP with ``dp_replicate``); cp ranks get the same batches (the data mesh
+has a ``cp`` dim); every train/eval step runs torch's own ``context_parallel`` on the ``cp`` sub-mesh through the
+Trainer's own hook ``_prepare_context_parallel_inputs`` (set on the trainer instance): labels shifted and
+``position_ids`` built on the full sequence, length padded to a multiple of 2 x cp, SDPA causal ring attention
+(:mod:`hf_gradfix.parallel.context`; on CPU the CPU kernel's ring handler, :mod:`hf_gradfix.parallel.cpu_ring_attention`).
+The targets are counted on the full batches before the split (``get_batch_samples``), so the count is summed over
+the data-parallel ranks once per sequence.
+
 Nothing of transformers or accelerate is patched: this module sets instance attributes that transformers and
 accelerate themselves set (``trainer.is_distributed_loading_by_transformers``, ``trainer.place_model_on_device``,
-``accelerator.state.device_mesh``, ``accelerator.dataloader_config.dispatch_batches``).
+``accelerator.state.device_mesh``, ``accelerator.dataloader_config.dispatch_batches``) and, under CP, the
+trainer instance's ``_prepare_context_parallel_inputs`` (transformers' own CP hook in ``training_step`` and
+``prediction_step``).
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ class NDPlan:
     source: str  # where the degrees came from: "config", "model", "accelerate"
     data_mesh: Any = None  # accelerate-layout DeviceMesh used for data loading (None: accelerate's own / none)
     checked_window: bool = False
+    cp_mesh: Any = None  # the cp sub-mesh torch's context_parallel runs on (cp > 1)
 
     @property
     def line(self) -> str:
@@ -73,9 +85,16 @@ class NDPlan:
             "accelerate-fsdp": "model sharded by accelerate's FSDP2 plugin",
             "ddp": "plain data parallelism (DDP)",
         }[self.route]
+        cp = ""
+        if self.dims.cp > 1:
+            cp = (
+                f"; context parallel over {self.dims.cp} ranks (torch ring attention, causal; labels shifted, "
+                "position_ids built and targets counted on the full sequence before the split)"
+            )
         return (
             f"ND mesh {self.dims.describe()} from the {self.source}: {how}; data sharded over the "
-            f"{self.dims.dp} data-parallel rank(s), tp ranks share batches; token count summed over data ranks only"
+            f"{self.dims.dp} data-parallel rank(s), tp and cp ranks share batches; token count summed over data "
+            f"ranks only{cp}"
         )
 
 
@@ -181,26 +200,16 @@ def check_route(dims: ParallelDims) -> None:
 
 
 def distributed_config(dims: ParallelDims | ParallelConfig, world_size: int | None = None):
-    """transformers' ``DistributedConfig`` for these degrees (``fsdp_size`` = dp_shard), e.g. for
-    ``from_pretrained(path, distributed_config=...)``. cp > 1 has no transformers equivalent."""
+    """transformers' ``DistributedConfig`` for these degrees (``fsdp_size`` = dp_shard x cp: FSDP2 shards over the
+    cp ranks too, as torchtitan and accelerate do), e.g. for ``from_pretrained(path, distributed_config=...)``."""
     if isinstance(dims, ParallelConfig):
         if world_size is None:
             world_size = int(os.environ.get("WORLD_SIZE", "1"))
         dims = _dims_from_section(dims, world_size)
-    if dims.cp > 1:
-        raise NDParallelError(_CP_MESSAGE.format(cp=dims.cp))
     check_route(dims)
     from transformers.distributed import DistributedConfig
 
-    return DistributedConfig(tp_size=dims.tp, fsdp_size=dims.dp_shard, dp_replicate_size=dims.dp_replicate)
-
-
-_CP_MESSAGE = (
-    "hf_gradfix parallel.cp={cp}: context parallelism is not supported by the ND route yet: transformers' "
-    "DistributedConfig has no cp dimension, and accelerate's CP (torch ring attention) runs only on CUDA "
-    "flash/efficient SDPA (on CPU: 'aten._scaled_dot_product_flash_attention_for_cpu.default does not have a "
-    "sharding strategy registered'). Set parallel.cp: 1."
-)
+    return DistributedConfig(tp_size=dims.tp, fsdp_size=dims.dp_shard_cp, dp_replicate_size=dims.dp_replicate)
 
 
 def _broadcast_from_rank0(model: torch.nn.Module) -> None:
@@ -338,7 +347,7 @@ def _resolve(trainer, section: ParallelConfig) -> tuple[ParallelDims | None, str
             f"(DistributedConfig; fsdp_size = dp_shard): {'; '.join(wrong)}. Fix: make them agree, or load the "
             "model without distributed_config and let hf_gradfix shard it."
         )
-    if from_accelerate is not None and source != "accelerate" and (dims.tp > 1 or from_accelerate["tp"] > 1):
+    if from_accelerate is not None and source != "accelerate" and max(dims.tp, dims.cp, from_accelerate["tp"], from_accelerate["cp"]) > 1:
         wrong = _mismatch(dims, from_accelerate, ("dp_replicate", "dp_shard", "tp", "cp"))
         if wrong:
             raise NDParallelError(
@@ -359,11 +368,11 @@ def setup(trainer, section: ParallelConfig) -> NDPlan | None:
         _clear_data_mesh(trainer)
         return None
     dims.check_model(_text_config(trainer.model))
-    if dims.cp > 1:
-        raise NDParallelError(_CP_MESSAGE.format(cp=dims.cp))
     accelerator = trainer.accelerator
     fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if dims.tp == 1 and dims.dp_shard == 1:
+    if dims.cp > 1:
+        _check_cp(trainer, dims, fsdp_plugin)
+    if dims.tp == 1 and dims.dp_shard_cp == 1:
         route = "ddp"
         if _model_sizes(trainer.model) is not None:
             route = "model"
@@ -405,6 +414,12 @@ def setup(trainer, section: ParallelConfig) -> NDPlan | None:
         _no_dispatch(trainer, dims)
     else:
         _clear_data_mesh(trainer)
+    if dims.cp > 1:
+        plan.cp_mesh = plan.data_mesh["cp"]
+        # transformers' own CP hook (training_step / prediction_step), on this trainer instance only
+        trainer._prepare_context_parallel_inputs = _cp_inputs_hook(trainer, plan)
+    else:
+        trainer.__dict__.pop("_prepare_context_parallel_inputs", None)
     if accelerator.is_main_process:
         logger.info("hf_gradfix: %s", plan.line)
     return plan
@@ -447,11 +462,114 @@ def check_window(trainer, plan: NDPlan | None, batches: list) -> None:
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     every = [t.cpu().tolist() for t in every]
-    for group in plan.dims.groups("tp"):
-        if any(every[r] != every[group[0]] for r in group):
+    for kind, group in [("tensor", g) for g in plan.dims.groups("tp")] + [("context", g) for g in plan.dims.groups("cp")]:
+        if len(group) > 1 and any(every[r] != every[group[0]] for r in group):
             raise NDParallelError(
-                f"hf_gradfix parallel: tensor-parallel ranks {group} received different batches in the first "
+                f"hf_gradfix parallel: {kind}-parallel ranks {group} received different batches in the first "
                 f"window ({[every[r] for r in group]} as [rows, tokens, checksum]); every TP rank must get the same "
-                "batch. A custom dataloader or sampler must shard by data-parallel rank "
+                "batch (and every CP rank). A custom dataloader or sampler must shard by data-parallel rank "
                 "(hf_gradfix.parallel.ParallelDims.data_rank), not by process index."
             )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Context parallelism
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_cp(trainer, dims: ParallelDims, fsdp_plugin) -> None:
+    """Refuse what context parallelism cannot run exactly, with the reason (before anything is sharded)."""
+    model = trainer.model
+    what = f"hf_gradfix parallel.cp={dims.cp}"
+    if fsdp_plugin is not None:
+        raise NDParallelError(
+            f"{what} under accelerate's FSDP plugin: hf_gradfix shards the model itself for CP (FSDP2 over "
+            "dp_shard x cp with transformers' DistributedConfig). Fix: launch without fsdp_config (distributed_type "
+            "MULTI_GPU, or torchrun) and set the degrees in the hf_gradfix parallel section."
+        )
+    if _model_sizes(model) is not None:
+        raise NDParallelError(
+            f"{what}: the model was already sharded by from_pretrained(distributed_config=...), whose fsdp_size "
+            "cannot tell dp_shard from cp. Fix: load the model without distributed_config and let hf_gradfix shard it."
+        )
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise NDParallelError(f"{what}: {type(model).__name__} is an encoder-decoder; CP runs causal LMs only.")
+    attn = getattr(config, "_attn_implementation", None)
+    if attn != "sdpa":
+        raise NDParallelError(
+            f"{what}: the model uses attn_implementation={attn!r}; context parallelism runs torch's ring attention, "
+            "which replaces torch.nn.functional.scaled_dot_product_attention only (eager, flex and flash kernels "
+            "would attend within each rank's shard alone). Fix: load the model with attn_implementation='sdpa'."
+        )
+    text = _text_config(model)
+    layer_types = getattr(text, "layer_types", None)
+    non_full = sorted({t for t in (layer_types or ()) if t != "full_attention"})
+    if not non_full and layer_types is None and getattr(text, "sliding_window", None):
+        non_full = ["sliding_attention"]
+    if getattr(text, "attention_chunk_size", None):
+        non_full = sorted(set(non_full) | {"chunked_attention"})
+    if non_full:
+        raise NDParallelError(
+            f"{what}: the model has attention layers of type {non_full}; ring attention expresses full causal "
+            "attention only, so those layers would silently see the whole causal context. Fix: parallel.cp: 1."
+        )
+    if trainer.args.device.type == "cpu":  # the CPU kernel's ring handler is on private torch APIs: fail now, not mid-step
+        from ..parallel.cpu_ring_attention import UnsupportedTorchError, _check_version
+
+        try:
+            _check_version()
+        except UnsupportedTorchError as err:
+            raise NDParallelError(str(err)) from err
+    bidirectional = [n for n, m in model.named_modules() if getattr(m, "is_causal", None) is False]
+    if bidirectional:
+        raise NDParallelError(
+            f"{what}: attention module {bidirectional[0]!r} is not causal (is_causal=False); ring attention is "
+            "causal-only. Fix: parallel.cp: 1."
+        )
+
+
+def _cp_inputs_hook(trainer, plan: NDPlan):
+    """``Trainer._prepare_context_parallel_inputs`` for this trainer: returns (context factory, split-ready inputs)."""
+    from functools import partial
+
+    from ..parallel.context import ContextParallelError, context_parallel_block, prepare_batch
+
+    cp = plan.dims.cp
+    model_dtype = {p.dtype for p in trainer.model.parameters() if p.is_floating_point()}
+    float64 = torch.float64 in model_dtype
+
+    def _prepare_context_parallel_inputs(model, inputs):
+        from .trainer_fix import state_of
+
+        state = state_of(trainer)
+        if state is not None and not state.config.loss.enabled:
+            raise NDParallelError(
+                f"hf_gradfix parallel.cp={cp} needs the loss fix (loss.enabled: true): the targets must be counted on "
+                "the full sequences before CP splits them, and transformers' own count does not know this mesh."
+            )
+        if state is not None and state.config.packing.enabled:
+            raise NDParallelError(_PACKING_CP.format(cp=cp))
+        if not model.training and trainer.compute_metrics is not None and not trainer.args.prediction_loss_only:
+            raise NDParallelError(
+                f"hf_gradfix parallel.cp={cp}: compute_metrics under context parallelism would see each rank's "
+                "sequence shard (load-balanced chunks) as if it were whole rows; only eval_loss is exact under CP. "
+                "Fix: prediction_loss_only=True (or no compute_metrics) for the CP run."
+            )
+        pad = getattr(_text_config(model), "pad_token_id", None)
+        try:
+            prepared, buffers, seq_dims = prepare_batch(
+                trainer._prepare_inputs(inputs), cp, pad if isinstance(pad, int) else 0
+            )
+        except ContextParallelError as err:
+            raise NDParallelError(str(err)) from err
+        return partial(context_parallel_block, plan.cp_mesh, buffers, seq_dims, float64=float64), prepared
+
+    return _prepare_context_parallel_inputs
+
+
+_PACKING_CP = (
+    "hf_gradfix parallel.cp={cp} with packing: torch's ring attention is causal over the whole packed row, so "
+    "packed documents would attend to each other across the ring (no varlen / per-document mask under CP). "
+    "Fix: packing.enabled: false, or parallel.cp: 1."
+)

@@ -789,8 +789,8 @@ class _GradFixTop:
         if targets > 0 and output.metrics is not None and key in output.metrics:
             value = loss_sum / targets + (aux_sum / aux_batches if aux_batches else 0.0)
             output.metrics[key] = value
-            dims = _nd_dims(self)  # tp ranks evaluated the same rows: count them once
-            once = targets / dims.non_data_parallel if dims is not None else targets
+            dims = _nd_dims(self)  # tp ranks evaluated the same rows: count them once (cp ranks: different shards)
+            once = targets / dims.tp if dims is not None else targets
             output.metrics[f"{metric_key_prefix}_loss_targets"] = once
         return output
 

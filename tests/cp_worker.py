@@ -1,0 +1,179 @@
+"""Context-parallel worker (gloo on CPU): several scenarios in sequence inside ONE torch.distributed.run launch.
+
+Run (normally through ``test_context_parallel.py``)::
+
+    hf-gradfix launch --config_file configs/cpu_cp.yaml --main_process_port PORT \
+        tests/cp_worker.py --out DIR --scenarios attention,cp2,...
+    python -m torch.distributed.run --nproc_per_node 4 --master_addr 127.0.0.1 --master_port PORT \
+        tests/cp_worker.py --out DIR --scenarios shard2_cp2,...
+
+* ``attention``: torch's own ``context_parallel`` on a cp mesh of the whole world with the CPU SDPA kernel
+  registered (:mod:`hf_gradfix.parallel.cpu_ring_attention`): causal attention output and q/k/v gradients,
+  fp32 and fp64, plain and GQA; and the same call without the registration (must raise torch's error).
+* Trainer scenarios (``nd_worker.run_scenario`` with a ``parallel`` section holding ``cp``): a tiny sdpa Llama,
+  SGD lr 0, bs 1, GA 2, 12 samples of 3-41 tokens with a masked prompt (unequal targets per shard and per data
+  rank), the full gradient recorded at every optimizer step. Names ending in ``_control_*`` break one rule of the
+  CP batch preparation on purpose (labels shifted after the split; no global position_ids) and must be off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+_TESTS = Path(__file__).resolve().parent
+for _p in (str(_TESTS), str(_TESTS.parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+
+import harness  # noqa: E402
+import nd_worker  # noqa: E402
+
+PROMPT_MASK = 0.4
+CP_SCENARIOS: dict[str, tuple[dict, dict]] = {
+    # launched by `hf-gradfix launch --config_file configs/cpu_cp.yaml`: patch() reads the file's hf_gradfix section
+    "cp2": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"eval": True, "from_env": True}),
+    "cp2_control_shift_after_split": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"control": "shift_after_split"}),
+    "cp2_control_no_position_ids": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"control": "no_position_ids"}),
+    # the guard: without the data mesh accelerate shards over both processes, so the cp ranks get different batches
+    "cp2_data_differs_refused": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"break_tp_data": True}),
+    "cp2_eager_refused": ({"parallel": {"dp_shard": 1, "cp": 2}}, {"attn": "eager"}),
+    "shard2_cp2": ({"parallel": {"dp_shard": 2, "cp": 2}}, {"eval": True}),
+    "cp2_tp2": ({"parallel": {"dp_shard": 1, "cp": 2, "tp": 2}}, {}),
+    "rep2_cp2": ({"parallel": {"dp_replicate": 2, "dp_shard": 1, "cp": 2}}, {}),
+}
+
+
+def _cp_samples(config: dict, world: int, seed: int = 0) -> list[dict]:
+    samples = harness.make_samples("causal", n=nd_worker.N_SAMPLES, seed=seed, prompt_mask_frac=PROMPT_MASK)
+    return harness.arrange_for_ranks(samples, nd_worker.dp_size(config, world), 1)
+
+
+def _break(control: str) -> None:
+    """Negative controls: the CP batch preparation with one rule broken (what users get wrong)."""
+    from hf_gradfix.parallel import context
+
+    original = context.prepare_batch
+
+    def broken(inputs, cp, pad_token_id=0):
+        out, buffers, dims = original(inputs, cp, pad_token_id)
+        drop = "shift_labels" if control == "shift_after_split" else "position_ids"
+        gone = out.pop(drop)
+        keep = [(b, d) for b, d in zip(buffers, dims) if b is not gone]
+        return out, [b for b, _ in keep], [d for _, d in keep]
+
+    context.prepare_batch = broken
+
+
+def attention_case(out: Path, rank: int, world: int) -> None:
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    from hf_gradfix.parallel import cpu_ring_attention as cra
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    results: dict = {}
+
+    def run(dtype, kv_heads, register=True):
+        torch.manual_seed(0)
+        q = torch.randn(2, 4, 8 * world, 16, dtype=dtype)
+        k, v = (torch.randn(2, kv_heads, 8 * world, 16, dtype=dtype) for _ in range(2))
+        go = torch.randn_like(q)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        gqa = kv_heads != 4
+        ref_out = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=gqa)
+        ref_out.backward(go)
+        if gqa:  # ring attention takes equal heads: expand K/V (what hf_gradfix's CP block does)
+            k, v = k.repeat_interleave(4 // kv_heads, dim=1), v.repeat_interleave(4 // kv_heads, dim=1)
+        local = [t.clone() for t in (q, k, v, go)]
+        _cp_options.convert_to_f32 = dtype != torch.float64
+        if register:
+            cra.register()
+        try:
+            with context_parallel(mesh, buffers=local, buffer_seq_dims=[2] * 4, no_restore_buffers=set(local)):
+                lq, lk, lv, lgo = local
+                for t in (lq, lk, lv):
+                    t.requires_grad_()
+                o = F.scaled_dot_product_attention(lq, lk, lv, is_causal=True)
+                o.backward(lgo)
+            full = context_parallel_unshard(mesh, [o.detach(), lq.grad, lk.grad, lv.grad], [2] * 4)
+        finally:
+            _cp_options.convert_to_f32 = True
+            cra.unregister()
+        gk, gv = full[2], full[3]
+        if gqa:  # gradients of the expanded heads summed back onto their KV head
+            gk = gk.unflatten(1, (kv_heads, 4 // kv_heads)).sum(2)
+            gv = gv.unflatten(1, (kv_heads, 4 // kv_heads)).sum(2)
+        got = [full[0], full[1], gk, gv]
+        want = [ref_out.detach(), ref[0].grad, ref[1].grad, ref[2].grad]
+        return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)]
+
+    results["fp32"] = run(torch.float32, 4)
+    results["fp64"] = run(torch.float64, 4)
+    results["fp32_gqa"] = run(torch.float32, 2)
+    try:
+        run(torch.float32, 4, register=False)
+        results["unregistered"] = "no error"
+    except Exception as err:  # noqa: BLE001 - the error torch raises without the registration
+        results["unregistered"] = f"{type(err).__name__}: {err}"
+    results["registered_after"] = cra.registered()
+    torch.save(results, out / "attention" / f"rank{rank}.pt")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--scenarios", required=True)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    out = Path(a.out)
+    nd_worker.SCENARIOS.update(CP_SCENARIOS)
+    nd_worker.scenario_samples = _cp_samples
+    from hf_gradfix.parallel import context
+
+    original_prepare = context.prepare_batch
+    original_build = nd_worker.build_model
+    for name in a.scenarios.split(","):
+        (out / name).mkdir(parents=True, exist_ok=True)
+        try:
+            if name == "attention":
+                attention_case(out, rank, world)
+            elif name == "verify":  # hf-gradfix verify under CP (its own ground truth, lr 1e-3: the weights move)
+                from hf_gradfix.verify import verify
+
+                report = verify(config={"parallel": {"dp_shard": 1, "cp": world}}, steps=2, grad_accum=2,
+                                output_dir=str(out / name / f"trainer_rank{rank}"))
+                torch.save(dict(exact=report.exact, errors=[s.grad_rel_err for s in report.steps],
+                                loss_errors=[s.loss_rel_err for s in report.steps]), out / name / f"rank{rank}.pt")
+            else:
+                opts = CP_SCENARIOS[name][1]
+                if "control" in opts:
+                    _break(opts["control"])
+                attn = opts.get("attn", "sdpa")
+                nd_worker.build_model = lambda seed=0, attn=attn: original_build(seed, attn)
+                nd_worker.run_scenario(name, out, rank, world)
+        except Exception:
+            (out / name / f"FAILED_rank{rank}").write_text(traceback.format_exc())
+            raise
+        finally:
+            import hf_gradfix
+
+            hf_gradfix.unpatch()
+            context.prepare_batch = original_prepare
+            nd_worker.build_model = original_build
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

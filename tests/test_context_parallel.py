@@ -1,0 +1,344 @@
+"""Context parallelism (cp) through the Trainer, exact against one process on the full sequences.
+
+Two launches (gloo, CPU): 2 processes (``hf-gradfix launch --config_file configs/cpu_cp.yaml``) run the attention unit check (torch's own ``context_parallel`` with the CPU
+SDPA kernel registered vs. one process on the full sequence, fp32 / fp64 / GQA, and the registration's absence
+must raise torch's error) plus the cp 2 Trainer scenarios (exact, two negative controls, a refusal); 4 processes
+run dp_shard 2 x cp 2, cp 2 x tp 2 and dp_replicate 2 x cp 2. Ground truth: ``harness.ground_truth`` (plain
+PyTorch, one process, each sample alone and unsplit, CE sum / total targets, one backward) over the union of the
+data-parallel ranks' windows, as in ``test_nd_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness as H
+import nd_worker as W
+import test_nd_parallel as ND
+
+GRAD_TOL = 1e-5
+LOSS_TOL = 1e-5
+CPU_CP_CONFIG = H.REPO_ROOT / "configs" / "cpu_cp.yaml"
+TWO = ["attention", "verify", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", "cp2_eager_refused",
+       "cp2_data_differs_refused"]  # the guard last: it aborts a training run
+FOUR = ["shard2_cp2", "cp2_tp2", "rep2_cp2"]
+
+
+def _launch(n: int, scenarios: list[str]) -> dict:
+    from hf_gradfix.integration import nd
+    from hf_gradfix.parallel import ParallelDims
+
+    try:
+        nd.check_route(ParallelDims(2, dp_shard=1, cp=2))
+    except nd.NDParallelError as err:
+        pytest.skip(str(err))
+    out = Path(tempfile.mkdtemp(prefix="hgf_cp_"))
+    worker = [str(H.TESTS_DIR / "cp_worker.py"), "--out", str(out), "--scenarios", ",".join(scenarios)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("HF_GRADFIX_CONFIG", None)
+    if n == 2:  # what users run: the shipped CPU CP file through the launcher (its section reaches every rank)
+        launcher = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(CPU_CP_CONFIG),
+                    "--main_process_port", str(H._free_port())]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--nnodes", "1",
+                    "--master_addr", "127.0.0.1", "--master_port", str(H._free_port())]
+    cmd = launcher + worker
+    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=540)
+    if proc.returncode != 0:
+        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
+        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
+        pytest.fail(f"cp_worker failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
+    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(n)] for name in scenarios}
+    if os.environ.get("HGF_KEEP_ND_RUNS") != "1":
+        shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two():
+    return _launch(2, TWO)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return _launch(4, FOUR)
+
+
+def _check_exact(ranks: list[dict], cp: int) -> list[dict]:
+    r0 = ranks[0]
+    assert r0["route"] == "transformers" and r0["dims"]["cp"] == cp
+    assert r0["model_class"].startswith("FSDP") and r0["dtensor_params"] > 0  # FSDP2 over dp_shard x cp
+    assert any("context parallel over" in f for f in r0["fixes"])
+    rows = ND.compare(ranks)
+    assert len(rows) >= 2
+    for row in rows:
+        assert row["rel_err"] <= GRAD_TOL, row
+        assert row["loss_rel_err"] <= LOSS_TOL, row
+        assert row["grad_norm_rel_err"] <= LOSS_TOL, row
+    return rows
+
+
+def _eval_truth(ranks: list[dict]) -> tuple[float, int]:
+    model = W.build_model()
+    model.load_state_dict(ranks[0]["initial_state"])
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in ranks[0]["samples"][: W.N_SAMPLES - 1]:
+            loss_sum, n = H.sample_loss_sum(model, s, "causal")
+            total, count = total + float(loss_sum), count + n
+    return total / count, count
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The CPU ring-attention registration (unit, 2 processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_cpu_ring_attention_matches_full_sequence(two):
+    for r in two["attention"]:
+        assert max(r["fp32"]) <= 2e-6, r["fp32"]  # relative max error of out, dq, dk, dv
+        assert max(r["fp32_gqa"]) <= 2e-6, r["fp32_gqa"]
+        assert max(r["fp64"]) <= 1e-13, r["fp64"]
+        # without the registration torch's own CP fails on CPU: the registration is what runs the ring
+        assert "does not have a sharding strategy registered" in r["unregistered"], r["unregistered"]
+        assert r["registered_after"] is False
+
+
+def test_registration_is_idempotent_reversible_and_version_gated(monkeypatch):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    from hf_gradfix.parallel import cpu_ring_attention as cra
+
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    before = (propagator.op_strategy_funcs.get(forward), cp.custom_ops.get(forward))
+    cra.register()
+    cra.register()
+    assert cra.registered() and forward in propagator.op_strategy_funcs and forward in cp.custom_ops
+    cra.unregister()
+    cra.unregister()
+    assert (propagator.op_strategy_funcs.get(forward), cp.custom_ops.get(forward)) == before
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
+    monkeypatch.delenv("HF_GRADFIX_ALLOW_UNTESTED", raising=False)
+    with pytest.raises(cra.UnsupportedTorchError, match="written for torch 2.13, not 2.99.0"):
+        cra.register()
+    assert not cra.registered()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cp 2 through the Trainer (2 processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_cp2_matches_single_process_full_sequence(two):
+    _check_exact(two["cp2"], cp=2)
+
+
+@pytest.mark.distributed
+def test_verify_under_cp(two):
+    for r in two["verify"]:
+        assert r["exact"] and len(r["errors"]) == 2 and max(r["errors"]) <= GRAD_TOL, r
+
+
+@pytest.mark.distributed
+def test_cp2_eval_loss_is_the_exact_token_mean(two):
+    loss, count = _eval_truth(two["cp2"])
+    for r in two["cp2"]:
+        assert abs(r["eval_loss"] - loss) <= 1e-6 * loss, (r["eval_loss"], loss)
+        assert r["eval_targets"] == count
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("control", ["cp2_control_shift_after_split", "cp2_control_no_position_ids"])
+def test_cp_controls_fail_the_check(two, control):
+    """The same run with labels shifted after the split, or RoPE on local positions: far outside the tolerance."""
+    rows = ND.compare(two[control])
+    assert max(row["rel_err"] for row in rows) > 100 * GRAD_TOL, rows
+    assert max(row["loss_rel_err"] for row in rows) > LOSS_TOL, rows
+
+
+@pytest.mark.distributed
+def test_cp_refuses_non_sdpa_attention_and_cp_ranks_with_different_batches(two):
+    errors = {r["error"] for r in two["cp2_eager_refused"]}
+    assert len(errors) == 1
+    assert "attn_implementation='eager'" in errors.pop()
+    guard = {r["error"] for r in two["cp2_data_differs_refused"]}
+    assert len(guard) == 1 and "context-parallel ranks [0, 1] received different batches" in guard.pop()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cp with dp_shard, tp, dp_replicate (4 processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("scenario", FOUR)
+def test_cp_meshes_match_single_process_full_sequence(four, scenario):
+    ranks = four[scenario]
+    rows = _check_exact(ranks, cp=2)
+    if ranks[0]["dims"]["dp_replicate"] * ranks[0]["dims"]["dp_shard"] > 1:
+        for row in rows:
+            counts = row["targets_per_data_rank"]
+            assert len(counts) == 2 and counts[0] != counts[1], counts  # unequal targets per data rank
+
+
+@pytest.mark.distributed
+def test_cp_mesh_layout(four):
+    shard_cp = four["shard2_cp2"]
+    assert [r["coords"]["cp"] for r in shard_cp] == [0, 1, 0, 1]
+    assert [r["data_rank"] for r in shard_cp] == [0, 0, 1, 1]  # cp ranks share batches
+    cp_tp = four["cp2_tp2"]
+    assert [(r["coords"]["cp"], r["coords"]["tp"]) for r in cp_tp] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {r["data_rank"] for r in cp_tp} == {0}
+
+
+@pytest.mark.distributed
+def test_cp_eval_with_data_parallel_ranks(four):
+    loss, count = _eval_truth(four["shard2_cp2"])
+    for r in four["shard2_cp2"]:
+        assert abs(r["eval_loss"] - loss) <= 1e-6 * loss, (r["eval_loss"], loss)
+        assert r["eval_targets"] == count
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batch preparation and refusals without processes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_prepare_batch_shifts_before_the_split_and_pads():
+    from hf_gradfix.parallel.context import prepare_batch
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0]])
+    labels = torch.tensor([[-100, 6, 7, 8, 9, -100]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    out, buffers, dims = prepare_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, cp=2)
+    assert "attention_mask" not in out and dims == [1, 1, 1, 1] and len(buffers) == 4
+    assert out["input_ids"].shape == (1, 8)  # padded to a multiple of 2 x cp
+    assert out["shift_labels"].tolist() == [[6, 7, 8, 9, -100, -100, -100, -100]]
+    assert out["position_ids"].tolist() == [list(range(8))]
+    assert ids.shape == (1, 6) and all(b is not ids and b is not labels for b in buffers)  # caller's tensors kept
+
+
+@pytest.mark.parametrize(
+    "batch,needle",
+    [
+        (dict(attention_mask=torch.tensor([[0, 1, 1, 1]])), "not right padding"),
+        (dict(position_ids=torch.tensor([[0, 1, 0, 1]])), "packed rows"),
+        (dict(token_type_ids=torch.zeros(1, 4, dtype=torch.long)), "'token_type_ids' has the sequence dim"),
+        (dict(attention_mask=torch.ones(1, 1, 4, 4)), "4-D attention_mask"),
+    ],
+    ids=["left-padding", "packing", "unknown-seq-key", "4d-mask"],
+)
+def test_prepare_batch_refuses_what_cannot_be_exact(batch, needle):
+    from hf_gradfix.parallel.context import ContextParallelError, prepare_batch
+
+    base = {"input_ids": torch.arange(4)[None] + 4, "labels": torch.arange(4)[None] + 4}
+    with pytest.raises(ContextParallelError, match=needle):
+        prepare_batch({**base, **batch}, cp=2)
+
+
+@pytest.mark.parametrize(
+    "config_kw,needle",
+    [
+        (dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]), "sliding_attention"),
+        (dict(), "attn_implementation='eager'"),
+    ],
+    ids=["sliding-window", "eager"],
+)
+def test_setup_refuses_cp_models_it_cannot_run_exactly(config_kw, needle):
+    import transformers as tf
+
+    from hf_gradfix.integration import nd
+
+    attn = "eager" if not config_kw else "sdpa"
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(**{**W.LLAMA, **config_kw})
+    model = tf.LlamaForCausalLM._from_config(config, attn_implementation=attn)
+    with pytest.raises(nd.NDParallelError, match=needle):
+        nd.setup(ND.fake_trainer(model, world=2), ND.section(dp_shard=1, cp=2))
+
+
+def test_setup_refuses_cp_under_accelerate_fsdp_plugin():
+    from hf_gradfix.integration import nd
+
+    model = W.build_model(attn="sdpa")
+    with pytest.raises(nd.NDParallelError, match="under accelerate's FSDP plugin"):
+        nd.setup(ND.fake_trainer(model, world=2, fsdp_plugin=object()), ND.section(dp_shard=1, cp=2))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shipped configs, config check, launcher
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cpu_cp.yaml", "accelerate/fsdp2_tp_cp.yaml"])
+def test_config_check_treats_cp_as_runnable(name, capsys):
+    from hf_gradfix.cli import main
+
+    assert main(["config", "check", str(H.REPO_ROOT / "configs" / name), "--micro-batch", "1", "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "context parallel  cp=2: torch ring attention" in out and "multiple of 4" in out
+
+
+def test_config_check_refuses_cp_under_accelerate_fsdp(tmp_path, capsys):
+    import yaml
+
+    from hf_gradfix.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2},
+                                    "hf_gradfix": {"parallel": {"dp_shard": 1, "cp": 2}}}))
+    assert main(["config", "check", str(path)]) == 1
+    assert "cp=2 with accelerate's FSDP plugin" in capsys.readouterr().err
+
+
+def test_launch_allows_accelerate_cp_without_its_fsdp_plugin(monkeypatch):
+    """accelerate refuses parallelism_config cp > 1 without its FSDP plugin; the launcher lifts that (the plugin shards)."""
+    import accelerate.commands.launch as accelerate_launch
+
+    from hf_gradfix.cli import launch
+
+    seen = {}
+    monkeypatch.setenv("ACCELERATE_ALLOW_CP_STANDALONE", "false")  # restored (unset) after the test
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.update(
+        allow=os.environ.get("ACCELERATE_ALLOW_CP_STANDALONE"), config=open(args.config_file).read()))
+    assert launch(["--config_file", str(H.REPO_ROOT / "configs" / "accelerate" / "fsdp2_tp_cp.yaml"), "train.py"]) == 0
+    assert seen["allow"] == "true" and "parallelism_config_cp_size: 2" in seen["config"]
+
+
+def test_setup_refuses_cp_on_cpu_with_an_untested_torch(monkeypatch):
+    from hf_gradfix.integration import nd
+
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
+    monkeypatch.delenv("HF_GRADFIX_ALLOW_UNTESTED", raising=False)
+    with pytest.raises(nd.NDParallelError, match="written for torch 2.13, not 2.99.0"):
+        nd.setup(ND.fake_trainer(W.build_model(attn="sdpa"), world=2), ND.section(dp_shard=1, cp=2))
+
+
+def test_cp_hook_refuses_compute_metrics_in_eval():
+    from types import SimpleNamespace
+
+    from hf_gradfix.integration import nd
+    from hf_gradfix.parallel import ParallelDims
+
+    model = W.build_model(attn="sdpa").eval()
+    trainer = SimpleNamespace(model=model, compute_metrics=lambda p: {}, args=SimpleNamespace(prediction_loss_only=False),
+                              _prepare_inputs=lambda x: x)
+    plan = nd.NDPlan(dims=ParallelDims(2, dp_shard=1, cp=2), route="transformers", source="config")
+    hook = nd._cp_inputs_hook(trainer, plan)
+    with pytest.raises(nd.NDParallelError, match="compute_metrics under context parallelism"):
+        hook(model, {"input_ids": torch.arange(4)[None] + 4, "labels": torch.arange(4)[None] + 4})
