@@ -244,6 +244,7 @@ class CaseResult:
     steps: int
     trainer: Any = None
     logs: list[dict] = field(default_factory=list)
+    eval_metrics: dict = field(default_factory=dict)
 
     @property
     def worst(self) -> float:
@@ -318,7 +319,7 @@ def run_case(
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         trainer.train()
         train_batches = list(recorder.batches)
-        eval_loss = None
+        eval_loss, metrics = None, {}
         if evaluate:
             recorder.batches.clear()
             metrics = trainer.evaluate()
@@ -349,6 +350,7 @@ def run_case(
             steps=len(steps),
             trainer=trainer,
             logs=list(trainer.state.log_history),
+            eval_metrics=metrics,
         )
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)

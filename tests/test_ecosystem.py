@@ -239,8 +239,10 @@ def sft(kind="text", **config):
         trl = pytest.importorskip("trl")
         tok = E.build_tokenizer()
         texts = E.sentences(N_SAMPLES, seed=13)
+        eval_ds = None
         if kind == "text":
             ds = datasets.Dataset.from_dict({"text": texts})
+            eval_ds = datasets.Dataset.from_dict({"text": E.sentences(7, seed=17)})
         elif kind == "prompt_completion":
             comps = E.sentences(N_SAMPLES, seed=14, lo=1, hi=10)
             ds = datasets.Dataset.from_dict({"prompt": texts, "completion": [" " + c for c in comps]})
@@ -259,6 +261,7 @@ def sft(kind="text", **config):
                 model=_model("llama"),
                 args=E.training_args(out, args_cls=trl.SFTConfig, **args_kw),
                 train_dataset=ds,
+                eval_dataset=eval_ds,
                 processing_class=tok,
             )
 
@@ -293,7 +296,7 @@ CASES = {
 }
 #: cases with an eval set: eval_loss is checked against the exact token mean over the whole eval set
 WITH_EVAL = {"clm_right_padding", "clm_left_padding", "clm_iterable_dataset", "mlm_bert", "seqcls_default_collator",
-             "tokcls", "seq2seq_t5"}
+             "tokcls", "seq2seq_t5", "trl_sft_text"}
 
 
 def _check(result, what):
@@ -321,6 +324,9 @@ def test_ecosystem_case_exact_and_never_worse_than_stock(name):
         assert ours <= max(theirs, GRAD_TOL), f"{name} step {k}: hf_gradfix {ours:.2e} worse than stock {theirs:.2e}"
     if evaluate:
         assert patched.eval_error <= 1e-6, f"{name}: eval_loss rel err {patched.eval_error:.3e}"
+        # every other eval metric (e.g. TRL's entropy and token accuracy) is exactly stock's: the probe leaves no trace
+        others = {k: v for k, v in stock.eval_metrics.items() if k != "eval_loss" and "runtime" not in k and "per_second" not in k}
+        assert others and {k: patched.eval_metrics.get(k) for k in others} == others
 
 
 @pytest.mark.parametrize("name", ["clm_right_padding", "mlm_bert", "seq2seq_t5", "trl_sft_completion_only"])

@@ -20,6 +20,7 @@ How each loss behaves is detected by probing it on the first batch (:mod:`hf_gra
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import math
@@ -305,6 +306,9 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping) -> None:
 
     state.in_probe = True
     model.eval()  # no dropout, no router jitter: the probes compare forwards exactly
+    # TRL's trainers record per-forward metrics (entropy, token accuracy) in `_metrics[mode]` from compute_loss; the
+    # probe's forwards must not be averaged into the next logged eval metrics
+    saved_metrics = copy.deepcopy(trainer.__dict__["_metrics"]) if "_metrics" in trainer.__dict__ else None
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             uses_model_loss = trainer.compute_loss_func is None and trainer.label_smoother is None
@@ -342,6 +346,8 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping) -> None:
     finally:
         model.train(was_training)
         state.in_probe = False
+        if saved_metrics is not None:
+            trainer.__dict__["_metrics"] = saved_metrics
     state.probed = True
     _describe_fixes(trainer, state, owner)
 
