@@ -159,7 +159,7 @@ def test_nan_probe_window_is_stock_then_exact(outdir):
         return trainer
 
     ours = E.run_case(make_with_hook, task, mode="patch")
-    assert stock.grad_errors[0] > 0.5  # stock is wrong here (xGA): window 0 really is stock's
+    assert stock.grad_errors[0] > 1e-2  # stock is wrong here (5.x: xGA; 4.57: mean of means): window 0 is stock's
     assert abs(ours.grad_errors[0] - stock.grad_errors[0]) <= 1e-5 * stock.grad_errors[0]
     assert ours.grad_errors[1] <= 1e-5
 
