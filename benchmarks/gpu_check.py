@@ -1,8 +1,9 @@
 """The CUDA paths, proven in one run: FlashAttention 2 packing, half precision, the guard, memory, throughput.
 
-    bash scripts/gpu_check.sh                       # sets up .venv-gpu, then runs this file; ~5 min on one H100
-    python benchmarks/gpu_check.py --only packing   # one section (packing, trainer, guard, plan, throughput, optim)
-    python benchmarks/gpu_check.py --quick          # smaller sizes (a smoke run)
+    bash scripts/gpu_check.sh                       # sets up .venv-gpu, then runs this file (every section)
+    bash scripts/gpu_check.sh --only packing,trainer,guard,optim            # or in two commands of < 10 min:
+    bash scripts/gpu_check.sh --only plan,throughput --merge                # adds its sections to the same file
+    python benchmarks/gpu_check.py --quick          # smaller sizes (a smoke run, ~1 min)
 
 Without CUDA it prints one line (``gpu_check: skipped: ...``) and exits 0 without writing anything, so a CPU
 machine never overwrites results a GPU produced. Every measurement is a function that also runs on CPU (the
@@ -454,25 +455,31 @@ def llama_1b_config():
                                     max_position_embeddings=131072, tie_word_embeddings=True, use_cache=False)
 
 
-def measure_training_step(config, settings, device: str, steps: int = 2) -> dict[str, int]:
+def measure_training_step(config, settings, device: str, steps: int = 2, *, mem=None) -> dict[str, int]:
     """The step ``hf_gradfix.plan.simulate`` traces, on real tensors and the real allocator (CUDA).
 
     Same model build (``from_config`` in the settings' dtype, sdpa: the fused attention profile), same optimizer
     (``simulate._make_optimizer``), the same forward / backward / step, ``steps`` times; the last step is measured.
     Returns bytes: ``parameters`` (after the build), ``optimizer_state`` (after the step, minus parameters),
-    ``gradients`` (after backward, minus what stays after the step), ``activations`` (the forward+backward peak
-    minus parameters and optimizer state: saved activations + transient gradients, the plan's
-    activations_and_temporaries), ``peak`` (max_memory_allocated over the last step), ``peak_phase``.
+    ``gradients`` (after backward, minus what stays after the step), ``activations``: what forward and backward
+    hold beyond parameters, optimizer state and the gradients accumulated so far (the plan's activations and
+    temporaries), sampled at the end of the forward and at every parameter's gradient accumulation
+    (``register_post_accumulate_grad_hook``): a lower bound of its true maximum, which can fall between samples;
+    ``fwd_bwd_above_state`` (the forward+backward peak above parameters and optimizer state, gradients
+    included: an upper bound), ``peak`` (max_memory_allocated over the last step) and ``peak_phase``.
+    ``mem``: the allocator statistics (default ``torch.cuda``; tests pass a stand-in to run the logic on CPU).
     """
     import transformers
 
     from hf_gradfix.plan.simulate import _make_optimizer
 
-    if torch.device(device).type != "cuda":
-        raise RuntimeError("measure_training_step reads torch.cuda's allocator; it needs a CUDA device")
-    torch.cuda.synchronize()
+    if mem is None:
+        if torch.device(device).type != "cuda":
+            raise RuntimeError("measure_training_step reads torch.cuda's allocator; it needs a CUDA device")
+        mem = torch.cuda
+    mem.synchronize()
     _free(device)
-    base = torch.cuda.memory_allocated()
+    base = mem.memory_allocated()
     dtype = torch.bfloat16 if settings.dtype == "bf16-pure" else torch.float32
     amp = settings.dtype == "amp-bf16"
     with torch.device(device):
@@ -480,33 +487,50 @@ def measure_training_step(config, settings, device: str, steps: int = 2) -> dict
     model.train()
     if settings.recompute == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    params = torch.cuda.memory_allocated() - base
+    params = mem.memory_allocated() - base
     opt = _make_optimizer(model, settings)
     ids = torch.randint(0, config.vocab_size, (settings.micro_batch, settings.seq_len), device=device)
+    sampling: dict[str, Any] = {"on": False, "grads": 0, "beyond": [], "seen": set()}
+
+    def on_grad(p):  # allocated beyond the gradients accumulated so far, at each accumulation
+        if sampling["on"]:
+            if id(p) not in sampling["seen"]:
+                sampling["seen"].add(id(p))
+                sampling["grads"] += p.grad.numel() * p.grad.element_size()
+            sampling["beyond"].append(mem.memory_allocated() - base - sampling["grads"])
+
+    hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters() if p.requires_grad]
     out: dict[str, Any] = {}
     for step in range(steps):
         last = step == steps - 1
         if last:
-            after_prev = torch.cuda.memory_allocated() - base
-            torch.cuda.reset_peak_memory_stats()
-        with torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext():
+            after_prev = mem.memory_allocated() - base
+            sampling.update(on=True, grads=0, beyond=[], seen=set())
+            mem.reset_peak_memory_stats()
+        autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+        with autocast:
             loss = model(input_ids=ids, labels=ids).loss
+        after_forward = mem.memory_allocated() - base
         loss.backward()
         del loss
-        torch.cuda.synchronize()
+        mem.synchronize()
         if last:
-            fb_peak = torch.cuda.max_memory_allocated() - base
-            after_backward = torch.cuda.memory_allocated() - base
-            torch.cuda.reset_peak_memory_stats()
+            sampling["on"] = False
+            fb_peak = mem.max_memory_allocated() - base
+            after_backward = mem.memory_allocated() - base
+            mem.reset_peak_memory_stats()
         opt.step()
         opt.zero_grad()
-        torch.cuda.synchronize()
+        mem.synchronize()
         if last:
-            step_peak = torch.cuda.max_memory_allocated() - base
-            after_step = torch.cuda.memory_allocated() - base
+            step_peak = mem.max_memory_allocated() - base
+            after_step = mem.memory_allocated() - base
+            activations = max([after_forward] + sampling["beyond"]) - after_prev
             out = dict(parameters=params, optimizer_state=after_step - params, gradients=after_backward - after_step,
-                       activations=fb_peak - after_prev, peak=max(fb_peak, step_peak),
-                       peak_phase="optimizer step" if step_peak > fb_peak else "forward/backward")
+                       activations=activations, fwd_bwd_above_state=fb_peak - after_prev,
+                       peak=max(fb_peak, step_peak), peak_phase="optimizer step" if step_peak > fb_peak else "forward/backward")
+    for h in hooks:
+        h.remove()
     del model, opt, ids
     _free(device)
     return out
@@ -544,8 +568,9 @@ def compare_memory(closed: dict[str, float], traced: dict[str, Any], measured: d
 
 
 def plan_vs_allocator(config, device: str, *, seq_len: int = 2048, micro_batch: int = 1, dtype: str = "bf16-pure",
-                      recompute: str = "none", optimizer: str = "adamw") -> dict:
-    """``hf-gradfix plan`` (closed form and ``--simulate``, one process) against :func:`measure_training_step`."""
+                      recompute: str = "none", optimizer: str = "adamw", mem=None) -> dict:
+    """``hf-gradfix plan`` (closed form and ``--simulate``, one process) against :func:`measure_training_step`
+    (``mem``: passed on, for tests on CPU)."""
     from hf_gradfix.parallel import ParallelDims
     from hf_gradfix.plan import Settings, estimate
     from hf_gradfix.plan.simulate import simulate
@@ -558,7 +583,7 @@ def plan_vs_allocator(config, device: str, *, seq_len: int = 2048, micro_batch: 
     t0 = time.perf_counter()
     traced = simulate(config, mesh, settings)
     trace_s = time.perf_counter() - t0
-    measured = measure_training_step(config, settings, device)
+    measured = measure_training_step(config, settings, device, mem=mem)
     rows = compare_memory(closed, traced, measured)
     peak = next(r for r in rows if r["component"] == "peak")
     return dict(settings=dict(seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, recompute=recompute,
@@ -569,15 +594,20 @@ def plan_vs_allocator(config, device: str, *, seq_len: int = 2048, micro_batch: 
                          f"--simulate {peak['traced_err']:+.1%}"))
 
 
-def section_plan(device: str, quick: bool) -> dict:
+PLAN_CASES = [dict(dtype="bf16-pure"), dict(dtype="bf16-pure", optimizer="galore_adamw")]
+PLAN_MORE_CASES = [dict(dtype="amp-bf16"), dict(dtype="bf16-pure", recompute="full")]
+
+
+def section_plan(device: str, quick: bool, more: bool = False) -> dict:
+    """The 1B model in bf16 with AdamW and with GaLore (``more``: also amp-bf16 and full recomputation). Each
+    ``--simulate`` trace takes 1-4 minutes of host CPU for a 1B model (fake tensors, one thread)."""
     if quick:
         from hf_gradfix.plan import load_model_config
 
         config, cases = load_model_config("tiny-llama"), [dict(seq_len=128, dtype="fp32")]
     else:
         config = llama_1b_config()
-        cases = [dict(dtype="bf16-pure"), dict(dtype="amp-bf16"), dict(dtype="bf16-pure", recompute="full"),
-                 dict(dtype="bf16-pure", optimizer="galore_adamw")]
+        cases = PLAN_CASES + (PLAN_MORE_CASES if more else [])
     rows = []
     for case in cases:
         try:
@@ -889,6 +919,21 @@ def read_results(path: str | Path) -> dict:
     return json.loads(text[start:text.index("\n```", start)])
 
 
+def merge_results(old: dict, new: dict) -> dict:
+    """``new`` with the sections of ``old`` it did not run (same GPU only: mixing devices would mislead).
+
+    >>> old = {"environment": {"gpu": "H100"}, "sections": {"a": 1, "b": 2}}
+    >>> merge_results(old, {"environment": {"gpu": "H100"}, "sections": {"b": 3}})["sections"]
+    {'a': 1, 'b': 3}
+    """
+    if old.get("environment", {}).get("gpu") != new.get("environment", {}).get("gpu"):
+        raise SystemExit(f"gpu_check: --merge: the existing file is from {old.get('environment', {}).get('gpu')}, "
+                         f"this run is on {new.get('environment', {}).get('gpu')}; write to another --out")
+    merged = dict(new)
+    merged["sections"] = {**old.get("sections", {}), **new["sections"]}
+    return merged
+
+
 def write_results(results: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -902,6 +947,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--device", default="cuda", help="cpu runs the logic on the reference kernel (tests)")
+    ap.add_argument("--plan-all", action="store_true", help="plan: also amp-bf16 and full recomputation (+4-8 min)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other sections of an existing --out file (to run sections in separate commands)")
     ap.add_argument("--flash-attn-wheels", action="store_true", help="print the matching flash-attn wheel URLs, exit")
     ns = ap.parse_args(argv)
     if ns.flash_attn_wheels:
@@ -920,7 +968,11 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if ns.plan_all:
+        RUNNERS["plan"] = lambda device, quick: section_plan(device, quick, more=True)
     results = run_sections(ns.device, sections, ns.quick)
+    if ns.merge and Path(ns.out).exists():
+        results = merge_results(read_results(ns.out), results)
     path = write_results(results, ns.out)
     bad = [n for n, s in results["sections"].items() if s["status"] in ("FAILED", "error")]
     print(f"gpu_check: wrote {path}; " + (f"FAILED: {', '.join(bad)}" if bad else "no failures"))
