@@ -613,7 +613,8 @@ def section_plan(device: str, quick: bool, more: bool = False) -> dict:
         try:
             rows.append(plan_vs_allocator(config, device, **case))
         except Exception as e:  # one case failing (e.g. out of memory) should not hide the others
-            rows.append(dict(settings=case, error=f"{type(e).__name__}: {str(e)[:300]}", summary=f"{case}: error"))
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(dict(settings=case, error=error, summary=f"{case}: {error}"))
             _free(device)
     return dict(status="measured" if all("error" not in r for r in rows) else "error",
                 summary="; ".join(r["summary"] for r in rows), rows=rows)
@@ -830,10 +831,12 @@ def environment(device: str) -> dict:
 
     env = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
                transformers=transformers.__version__, device=device, flash_attn=flash_attn_status()[1])
-    for name in ("trl", "accelerate", "galore_torch"):
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("trl", "accelerate", "galore-torch", "apollo-torch"):
         try:
-            env[name] = getattr(__import__(name), "__version__", "?")
-        except ImportError:
+            env[name] = version(name)
+        except PackageNotFoundError:
             env[name] = "not installed"
     if torch.device(device).type == "cuda":
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -889,7 +892,7 @@ def render_markdown(results: dict) -> str:
                          f"{_fmt(r['grads']['separate'])} | {'passed' if r['passed'] else 'FAILED'}: {r['why']} |")
         lines += ["", "Tolerance: fp32 <= 1e-5 relative; bf16/fp16: packed <= 2 x the same dtype's unpacked error, and "
                   "the mixing control >= 10 x that error (else the dtype could not detect the bug)."]
-    plan = results["sections"].get("plan", {}).get("rows")
+    plan = [case for case in results["sections"].get("plan", {}).get("rows") or [] if case.get("rows")]
     if plan:
         lines += ["", "## Planner vs allocator", "", "| settings | component | measured GiB | closed form GiB | "
                   "closed form err | --simulate GiB | --simulate err |", "|---|---|---:|---:|---:|---:|---:|"]
