@@ -379,9 +379,10 @@ def packed_trainer_vs_ground_truth(device: str, attention: str, *, amp_bf16: boo
     if not errs or len(windows) != len(capture.grads):
         out.update(passed=False, why=f"{len(capture.grads)} captured steps for {len(windows)} windows")
     elif amp_bf16:
-        ok = all(e <= HALF_FACTOR * b for e, b in zip(errs, base_errs))
+        # max over steps against max over steps: one step's unpacked error can be small by chance
+        ok = max(errs) <= HALF_FACTOR * max(base_errs)
         out.update(unpacked_bf16_rel_err=base_errs, passed=ok,
-                   why=f"max packed {max(errs):.2e} vs max unpacked-bf16 {max(base_errs):.2e} (each step <= {HALF_FACTOR:.0f}x)")
+                   why=f"max packed {max(errs):.2e} {'<=' if ok else '>'} {HALF_FACTOR:.0f} x max unpacked-bf16 {max(base_errs):.2e}")
     else:
         out.update(passed=max(errs) <= FP32_TOL, why=f"max rel. gradient error {max(errs):.2e} (<= {FP32_TOL:.0e})")
     del model, gt_model, inner, trainer
@@ -623,10 +624,12 @@ def section_plan(device: str, quick: bool, more: bool = False) -> dict:
 # ---------------------------------------------------------------------------------------------- 5. throughput
 def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 2000, budget: int = 4096,
                batch: int = 8, sigma: float = 1.0, model_kw: dict | None = None, warmup_steps: int = 3,
-               arms: tuple[str, ...] = ("padded", "packed", "trl-padding-free")) -> dict:
+               arms: tuple[str, ...] = ("padded", "padded-sdpa", "packed", "trl-padding-free")) -> dict:
     """Real tokens/s over one epoch of the same samples (``bench_packing_throughput``'s lognormal lengths):
 
-    - ``padded``: stock Trainer, random batches of ``batch`` samples padded to the longest (``attn``, mask);
+    - ``padded``: stock Trainer, random batches of ``batch`` samples padded to the longest (``attn``, mask; FA2
+      unpads attention itself, the rest of the model still computes the padding);
+    - ``padded-sdpa``: the same with sdpa (transformers' default attention), where attention computes it too;
     - ``packed``: ``hf_gradfix.patch(packing varlen, token_budget)`` (FA2 where ``attn`` is FA2);
     - ``trl-padding-free``: TRL's ``DataCollatorForLanguageModeling(padding_free=True)``, random batches of
       ``batch`` samples flattened into one row with position_ids / cu_seq_lens (its FA2 path).
@@ -658,7 +661,7 @@ def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 200
 
     trl_collate = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
 
-    def build():
+    def build(attn):
         torch.manual_seed(0)
         cfg = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=budget, use_cache=False,
                                        pad_token_id=0, **mkw)
@@ -681,7 +684,8 @@ def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 200
                                           "attention": "keep"}, "log_fixes": False})
         collate = trl_collate if arm == "trl-padding-free" else padded_collate
         try:
-            trainer = transformers.Trainer(model=build(), args=args, train_dataset=data, data_collator=collate)
+            model = build("sdpa" if arm == "padded-sdpa" else attn)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
             _sync(device)
             t0 = time.perf_counter()
             trainer.train()
@@ -693,15 +697,17 @@ def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 200
 
     results: dict[str, Any] = {}
     for arm in arms:
-        run(arm, max_steps=warmup_steps)  # kernels, allocator, autotuning: paid outside the timed epoch
-        if arm == "padded":
-            counted.update(padded=0, real=0)
+        if warmup_steps:
+            run(arm, max_steps=warmup_steps)  # kernels, allocator, autotuning: paid outside the timed epoch
+        counted.update(padded=0, real=0)
         seconds = run(arm)
+        if arm == "padded":
+            waste_counts = dict(counted)
         results[arm] = dict(seconds=round(seconds, 3), real_tokens_per_s=real_tokens / seconds)
     out = dict(device=device, attn=attn, dtype=str(dtype).replace("torch.", ""), samples=samples,
                real_tokens=real_tokens, budget=budget, batch=batch, model=mkw, arms=results)
     if "padded" in results:
-        waste = 1.0 - counted["real"] / max(counted["padded"], 1)
+        waste = 1.0 - waste_counts["real"] / max(waste_counts["padded"], 1)
         limit = 1.0 / (1.0 - waste)
         base = results["padded"]["real_tokens_per_s"]
         out.update(padding_waste=waste, limit=limit)
@@ -742,14 +748,12 @@ def optimizer_cost(device: str, *, arms=("adamw", "galore-torch", "svd", "random
                             seq=seq, rank=rank or hidden // 4, apollo_rank=rank or hidden // 4, gap=gap, scale=0.25,
                             lr_adamw=1e-3, lr_lowrank=1e-2)
     cuda = torch.device(device).type == "cuda"
-    base_state = {k: v.cpu() for k, v in BO.build_model(ns, 0).state_dict().items()}
+    base = BO.build_model(ns, 0).to(device)  # built once (a 7B-shaped init on the host takes a while)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     results = {}
     for arm in arms:
-        model = BO.build_model(ns, 0)
-        model.load_state_dict(base_state)
-        model.to(device)
+        model = copy.deepcopy(base)
         opt = BO.build_optimizer(arm, model, ns)
         times, refresh, transient, state_growth = [], None, [], None
         for i in range(steps):
@@ -781,6 +785,8 @@ def optimizer_cost(device: str, *, arms=("adamw", "galore-torch", "svd", "random
                             step_transient_bytes=max(transient) if transient else None)
         del model, opt
         _free(device)
+    del base
+    _free(device)
     ref = results.get("adamw")
     if ref:
         for r in results.values():

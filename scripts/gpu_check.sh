@@ -35,7 +35,8 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python_bin" -m venv --system-site-packages "$venv" || { echo "gpu_check: error: cannot create $venv"; exit 1; }
 fi
 py="$venv/bin/python"
-pip_i() { "$py" -m pip install --disable-pip-version-check -q "$@"; }
+# short timeouts: a machine without network should fail over to "go on with what imports" quickly
+pip_i() { "$py" -m pip install --disable-pip-version-check -q --retries 1 --timeout 20 "$@"; }
 
 # ---- 2. torch with CUDA
 if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
