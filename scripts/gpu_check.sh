@@ -64,7 +64,7 @@ torch_ver="$("$py" -c "import torch; print(torch.__version__.split('+')[0])")"
 constraint="$(mktemp)"; echo "torch==$torch_ver" > "$constraint"
 
 # ---- 3. hf_gradfix and its test dependencies (torch pinned to what is installed)
-if ! "$py" -c "import hf_gradfix, transformers, accelerate, trl, galore_torch, pytest" >/dev/null 2>&1; then
+if ! PYTHONPATH="$root" "$py" -c "import hf_gradfix, transformers, accelerate, trl, galore_torch, pytest" >/dev/null 2>&1; then
     log "installing hf_gradfix[dev] (torch kept at $torch_ver)"
     pip_i -c "$constraint" -e "$root[dev]" || log "hf_gradfix[dev] install failed; going on with what imports"
 fi

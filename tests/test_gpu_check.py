@@ -260,3 +260,50 @@ def test_a_section_that_raises_is_recorded_not_fatal(monkeypatch):
     results = G.run_sections("cpu", ["guard"], log=lambda *_: None)
     sec = results["sections"]["guard"]
     assert sec["status"] == "error" and "kernel exploded" in sec["summary"] and "Traceback" in sec["traceback"]
+
+
+# ------------------------------------------------------------------------------------------ found while writing it
+def test_guard_in_the_trainer_runs_under_the_trainers_mixed_precision():
+    """flash-attn refuses fp32 inputs; transformers' FA2 path casts fp32 queries to the autocast dtype, so an fp32
+    model trains under ``bf16=True``. The packing guard runs before accelerate wraps the model's forward in
+    autocast: outside autocast it would hand fp32 to flash-attn and refuse a model that trains fine. Shown on CPU
+    with a stand-in that has flash-attn's dtype rule, as transformers dispatches it."""
+    import transformers
+    from transformers import AttentionInterface, Trainer
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    import hf_gradfix
+    from hf_gradfix.packing.attention import _set_on_every_config, reference_varlen_attention_forward
+    from hf_gradfix.packing.guard import PackingCheckError, check_model_packs_correctly
+
+    def half_only(module, query, key, value, attention_mask, **kwargs):
+        device_type = query.device.type
+        if query.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+        return reference_varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = "flash_half_only_standin"
+    AttentionInterface.register(name, half_only)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    try:
+        model = H.build_model("llama", attn_implementation="sdpa")
+        _set_on_every_config(model, model.config, name)
+        with pytest.raises(PackingCheckError, match="raised RuntimeError"):  # the guard alone, no autocast
+            check_model_packs_correctly(model)
+        args = transformers.TrainingArguments(
+            output_dir="/tmp/hgf_gpu_check_amp", bf16=True, use_cpu=True, max_steps=2, per_device_train_batch_size=1,
+            report_to="none", save_strategy="no", disable_tqdm=True, logging_strategy="no", remove_unused_columns=False,
+        )
+        hf_gradfix.patch({"packing": {"enabled": True, "token_budget": 64, "attention": "keep"}, "log_fixes": False})
+        try:
+            trainer = Trainer(model=model, args=args, train_dataset=H.TokenDataset(H.make_samples("causal", n=8)))
+            trainer.train()  # the guard passed under the Trainer's autocast, and the packed steps ran
+        finally:
+            hf_gradfix.unpatch()
+        assert trainer.state.global_step == 2
+    finally:
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)
