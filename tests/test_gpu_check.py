@@ -158,10 +158,13 @@ class LiveTensorBytes:
 
     def memory_allocated(self) -> int:
         import gc
+        import itertools
 
         seen, total = set(), 0
-        for o in gc.get_objects():
-            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu":
+        objects = gc.get_objects()
+        kinds = {torch.Tensor, torch.nn.Parameter}.__contains__
+        for o in itertools.compress(objects, map(kinds, map(type, objects))):  # the filter runs in C: fast
+            if o.device.type == "cpu":
                 storage = o.untyped_storage()
                 if storage.data_ptr() and storage.data_ptr() not in seen:
                     seen.add(storage.data_ptr())
