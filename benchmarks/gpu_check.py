@@ -915,7 +915,8 @@ def render_markdown(results: dict) -> str:
         arms = rows[0]["arms"]
         cols = sorted({k for v in arms.values() for k in v})
         lines += ["", f"## {title}", "", "| arm | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-        lines += [f"| {a} | " + " | ".join(_fmt(v.get(c)) for c in cols) + " |" for a, v in arms.items()]
+        cell = lambda c, x: f"{x / 2**20:.1f} MiB" if (c.endswith("_bytes") and x is not None) else _fmt(x)  # noqa: E731
+        lines += [f"| {a} | " + " | ".join(cell(c, v.get(c)) for c in cols) + " |" for a, v in arms.items()]
     lines += ["", "## What one GPU cannot prove", ""] + [f"- {x}" for x in results["not_provable_on_one_gpu"]]
     lines += ["", "## Raw results", "", "```json", json.dumps(results, indent=1, default=str), "```", ""]
     return "\n".join(lines)

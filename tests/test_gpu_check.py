@@ -310,3 +310,17 @@ def test_guard_in_the_trainer_runs_under_the_trainers_mixed_precision():
     finally:
         AttentionInterface._global_mapping.pop(name, None)
         AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+def test_results_file_renders_every_table(tmp_path):
+    results = G.run_sections("cpu", ["guard"], quick=True, log=lambda *_: None)
+    plan_rows = G.compare_memory({"parameters": 2 * 2**30, "peak": 9 * 2**30}, {"max": {"parameters": 2 * 2**30}, "peak": 8 * 2**30},
+                                 {"parameters": 2 * 2**30, "peak": 8 * 2**30})
+    results["sections"]["plan"] = dict(status="measured", summary="s", rows=[dict(settings={"dtype": "bf16-pure"}, rows=plan_rows)])
+    results["sections"]["optim"] = dict(status="measured", summary="s", rows=[dict(arms={"adamw": dict(step_ms=2.0, state_bytes=3 * 2**20)})])
+    results["sections"]["throughput"] = dict(status="measured", summary="s",
+                                             rows=[dict(arms={"packed": dict(vs_padded=1.9, of_limit=0.95)})])
+    text = G.write_results(results, tmp_path / "r.md").read_text()
+    assert "| {'dtype': 'bf16-pure'} | peak | 8.000 | 9.000 | +12.5% | 8.000 | +0.0% |" in text
+    assert "| adamw | 3.0 MiB | 2 |" in text and "| packed | 0.95 | 1.9 |" in text
+    assert G.read_results(tmp_path / "r.md")["sections"]["optim"]["rows"][0]["arms"]["adamw"]["step_ms"] == 2.0
