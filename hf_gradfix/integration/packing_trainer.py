@@ -119,6 +119,9 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
         attention = select_varlen_attention(trainer.args.device)
         set_attention_implementation(model, attention)
     if cfg.guard:
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        # Under the Trainer's mixed precision, as its forward will run: this runs before accelerate wraps the model,
+        # and an fp32 model on flash_attention_2 outside autocast hands fp32 to flash-attn, which refuses it.
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []), \
+                trainer.accelerator.autocast():
             check_model_packs_correctly(model, mode=cfg.mode)
     return f"packing: {cfg.mode} rows of <= {cfg.token_budget} tokens, attention {attention}" + (", guard passed" if cfg.guard else "")

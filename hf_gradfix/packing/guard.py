@@ -114,7 +114,7 @@ def check_model_packs_correctly(
             row, ``position_ids`` + ``cu_seq_lens``) or ``"rows"`` (two rows, the shorter one tail-padded).
         lengths: probe sequence lengths (at least 2 sequences).
         tolerance: max allowed |packed - separate| logit difference; default ``1e-4`` (fp32/fp64) or ``3e-2``
-            (half precision) times ``max(1, max |logit|)``.
+            (half-precision weights, or autocast on) times ``max(1, max |logit|)``.
         position_ids_start: first position of every sequence (as given to the collator).
         seed: seed of the probe's own generator (the global RNG is not touched).
         raise_on_failure: ``False`` returns the failing report instead of raising.
@@ -228,7 +228,8 @@ def check_model_packs_correctly(
         packed_vs_control = max(float((p - c).abs().max()) for p, c in zip(packed_parts, control_parts))
     scale = max(1.0, max(float(q.abs().max()) for q in separate))
     if tolerance is None:
-        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()) or \
+            torch.is_autocast_enabled(device.type)  # fp32 weights under autocast compute in half precision
         tolerance = (3e-2 if half else 1e-4) * scale
     details.update(per_sequence_diff=diffs, packed_vs_control=packed_vs_control, logit_scale=scale)
 

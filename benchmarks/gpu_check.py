@@ -1,0 +1,993 @@
+"""The CUDA paths, proven in one run: FlashAttention 2 packing, half precision, the guard, memory, throughput.
+
+    bash scripts/gpu_check.sh                       # sets up .venv-gpu, then runs this file (every section)
+    bash scripts/gpu_check.sh --only packing,trainer,guard,optim            # or in two commands of < 10 min:
+    bash scripts/gpu_check.sh --only plan,throughput --merge                # adds its sections to the same file
+    python benchmarks/gpu_check.py --quick          # smaller sizes (a smoke run, ~1 min)
+
+Without CUDA it prints one line (``gpu_check: skipped: ...``) and exits 0 without writing anything, so a CPU
+machine never overwrites results a GPU produced. Every measurement is a function that also runs on CPU (the
+reference varlen kernel, fp32, tiny sizes); ``tests/test_gpu_check.py`` runs them there.
+
+Sections (each a row of the results table, ``passed`` / ``FAILED`` / ``measured`` / ``skipped: why``):
+
+1. **packing**: packed-vs-separate logits and gradients through ``flash_attention_2`` (bf16 and fp16) and through
+   the reference varlen kernel on CUDA (fp32), on Llama, Qwen2 (sliding window on layer 1), Mistral (sliding
+   window) and Gemma 2 (sliding window + attention softcap + final softcap). Tolerances: see
+   :func:`half_precision_verdict`.
+2. **trainer**: ``hf_gradfix.patch(packing)`` + ``transformers.Trainer`` on CUDA against the unpacked ground truth
+   of the windows the sampler drew (``tests/harness.py``): fp32 through the reference kernel (rel. gradient error
+   <= 1e-5), and bf16 autocast through FA2 (half-precision rule).
+3. **guard**: ``check_model_packs_correctly`` on CUDA accepts FA2 / the reference and refuses OPT on sdpa.
+4. **plan**: ``hf-gradfix plan`` (closed form and ``--simulate``) against ``torch.cuda.max_memory_allocated`` of
+   the same step (a Llama-3.2-1B-shaped model), per component.
+5. **throughput**: real tokens/s over one epoch of the same samples: padded batches vs hf_gradfix packing
+   (varlen, FA2) vs TRL's padding-free collator (FA2), against the padding-waste limit 1 / (1 - waste).
+6. **optim**: ``opt.step()`` time and memory of AdamW, galore-torch, our GaLore (svd / randomized), APOLLO and
+   APOLLO-Mini on 7B-shaped layers (hidden 4096, intermediate 11008).
+
+Not provable on one GPU (said in the results file): multi-rank DDP / FSDP2 / TP / CP exactness over NCCL, the
+rank-balanced packed sampler across ranks, FSDP2 all-gather memory. Those are proven on CPU over gloo only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+for _p in (REPO, REPO / "tests", REPO / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu-check.md"
+SECTIONS = ("packing", "trainer", "guard", "plan", "throughput", "optim")
+FP32_TOL = 1e-5  # relative error, fp32 (the project's exactness bar)
+HALF_FACTOR = 2.0  # packed half-precision error may be at most this multiple of the unpacked run's error
+CONTROL_FACTOR = 10.0  # sequence mixing must be at least this multiple of the unpacked error (the check can fail)
+NOT_PROVABLE_ON_ONE_GPU = [
+    "DDP / FSDP2 / TP / CP exactness across ranks over NCCL (world size 1 has no cross-rank sums; proven over gloo "
+    "on CPU by tests/test_ddp.py, test_nd_parallel.py, test_optim_distributed.py)",
+    "the packed sampler's token balance across ranks and the per-rank count all-reduce (gloo tests only)",
+    "FSDP2 all-gather / reduce-scatter buffer memory against the planner's comm_buffers (needs >= 2 GPUs)",
+    "throughput scaling and communication overlap (the --suggest roofline is a model, not a measurement)",
+]
+
+
+def skip_reason() -> str | None:
+    """Why this machine cannot run the check (``None`` when CUDA works).
+
+    >>> skip_reason() is None or skip_reason().startswith("no CUDA")
+    True
+    """
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__}, torch.version.cuda={torch.version.cuda})"
+    return None
+
+
+def flash_attn_status() -> tuple[bool, str]:
+    """(usable, one line): flash-attn importable, transformers agrees, CUDA present."""
+    try:
+        import flash_attn  # noqa: F401
+
+        version = getattr(flash_attn, "__version__", "?")
+    except Exception as e:  # ImportError, or an ABI mismatch raising OSError/RuntimeError
+        return False, f"flash-attn not importable ({type(e).__name__}: {str(e)[:120]})"
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        return False, f"flash-attn {version} installed but transformers' is_flash_attn_2_available() is False"
+    if not torch.cuda.is_available():
+        return False, f"flash-attn {version} installed but no CUDA"
+    return True, f"flash-attn {version}"
+
+
+FLASH_ATTN_VERSIONS = ("2.8.3", "2.8.2", "2.7.4.post1")  # releases with prebuilt Linux wheels, newest first
+
+
+def flash_attn_wheel_urls(torch_version: str | None = None, cuda: str | None = None, python: str | None = None,
+                          cxx11_abi: bool | None = None, machine: str | None = None) -> list[str]:
+    """Prebuilt flash-attn wheels (GitHub releases of Dao-AILab/flash-attention) that would match this torch, CUDA
+    major version, Python and C++ ABI, newest first; ``[]`` without CUDA. Defaults: the running interpreter.
+    ``scripts/gpu_check.sh`` tries them in order with ``pip install --no-deps`` and keeps the first that imports.
+
+    >>> flash_attn_wheel_urls("2.8.0+cu128", "12.8", "3.12", True, "x86_64")[0].rsplit("/", 1)[1]
+    'flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl'
+    >>> flash_attn_wheel_urls("2.13.0+cpu", None, "3.12", True, "x86_64")
+    []
+    """
+    torch_version = torch_version or torch.__version__
+    cuda = cuda if cuda is not None else (torch.version.cuda if torch_version == torch.__version__ else None)
+    if not cuda:
+        return []
+    python = python or f"{sys.version_info.major}.{sys.version_info.minor}"
+    if cxx11_abi is None:
+        cxx11_abi = bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", False))
+    machine = machine or platform.machine()
+    tmm = ".".join(torch_version.split("+")[0].split(".")[:2])
+    cp = "cp" + python.replace(".", "")
+    name = "flash_attn-{v}+cu" + cuda.split(".")[0] + f"torch{tmm}cxx11abi{'TRUE' if cxx11_abi else 'FALSE'}-{cp}-{cp}-linux_{machine}.whl"
+    return [f"https://github.com/Dao-AILab/flash-attention/releases/download/v{v}/" + name.format(v=v)
+            for v in FLASH_ATTN_VERSIONS]
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64.
+
+    >>> rel(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
+    0.0
+    """
+    a, b = a.detach().double().reshape(-1), b.detach().double().reshape(-1).to(a.device)
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def rel_grads(g: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Relative error of all gradients concatenated (the harness's ``rel_err``, on any device)."""
+    from harness import rel_err
+
+    return rel_err({k: v.detach().cpu() for k, v in g.items()}, {k: v.detach().cpu() for k, v in ref.items()})
+
+
+def half_precision_verdict(packed_err: float, separate_err: float, control_err: float | None,
+                           dtype: torch.dtype) -> tuple[bool, str]:
+    """Is a packed run exact up to its dtype? Errors are relative to an fp32 ground truth of separate sequences.
+
+    fp32: ``packed_err <= 1e-5`` (bit-level exactness is not asked; 1e-5 fails on any mixing).
+
+    bf16 / fp16 cannot meet 1e-5: rounding the weights and every activation already moves logits by ~2^-8
+    (bf16) or ~2^-11 (fp16) relative, whether or not sequences are packed. The honest baseline is the *same*
+    model in the same dtype and kernel on each sequence alone (``separate_err``): packing must not add error
+    beyond that noise, so ``packed_err <= 2 * separate_err`` (2x: packed and separate runs tile the matmuls and
+    the kernel differently, so their rounding differs but is of the same size). And the check must be able to
+    fail: the mixing control (the same packed row without sequence boundaries) must deviate by at least
+    ``10 * separate_err``, else this dtype's noise would hide a real bug and the verdict is a failure.
+
+    >>> half_precision_verdict(3e-6, 2e-6, 1e-1, torch.float32)[0]
+    True
+    >>> half_precision_verdict(4e-3, 3e-3, 2e-1, torch.bfloat16)[0], half_precision_verdict(9e-3, 3e-3, 2e-1, torch.bfloat16)[0]
+    (True, False)
+    >>> half_precision_verdict(4e-3, 3e-3, 1e-2, torch.bfloat16)  # the control cannot be told from noise
+    (False, 'control 1.00e-02 < 10 x separate 3.00e-03: this dtype cannot detect mixing here')
+    """
+    if dtype == torch.float32 or dtype == torch.float64:
+        ok = packed_err <= FP32_TOL
+        return ok, f"packed {packed_err:.2e} {'<=' if ok else '>'} {FP32_TOL:.0e}"
+    if control_err is not None and control_err < CONTROL_FACTOR * separate_err:
+        return False, (f"control {control_err:.2e} < {CONTROL_FACTOR:.0f} x separate {separate_err:.2e}: "
+                       "this dtype cannot detect mixing here")
+    ok = packed_err <= HALF_FACTOR * separate_err
+    return ok, f"packed {packed_err:.2e} {'<=' if ok else '>'} {HALF_FACTOR:.0f} x separate {separate_err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------- 1. packing
+ARCHS = ("llama", "qwen2", "mistral", "gemma2")
+
+
+def arch_config(arch: str, *, hidden: int = 256, heads: int = 4, layers: int = 2, window: int = 16, vocab: int = 512):
+    """A random-init config of ``arch`` with head_dim = hidden / heads, GQA (2 KV heads), initializer_range 0.2
+    (peaked attention, so that mixing sequences shows), sliding windows of ``window`` tokens (Mistral: every layer;
+    Qwen2: layer 1; Gemma 2: alternating, with attention softcap 1.0 and final softcap 5.0)."""
+    import transformers
+
+    kw = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+              num_key_value_heads=max(1, heads // 2), intermediate_size=2 * hidden, max_position_embeddings=4096,
+              initializer_range=0.2, use_cache=False, attention_dropout=0.0)
+    if arch == "llama":
+        return transformers.LlamaConfig(**kw)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**kw, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    if arch == "mistral":
+        return transformers.MistralConfig(**kw, sliding_window=window)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**kw, head_dim=hidden // heads, sliding_window=window,
+                                         attn_logit_softcapping=1.0, final_logit_softcapping=5.0,
+                                         query_pre_attn_scalar=hidden // heads)
+    raise KeyError(f"arch {arch!r}: one of {ARCHS}")
+
+
+def _build(config, attn: str, dtype: torch.dtype, device: str, state: dict | None = None):
+    import transformers
+
+    from hf_gradfix.packing.attention import REFERENCE_VARLEN_ATTENTION, set_attention_implementation
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager" if attn in (REFERENCE_VARLEN_ATTENTION, "flash_attention_2") else attn)
+    if state is not None:
+        model.load_state_dict(state)
+    model = model.to(device=device, dtype=dtype)
+    if attn != model.config._attn_implementation:
+        set_attention_implementation(model, attn)  # FA2 checks dtype/device here, after the move
+    return model.eval()
+
+
+def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=-100, reduction="sum")
+
+
+def _separate(model, seqs) -> tuple[torch.Tensor, dict]:
+    """Each sequence alone: logits concatenated, gradients of the global token mean."""
+    model.zero_grad(set_to_none=True)
+    n = sum(len(s) - 1 for s in seqs)
+    outs = []
+    for s in seqs:
+        logits = model(input_ids=s.unsqueeze(0), use_cache=False).logits[0]
+        (_ce_sum(logits, s) / n).backward()
+        outs.append(logits.detach().float())
+    return torch.cat(outs), {k: p.grad.detach().float().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _packed(model, batch) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    logits = model(**batch, use_cache=False).logits[0]
+    labels = batch["labels"][0]
+    (_ce_sum(logits, labels) / int((labels[1:] != -100).sum())).backward()
+    return logits.detach().float(), {k: p.grad.detach().float().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def packed_vs_separate(arch: str, attn: str, dtype: torch.dtype, device: str, *, lengths=(37, 101, 5, 64, 23, 130),
+                       config_kw: dict | None = None, seed: int = 1) -> dict:
+    """Packed (hf_gradfix ``PackedCollator``, one row with ``cu_seq_lens``) vs each sequence alone, through ``attn``
+    in ``dtype``, against an fp32 eager ground truth of the separate sequences (same weights, same device).
+
+    Returns errors relative to the ground truth for logits and gradients (packed, separate, and the mixing control:
+    the same row without restarted positions and boundaries), the branch the reference kernel took, and the verdict
+    of :func:`half_precision_verdict` on logits and on gradients.
+    """
+    from hf_gradfix.packing.attention import reference_branch_counts, reset_reference_branch_counts
+    from hf_gradfix.packing.collator import PackedCollator, check_packed_batch
+
+    config = arch_config(arch, **(config_kw or {}))
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(4, config.vocab_size, (n,), generator=g) for n in lengths]
+    batch = PackedCollator()([{"input_ids": s} for s in seqs])
+    check_packed_batch(batch)
+    seqs = [s.to(device) for s in seqs]
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    truth_model = _build(config, "eager", torch.float32, device)
+    truth_logits, truth_grads = _separate(truth_model, seqs)
+    state = {k: v.detach().cpu() for k, v in truth_model.state_dict().items()}
+    del truth_model
+    model = _build(config, attn, dtype, device, state)
+    sep_logits, sep_grads = _separate(model, seqs)
+    reset_reference_branch_counts()
+    pk_logits, pk_grads = _packed(model, batch)
+    branches = reference_branch_counts()
+    with torch.no_grad():  # the bug this guards against: the same row, sequences attending to each other
+        mixed = model(input_ids=batch["input_ids"], use_cache=False).logits[0].float()
+    out = dict(arch=arch, attn=attn, dtype=str(dtype).replace("torch.", ""), device=str(device), lengths=list(lengths),
+               logits=dict(packed=rel(pk_logits, truth_logits), separate=rel(sep_logits, truth_logits),
+                           control=rel(mixed, truth_logits), packed_vs_separate=rel(pk_logits, sep_logits)),
+               grads=dict(packed=rel_grads(pk_grads, truth_grads), separate=rel_grads(sep_grads, truth_grads),
+                          packed_vs_separate=rel_grads(pk_grads, sep_grads)),
+               reference_branches=branches)
+    ok_l, why_l = half_precision_verdict(out["logits"]["packed"], out["logits"]["separate"], out["logits"]["control"], dtype)
+    ok_g, why_g = half_precision_verdict(out["grads"]["packed"], out["grads"]["separate"], None, dtype)
+    if dtype == torch.float32:  # fp32 also states the control could fail
+        ok_l = ok_l and out["logits"]["control"] > 10 * FP32_TOL
+    out.update(passed=bool(ok_l and ok_g), why=f"logits: {why_l}; grads: {why_g}")
+    del model
+    _free(device)
+    return out
+
+
+def section_packing(device: str, quick: bool) -> dict:
+    from hf_gradfix.packing.attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention
+
+    register_reference_varlen_attention()
+    fa_ok, fa_line = flash_attn_status()
+    runs: list[tuple[str, torch.dtype]] = [(REFERENCE_VARLEN_ATTENTION, torch.float32)]
+    if fa_ok:
+        runs += [("flash_attention_2", torch.bfloat16), ("flash_attention_2", torch.float16)]
+    kw = dict(lengths=(13, 29, 5, 21), config_kw=dict(hidden=64, heads=2, window=8)) if quick else {}
+    rows = [packed_vs_separate(arch, attn, dtype, device, **kw) for arch in ARCHS for attn, dtype in runs]
+    passed = all(r["passed"] for r in rows)
+    summary = f"{sum(r['passed'] for r in rows)}/{len(rows)} (arch x attention x dtype) exact"
+    if not fa_ok:
+        summary += f"; FA2 not run: {fa_line}"
+    return dict(status="passed" if passed else "FAILED", summary=summary, rows=rows, flash_attn=fa_line)
+
+
+# ---------------------------------------------------------------------------------------------- 2. trainer
+class _OnDevice(torch.nn.Module):
+    """Runs the harness's ground truth (which builds CPU inputs) on a model that lives on another device: inputs
+    are moved in, logits are moved back (the gradient flows through both copies)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, input_ids, **kwargs):
+        device = next(self.inner.parameters()).device
+        return {"logits": self.inner(input_ids=input_ids.to(device), **kwargs).logits.float().cpu()}
+
+
+def packed_trainer_vs_ground_truth(device: str, attention: str, *, amp_bf16: bool = False, n: int = 16,
+                                   budget: int = 64, ga: int = 2) -> dict:
+    """``hf_gradfix.patch(packing varlen)`` + ``transformers.Trainer`` (lr 0, SGD) on ``device``, each optimizer
+    step's gradient against the unpacked ground truth of the bins the sampler drew (harness ``ground_truth``: each
+    sample alone, fp32, eager, one backward). ``attention``: ``"auto"`` (FA2 where installed) or a name to set on
+    the model first (kept). With ``amp_bf16`` the Trainer runs under bf16 autocast and the baseline error is the
+    same unpacked ground truth computed under bf16 autocast with sdpa."""
+    import transformers
+    from transformers import Trainer
+
+    import harness as H
+    import hf_gradfix
+    from hf_gradfix.packing.attention import set_attention_implementation
+    from test_packing_trainer import _windows
+
+    assert budget == 64, "the windows are rebuilt with test_packing_trainer's budget"
+    samples = H.make_samples("causal", n=n, seed=0, prompt_mask_frac=0.3)
+    model = H.build_model("llama", attn_implementation="sdpa").to(device)
+    cfg = {"packing": {"enabled": True, "token_budget": budget, "mode": "varlen"}}
+    if attention != "auto":
+        set_attention_implementation(model, attention)
+        cfg["packing"]["attention"] = "keep"
+    capture = H.GradCapture()
+    args = transformers.TrainingArguments(
+        output_dir="/tmp/hgf_gpu_check", optim="sgd", learning_rate=0.0, max_grad_norm=0.0,
+        gradient_accumulation_steps=ga, per_device_train_batch_size=1, num_train_epochs=1, logging_strategy="no",
+        report_to="none", use_cpu=device == "cpu", bf16=amp_bf16, save_strategy="no", disable_tqdm=True, seed=3,
+        remove_unused_columns=False,
+    )
+    hf_gradfix.patch(cfg)
+    try:
+        trainer = Trainer(model=model, args=args, train_dataset=H.TokenDataset(samples), callbacks=[capture])
+        trainer.train()
+    finally:
+        hf_gradfix.unpatch()
+    used = model.config._attn_implementation
+    windows = _windows(samples, ga)
+    errs, base_errs = [], []
+    inner = H.build_model("llama", attn_implementation="eager").to(device)  # same seed: the same weights
+    gt_model = _OnDevice(inner)
+
+    def ground_truth(window_samples):
+        _, grads = H.ground_truth(gt_model, window_samples, "causal")
+        return {k.removeprefix("inner."): v for k, v in grads.items()}
+
+    for window, grads in zip(windows, capture.grads):
+        window_samples = [samples[i] for b in window for i in b]
+        gt = ground_truth(window_samples)
+        errs.append(rel_grads(grads, gt))
+        if amp_bf16:
+            set_attention_implementation(inner, "sdpa")
+            with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+                gt_half = ground_truth(window_samples)
+            set_attention_implementation(inner, "eager")
+            base_errs.append(rel_grads(gt_half, gt))
+    out = dict(device=device, attention=used, amp_bf16=amp_bf16, steps=len(errs), grad_rel_err=errs)
+    if not errs or len(windows) != len(capture.grads):
+        out.update(passed=False, why=f"{len(capture.grads)} captured steps for {len(windows)} windows")
+    elif amp_bf16:
+        # max over steps against max over steps: one step's unpacked error can be small by chance
+        ok = max(errs) <= HALF_FACTOR * max(base_errs)
+        out.update(unpacked_bf16_rel_err=base_errs, passed=ok,
+                   why=f"max packed {max(errs):.2e} {'<=' if ok else '>'} {HALF_FACTOR:.0f} x max unpacked-bf16 {max(base_errs):.2e}")
+    else:
+        out.update(passed=max(errs) <= FP32_TOL, why=f"max rel. gradient error {max(errs):.2e} (<= {FP32_TOL:.0e})")
+    del model, gt_model, inner, trainer
+    _free(device)
+    return out
+
+
+def section_trainer(device: str, quick: bool) -> dict:
+    from hf_gradfix.packing.attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention
+
+    register_reference_varlen_attention()
+    rows = [packed_trainer_vs_ground_truth(device, REFERENCE_VARLEN_ATTENTION)]
+    fa_ok, fa_line = flash_attn_status()
+    if fa_ok:
+        rows.append(packed_trainer_vs_ground_truth(device, "auto", amp_bf16=True))
+    ok = all(r["passed"] for r in rows)
+    summary = "; ".join(f"{r['attention']}{' bf16' if r['amp_bf16'] else ' fp32'}: {r['why']}" for r in rows)
+    if not fa_ok:
+        summary += f"; FA2 not run: {fa_line}"
+    return dict(status="passed" if ok else "FAILED", summary=summary, rows=rows)
+
+
+# ---------------------------------------------------------------------------------------------- 3. guard
+def guard_on(device: str, attn: str, dtype: torch.dtype, arch: str = "llama") -> dict:
+    """``check_model_packs_correctly`` on ``device``: Llama-family models must pass, OPT (its mask ignores
+    position_ids) on sdpa must be refused."""
+    import transformers
+
+    from hf_gradfix.packing.guard import PackingCheckError, check_model_packs_correctly
+
+    if arch == "opt":
+        config = transformers.OPTConfig(vocab_size=97, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                        num_attention_heads=2, word_embed_proj_dim=64, init_std=0.2, dropout=0.0)
+    else:
+        config = arch_config(arch, hidden=64, heads=2, window=4)
+    model = _build(config, attn, dtype, device)
+    try:
+        report = check_model_packs_correctly(model)
+        refused, message = False, ""
+        max_diff, control = report.max_diff, report.control_diff
+    except PackingCheckError as e:
+        refused, message = True, str(e).splitlines()[0]
+        max_diff, control = e.report.max_diff, e.report.control_diff
+    expected_refusal = arch == "opt"
+    return dict(arch=arch, attn=attn, dtype=str(dtype).replace("torch.", ""), refused=refused, message=message,
+                max_diff=max_diff, control_diff=control, passed=refused == expected_refusal)
+
+
+def section_guard(device: str, quick: bool) -> dict:
+    from hf_gradfix.packing.attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention
+
+    register_reference_varlen_attention()
+    rows = [guard_on(device, REFERENCE_VARLEN_ATTENTION, torch.float32), guard_on(device, "sdpa", torch.float32, "opt")]
+    fa_ok, fa_line = flash_attn_status()
+    if fa_ok:
+        rows += [guard_on(device, "flash_attention_2", torch.bfloat16, a) for a in ("llama", "mistral", "gemma2")]
+    ok = all(r["passed"] for r in rows)
+    summary = ", ".join(f"{r['arch']}/{r['attn']}/{r['dtype']} {'refused' if r['refused'] else 'accepted'}" for r in rows)
+    if not fa_ok:
+        summary += f"; FA2 not run: {fa_line}"
+    return dict(status="passed" if ok else "FAILED", summary=summary, rows=rows)
+
+
+# ---------------------------------------------------------------------------------------------- 4. plan
+def llama_1b_config():
+    """A Llama-3.2-1B-shaped config (1.24B parameters, tied embeddings): built from numbers, nothing downloaded."""
+    import transformers
+
+    return transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                    max_position_embeddings=131072, tie_word_embeddings=True, use_cache=False)
+
+
+def measure_training_step(config, settings, device: str, steps: int = 2, *, mem=None) -> dict[str, int]:
+    """The step ``hf_gradfix.plan.simulate`` traces, on real tensors and the real allocator (CUDA).
+
+    Same model build (``from_config`` in the settings' dtype, sdpa: the fused attention profile), same optimizer
+    (``simulate._make_optimizer``), the same forward / backward / step, ``steps`` times; the last step is measured.
+    Returns bytes: ``parameters`` (after the build), ``optimizer_state`` (after the step, minus parameters),
+    ``gradients`` (after backward, minus what stays after the step), ``activations``: what forward and backward
+    hold beyond parameters, optimizer state and the gradients accumulated so far (the plan's activations and
+    temporaries), sampled at the end of the forward and at every parameter's gradient accumulation
+    (``register_post_accumulate_grad_hook``): a lower bound of its true maximum, which can fall between samples;
+    ``fwd_bwd_above_state`` (the forward+backward peak above parameters and optimizer state, gradients
+    included: an upper bound), ``peak`` (max_memory_allocated over the last step) and ``peak_phase``.
+    ``mem``: the allocator statistics (default ``torch.cuda``; tests pass a stand-in to run the logic on CPU).
+    """
+    import transformers
+
+    from hf_gradfix.plan.simulate import _make_optimizer
+
+    if mem is None:
+        if torch.device(device).type != "cuda":
+            raise RuntimeError("measure_training_step reads torch.cuda's allocator; it needs a CUDA device")
+        mem = torch.cuda
+    mem.synchronize()
+    _free(device)
+    base = mem.memory_allocated()
+    dtype = torch.bfloat16 if settings.dtype == "bf16-pure" else torch.float32
+    amp = settings.dtype == "amp-bf16"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.train()
+    if settings.recompute == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = mem.memory_allocated() - base
+    opt = _make_optimizer(model, settings)
+    ids = torch.randint(0, config.vocab_size, (settings.micro_batch, settings.seq_len), device=device)
+    sampling: dict[str, Any] = {"on": False, "grads": 0, "beyond": [], "seen": set()}
+
+    def on_grad(p):  # allocated beyond the gradients accumulated so far, at each accumulation
+        if sampling["on"]:
+            if id(p) not in sampling["seen"]:
+                sampling["seen"].add(id(p))
+                sampling["grads"] += p.grad.numel() * p.grad.element_size()
+            sampling["beyond"].append(mem.memory_allocated() - base - sampling["grads"])
+
+    hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters() if p.requires_grad]
+    out: dict[str, Any] = {}
+    for step in range(steps):
+        last = step == steps - 1
+        if last:
+            after_prev = mem.memory_allocated() - base
+            sampling.update(on=True, grads=0, beyond=[], seen=set())
+            mem.reset_peak_memory_stats()
+        autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        after_forward = mem.memory_allocated() - base
+        loss.backward()
+        del loss
+        mem.synchronize()
+        if last:
+            sampling["on"] = False
+            fb_peak = mem.max_memory_allocated() - base
+            after_backward = mem.memory_allocated() - base
+            mem.reset_peak_memory_stats()
+        opt.step()
+        opt.zero_grad()
+        mem.synchronize()
+        if last:
+            step_peak = mem.max_memory_allocated() - base
+            after_step = mem.memory_allocated() - base
+            activations = max([after_forward] + sampling["beyond"]) - after_prev
+            out = dict(parameters=params, optimizer_state=after_step - params, gradients=after_backward - after_step,
+                       activations=activations, fwd_bwd_above_state=fb_peak - after_prev,
+                       peak=max(fb_peak, step_peak), peak_phase="optimizer step" if step_peak > fb_peak else "forward/backward")
+    for h in hooks:
+        h.remove()
+    del model, opt, ids
+    _free(device)
+    return out
+
+
+COMPONENTS = (("parameters", "max"), ("gradients", "max"), ("optimizer_state", "after_step"),
+              ("activations", "max:activations_and_temporaries"))
+
+
+def compare_memory(closed: dict[str, float], traced: dict[str, Any], measured: dict[str, int]) -> list[dict]:
+    """Rows (component, measured, closed form, traced, errors relative to the measured bytes).
+
+    ``closed``: ``Plan.components`` plus ``peak``; ``traced``: ``simulate()``'s result; ``measured``:
+    :func:`measure_training_step`'s.
+
+    >>> rows = compare_memory({"parameters": 110, "peak": 200}, {"max": {"parameters": 100}, "peak": 190},
+    ...                       {"parameters": 100, "peak": 200})
+    >>> [(r["component"], r["closed_err"], r["traced_err"]) for r in rows]
+    [('parameters', 0.1, 0.0), ('peak', 0.0, -0.05)]
+    """
+    rows = []
+    for comp, where in COMPONENTS + (("peak", "peak"),):
+        if comp not in measured or comp not in closed:
+            continue
+        kind, _, key = where.partition(":")
+        if kind == "peak":
+            t = traced.get("peak")
+        else:
+            t = (traced.get(kind) or {}).get(key or comp)
+        m = measured[comp]
+        rows.append(dict(component=comp, measured=m, closed=closed[comp], traced=t,
+                         closed_err=round((closed[comp] - m) / m, 4) if m else None,
+                         traced_err=round((t - m) / m, 4) if (m and t is not None) else None))
+    return rows
+
+
+def plan_vs_allocator(config, device: str, *, seq_len: int = 2048, micro_batch: int = 1, dtype: str = "bf16-pure",
+                      recompute: str = "none", optimizer: str = "adamw", mem=None) -> dict:
+    """``hf-gradfix plan`` (closed form and ``--simulate``, one process) against :func:`measure_training_step`
+    (``mem``: passed on, for tests on CPU)."""
+    from hf_gradfix.parallel import ParallelDims
+    from hf_gradfix.plan import Settings, estimate
+    from hf_gradfix.plan.simulate import simulate
+
+    settings = Settings(seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, recompute=recompute, optimizer=optimizer,
+                        attention="fused")
+    mesh = ParallelDims(1)
+    plan = estimate(config, mesh, settings)
+    closed = dict(plan.components, peak=plan.peak)
+    t0 = time.perf_counter()
+    traced = simulate(config, mesh, settings)
+    trace_s = time.perf_counter() - t0
+    measured = measure_training_step(config, settings, device, mem=mem)
+    rows = compare_memory(closed, traced, measured)
+    peak = next(r for r in rows if r["component"] == "peak")
+    return dict(settings=dict(seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, recompute=recompute,
+                              optimizer=optimizer), rows=rows,
+                trace_seconds=round(trace_s, 1), peak_phase=measured["peak_phase"],
+                summary=(f"{dtype} {optimizer} seq {seq_len} x {micro_batch} recompute {recompute}: measured peak "
+                         f"{measured['peak'] / 2**30:.2f} GiB; closed form {peak['closed_err']:+.1%}, "
+                         f"--simulate {peak['traced_err']:+.1%}"))
+
+
+PLAN_CASES = [dict(dtype="bf16-pure"), dict(dtype="bf16-pure", optimizer="galore_adamw")]
+PLAN_MORE_CASES = [dict(dtype="amp-bf16"), dict(dtype="bf16-pure", recompute="full")]
+
+
+def section_plan(device: str, quick: bool, more: bool = False) -> dict:
+    """The 1B model in bf16 with AdamW and with GaLore (``more``: also amp-bf16 and full recomputation). Each
+    ``--simulate`` trace takes 1-4 minutes of host CPU for a 1B model (fake tensors, one thread)."""
+    if quick:
+        from hf_gradfix.plan import load_model_config
+
+        config, cases = load_model_config("tiny-llama"), [dict(seq_len=128, dtype="fp32")]
+    else:
+        config = llama_1b_config()
+        cases = PLAN_CASES + (PLAN_MORE_CASES if more else [])
+    rows = []
+    for case in cases:
+        try:
+            rows.append(plan_vs_allocator(config, device, **case))
+        except Exception as e:  # one case failing (e.g. out of memory) should not hide the others
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(dict(settings=case, error=error, summary=f"{case}: {error}"))
+            _free(device)
+    return dict(status="measured" if all("error" not in r for r in rows) else "error",
+                summary="; ".join(r["summary"] for r in rows), rows=rows)
+
+
+# ---------------------------------------------------------------------------------------------- 5. throughput
+def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 2000, budget: int = 4096,
+               batch: int = 8, sigma: float = 1.0, model_kw: dict | None = None, warmup_steps: int = 3,
+               arms: tuple[str, ...] = ("padded", "padded-sdpa", "packed", "trl-padding-free")) -> dict:
+    """Real tokens/s over one epoch of the same samples (``bench_packing_throughput``'s lognormal lengths):
+
+    - ``padded``: stock Trainer, random batches of ``batch`` samples padded to the longest (``attn``, mask; FA2
+      unpads attention itself, the rest of the model still computes the padding);
+    - ``padded-sdpa``: the same with sdpa (transformers' default attention), where attention computes it too;
+    - ``packed``: ``hf_gradfix.patch(packing varlen, token_budget)`` (FA2 where ``attn`` is FA2);
+    - ``trl-padding-free``: TRL's ``DataCollatorForLanguageModeling(padding_free=True)``, random batches of
+      ``batch`` samples flattened into one row with position_ids / cu_seq_lens (its FA2 path).
+
+    Every arm sees every sample exactly once, so real tokens are the same; time = the epoch's ``trainer.train()``
+    wall time after a short warm-up run in the same process. The padded arm's padding waste gives the limit a
+    padding-free path can reach, 1 / (1 - waste).
+    """
+    import transformers
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    import bench_packing_throughput as B
+    import hf_gradfix
+
+    lens = B.lengths(samples, 0, budget, sigma)
+    vocab = 512
+    data = B.Rows(lens, vocab, 0)
+    real_tokens = sum(lens)
+    mkw = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+               num_key_value_heads=4)
+    mkw.update(model_kw or {})
+    counted = {"padded": 0, "real": 0}
+
+    def padded_collate(features):
+        out = B.pad_collate(features)
+        counted["padded"] += int(out["input_ids"].numel())
+        counted["real"] += int(out["attention_mask"].sum())
+        return out
+
+    trl_collate = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+
+    def build(attn):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=budget, use_cache=False,
+                                       pad_token_id=0, **mkw)
+        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").to(device=device, dtype=dtype)
+        if attn != "sdpa":
+            from hf_gradfix.packing.attention import set_attention_implementation
+
+            set_attention_implementation(model, attn)
+        return model
+
+    def run(arm: str, max_steps: int = -1) -> float:
+        args = transformers.TrainingArguments(
+            output_dir="/tmp/hgf_gpu_check_tp", max_steps=max_steps, num_train_epochs=1,
+            per_device_train_batch_size=batch, learning_rate=1e-5, report_to="none", use_cpu=device == "cpu",
+            save_strategy="no", disable_tqdm=True, logging_strategy="no", remove_unused_columns=False, seed=0,
+            dataloader_num_workers=0,
+        )
+        if arm == "packed":
+            hf_gradfix.patch({"packing": {"enabled": True, "token_budget": budget, "mode": "varlen",
+                                          "attention": "keep"}, "log_fixes": False})
+        collate = trl_collate if arm == "trl-padding-free" else padded_collate
+        try:
+            model = build("sdpa" if arm == "padded-sdpa" else attn)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+            _sync(device)
+            t0 = time.perf_counter()
+            trainer.train()
+            _sync(device)
+            return time.perf_counter() - t0
+        finally:
+            hf_gradfix.unpatch()
+            _free(device)
+
+    results: dict[str, Any] = {}
+    for arm in arms:
+        if warmup_steps:
+            run(arm, max_steps=warmup_steps)  # kernels, allocator, autotuning: paid outside the timed epoch
+        counted.update(padded=0, real=0)
+        seconds = run(arm)
+        if arm == "padded":
+            waste_counts = dict(counted)
+        results[arm] = dict(seconds=round(seconds, 3), real_tokens_per_s=real_tokens / seconds)
+    out = dict(device=device, attn=attn, dtype=str(dtype).replace("torch.", ""), samples=samples,
+               real_tokens=real_tokens, budget=budget, batch=batch, model=mkw, arms=results)
+    if "padded" in results:
+        waste = 1.0 - waste_counts["real"] / max(waste_counts["padded"], 1)
+        limit = 1.0 / (1.0 - waste)
+        base = results["padded"]["real_tokens_per_s"]
+        out.update(padding_waste=waste, limit=limit)
+        for arm, r in results.items():
+            r["vs_padded"] = r["real_tokens_per_s"] / base
+            r["of_limit"] = r["vs_padded"] / limit
+    return out
+
+
+def section_throughput(device: str, quick: bool) -> dict:
+    fa_ok, fa_line = flash_attn_status()
+    if not fa_ok:
+        return dict(status=f"skipped: {fa_line}", summary="packed vs padded on a GPU needs FA2 (varlen kernel)")
+    kw = dict(samples=200, budget=1024, model_kw=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=2)) if quick else {}
+    r = throughput(device, "flash_attention_2", torch.bfloat16, **kw)
+    arms = r["arms"]
+    summary = (f"padding waste {r['padding_waste']:.1%} -> limit {r['limit']:.2f}x; " +
+               ", ".join(f"{a} {v['vs_padded']:.2f}x ({v['of_limit']:.0%} of limit)" for a, v in arms.items() if a != "padded"))
+    return dict(status="measured", summary=summary, rows=[r])
+
+
+# ---------------------------------------------------------------------------------------------- 6. optimizers
+def optimizer_cost(device: str, *, arms=("adamw", "galore-torch", "svd", "randomized", "apollo", "apollo-mini"),
+                   hidden: int = 4096, intermediate: int = 11008, layers: int = 2, heads: int = 32, vocab: int = 32000,
+                   rank: int | None = None, steps: int = 12, gap: int = 10, batch: int = 1, seq: int = 512) -> dict:
+    """``opt.step()`` time and memory per arm (``bench_optim.build_optimizer``), one arm at a time on a fresh copy
+    of the same fp32 model (``bench_optim.build_model``; default: two Llama-7B-shaped layers).
+
+    Per arm: median ``step()`` time over non-refresh steps and the refresh step (step ``gap``; step 0 also
+    allocates the state), state bytes (``bench_optim.state_breakdown``: distinct storages), and on CUDA the
+    allocator's growth over the first step (the state) and the transient peak of a non-refresh step above what
+    was allocated before it.
+    """
+    import bench_optim as BO
+
+    ns = argparse.Namespace(vocab=vocab, hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
+                            seq=seq, rank=rank or hidden // 4, apollo_rank=rank or hidden // 4, gap=gap, scale=0.25,
+                            lr_adamw=1e-3, lr_lowrank=1e-2)
+    cuda = torch.device(device).type == "cuda"
+    base = BO.build_model(ns, 0).to(device)  # built once (a 7B-shaped init on the host takes a while)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    results = {}
+    for arm in arms:
+        model = copy.deepcopy(base)
+        opt = BO.build_optimizer(arm, model, ns)
+        times, refresh, transient, state_growth = [], None, [], None
+        for i in range(steps):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            del loss
+            _sync(device)
+            before = torch.cuda.memory_allocated() if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            dt = time.perf_counter() - t0
+            if cuda:
+                if i == 0:
+                    state_growth = torch.cuda.memory_allocated() - before
+                elif i % gap:
+                    transient.append(torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated())
+            opt.zero_grad(set_to_none=True)
+            if i == gap:
+                refresh = dt
+            elif i % gap:
+                times.append(dt)
+        projected = {id(p) for p in BO.target_split(model)[0]}
+        state = BO.state_breakdown(opt, projected)
+        results[arm] = dict(step_ms=1e3 * sorted(times)[len(times) // 2], refresh_ms=None if refresh is None else 1e3 * refresh,
+                            state_bytes=state["total"], state_growth_bytes=state_growth,
+                            step_transient_bytes=max(transient) if transient else None)
+        del model, opt
+        _free(device)
+    del base
+    _free(device)
+    ref = results.get("adamw")
+    if ref:
+        for r in results.values():
+            r["step_vs_adamw"] = r["step_ms"] / ref["step_ms"]
+            r["state_vs_adamw"] = r["state_bytes"] / ref["state_bytes"]
+    return dict(device=device, shape=dict(hidden=hidden, intermediate=intermediate, layers=layers, vocab=vocab,
+                                          rank=ns.rank, gap=gap, batch=batch, seq=seq), arms=results)
+
+
+def section_optim(device: str, quick: bool) -> dict:
+    arms = ["adamw", "svd", "randomized", "apollo", "apollo-mini"]
+    missing = []
+    try:
+        import galore_torch  # noqa: F401
+
+        arms.insert(1, "galore-torch")
+    except ImportError:
+        missing.append("galore-torch not installed")
+    kw = dict(hidden=128, intermediate=344, heads=4, vocab=512, seq=64, steps=6, gap=3) if quick else {}
+    r = optimizer_cost(device, arms=tuple(arms), **kw)
+    summary = ", ".join(f"{a} step {v['step_ms']:.1f} ms ({v.get('step_vs_adamw', 1):.2f}x), state "
+                        f"{v['state_bytes'] / 2**20:.0f} MiB ({v.get('state_vs_adamw', 1):.2f}x)" for a, v in r["arms"].items())
+    if missing:
+        summary += "; " + "; ".join(missing)
+    return dict(status="measured", summary=summary, rows=[r])
+
+
+# ---------------------------------------------------------------------------------------------- running, writing
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+RUNNERS: dict[str, Callable[[str, bool], dict]] = {
+    "packing": section_packing, "trainer": section_trainer, "guard": section_guard, "plan": section_plan,
+    "throughput": section_throughput, "optim": section_optim,
+}
+
+
+def environment(device: str) -> dict:
+    import transformers
+
+    env = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+               transformers=transformers.__version__, device=device, flash_attn=flash_attn_status()[1])
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("trl", "accelerate", "galore-torch", "apollo-torch"):
+        try:
+            env[name] = version(name)
+        except PackageNotFoundError:
+            env[name] = "not installed"
+    if torch.device(device).type == "cuda":
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}",
+                   gpus_visible=torch.cuda.device_count())
+    return env
+
+
+def run_sections(device: str, sections, quick: bool = False, log=print) -> dict:
+    """Run ``sections`` on ``device``; a section that raises is recorded as ``error`` with its traceback."""
+    results = dict(environment=environment(device), sections={}, not_provable_on_one_gpu=NOT_PROVABLE_ON_ONE_GPU,
+                   started=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), quick=quick)
+    for name in sections:
+        t0 = time.perf_counter()
+        try:
+            res = RUNNERS[name](device, quick)
+        except Exception as e:
+            res = dict(status="error", summary=f"{type(e).__name__}: {str(e)[:300]}",
+                       traceback=traceback.format_exc()[-4000:])
+            _free(device)
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        results["sections"][name] = res
+        log(f"gpu_check: {name}: {res['status']} ({res['seconds']} s): {res['summary']}")
+    return results
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return str(x)
+
+
+def render_markdown(results: dict) -> str:
+    """The results file: a summary table, one table per section, the not-provable list, and the whole result as
+    a ``json`` block (read it back with :func:`read_results`)."""
+    env = results["environment"]
+    lines = [f"# GPU check: {env.get('gpu', env.get('device'))}", "",
+             f"`bash scripts/gpu_check.sh` ({results.get('started', '')}{', --quick' if results.get('quick') else ''}): "
+             + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+             "| check | status | result | seconds |", "|---|---|---|---:|"]
+    for name, sec in results["sections"].items():
+        lines.append(f"| {name} | {sec['status']} | {sec['summary']} | {sec.get('seconds', '')} |")
+    packing = results["sections"].get("packing", {}).get("rows")
+    if packing:
+        lines += ["", "## Packed vs separate (relative errors against fp32 eager, separate sequences)", "",
+                  "| arch | attention | dtype | logits packed | logits separate | logits control (mixed) | grads packed "
+                  "| grads separate | verdict |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+        for r in packing:
+            lines.append(f"| {r['arch']} | {r['attn']} | {r['dtype']} | {_fmt(r['logits']['packed'])} | "
+                         f"{_fmt(r['logits']['separate'])} | {_fmt(r['logits']['control'])} | {_fmt(r['grads']['packed'])} | "
+                         f"{_fmt(r['grads']['separate'])} | {'passed' if r['passed'] else 'FAILED'}: {r['why']} |")
+        lines += ["", "Tolerance: fp32 <= 1e-5 relative; bf16/fp16: packed <= 2 x the same dtype's unpacked error, and "
+                  "the mixing control >= 10 x that error (else the dtype could not detect the bug)."]
+    plan = [case for case in results["sections"].get("plan", {}).get("rows") or [] if case.get("rows")]
+    if plan:
+        lines += ["", "## Planner vs allocator", "", "| settings | component | measured GiB | closed form GiB | "
+                  "closed form err | --simulate GiB | --simulate err |", "|---|---|---:|---:|---:|---:|---:|"]
+        for case in plan:
+            for r in case.get("rows", []):
+                gib = lambda b: "-" if b is None else f"{b / 2**30:.3f}"  # noqa: E731
+                err = lambda e: "-" if e is None else f"{e:+.1%}"  # noqa: E731
+                lines.append(f"| {case['settings']} | {r['component']} | {gib(r['measured'])} | {gib(r['closed'])} | "
+                             f"{err(r['closed_err'])} | {gib(r['traced'])} | {err(r['traced_err'])} |")
+    for key, title in (("throughput", "Throughput (real tokens/s, one epoch each)"), ("optim", "Optimizer step")):
+        rows = results["sections"].get(key, {}).get("rows")
+        if not rows:
+            continue
+        arms = rows[0]["arms"]
+        cols = sorted({k for v in arms.values() for k in v})
+        lines += ["", f"## {title}", "", "| arm | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+        cell = lambda c, x: f"{x / 2**20:.1f} MiB" if (c.endswith("_bytes") and x is not None) else _fmt(x)  # noqa: E731
+        lines += [f"| {a} | " + " | ".join(cell(c, v.get(c)) for c in cols) + " |" for a, v in arms.items()]
+    lines += ["", "## What one GPU cannot prove", ""] + [f"- {x}" for x in results["not_provable_on_one_gpu"]]
+    lines += ["", "## Raw results", "", "```json", json.dumps(results, indent=1, default=str), "```", ""]
+    return "\n".join(lines)
+
+
+def read_results(path: str | Path) -> dict:
+    """The JSON block of a results file written by :func:`write_results`."""
+    text = Path(path).read_text(encoding="utf-8")
+    start = text.index("```json\n") + len("```json\n")
+    return json.loads(text[start:text.index("\n```", start)])
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """``new`` with the sections of ``old`` it did not run (same GPU only: mixing devices would mislead).
+
+    >>> old = {"environment": {"gpu": "H100"}, "sections": {"a": 1, "b": 2}}
+    >>> merge_results(old, {"environment": {"gpu": "H100"}, "sections": {"b": 3}})["sections"]
+    {'a': 1, 'b': 3}
+    """
+    if old.get("environment", {}).get("gpu") != new.get("environment", {}).get("gpu"):
+        raise SystemExit(f"gpu_check: --merge: the existing file is from {old.get('environment', {}).get('gpu')}, "
+                         f"this run is on {new.get('environment', {}).get('gpu')}; write to another --out")
+    merged = dict(new)
+    merged["sections"] = {**old.get("sections", {}), **new["sections"]}
+    return merged
+
+
+def write_results(results: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_markdown(results), encoding="utf-8")
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--device", default="cuda", help="cpu runs the logic on the reference kernel (tests)")
+    ap.add_argument("--plan-all", action="store_true", help="plan: also amp-bf16 and full recomputation (+4-8 min)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other sections of an existing --out file (to run sections in separate commands)")
+    ap.add_argument("--flash-attn-wheels", action="store_true", help="print the matching flash-attn wheel URLs, exit")
+    ns = ap.parse_args(argv)
+    if ns.flash_attn_wheels:
+        print("\n".join(flash_attn_wheel_urls()))
+        return 0
+    sections = [s.strip() for s in ns.only.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in RUNNERS]
+    if unknown:
+        ap.error(f"--only: unknown section(s) {unknown}; choose from {','.join(SECTIONS)}")
+    if ns.device == "cuda":
+        reason = skip_reason()
+        if reason:
+            print(f"gpu_check: skipped: {reason}; nothing written")
+            return 0
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if ns.plan_all:
+        RUNNERS["plan"] = lambda device, quick: section_plan(device, quick, more=True)
+    results = run_sections(ns.device, sections, ns.quick)
+    if ns.merge and Path(ns.out).exists():
+        results = merge_results(read_results(ns.out), results)
+    path = write_results(results, ns.out)
+    bad = [n for n, s in results["sections"].items() if s["status"] in ("FAILED", "error")]
+    print(f"gpu_check: wrote {path}; " + (f"FAILED: {', '.join(bad)}" if bad else "no failures"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
