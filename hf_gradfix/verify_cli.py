@@ -125,6 +125,9 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
     def on_train(trainer, run_train):
         raise _Checked(verify_trainer(trainer, steps, tolerance=tolerance, run_train=run_train))
 
+    from .integration.patching import is_patched, unpatch
+
+    was_patched = is_patched()
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     redirect = contextlib.redirect_stdout(sys.stderr) if quiet_stdout else contextlib.nullcontext()
     try:
@@ -146,6 +149,8 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
+        if is_patched() and not was_patched:  # the script's hf_gradfix.patch() ends with the script
+            unpatch()
     raise RuntimeError("the script finished without calling train() on a transformers.Trainer: nothing to verify")
 
 
