@@ -733,7 +733,10 @@ def _reporting_callbacks(trainer) -> list:
         from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
     except ImportError:  # pragma: no cover
         return []
-    kinds = tuple(c for c in INTEGRATION_TO_CALLBACK.values() if isinstance(c, type))
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    # reporting integrations (files, services) and the console printers: the checked steps are not the user's run
+    kinds = tuple(c for c in INTEGRATION_TO_CALLBACK.values() if isinstance(c, type)) + (PrinterCallback, ProgressCallback)
     return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, kinds)]
 
 
@@ -807,6 +810,7 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     saved_trainer = {k: trainer.__dict__.get(k) for k in ("state", "control", "optimizer", "lr_scheduler")}
     opt_state = copy.deepcopy(trainer.optimizer.state_dict()) if getattr(trainer, "optimizer", None) is not None else None
     reporting = _reporting_callbacks(trainer)
+    saved_callbacks = list(trainer.callback_handler.callbacks)
     recorder = _Recorder()
     tmp = tempfile.mkdtemp(prefix="hf_gradfix_verify_")
     with _saved_rng(), _no_dropout(model):
@@ -825,9 +829,7 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
                 trainer.train(**(train_kwargs or {}))
         finally:
             trainer.__dict__.pop("training_step", None)
-            trainer.callback_handler.remove_callback(recorder)
-            for cb in reporting:
-                trainer.add_callback(cb)
+            trainer.callback_handler.callbacks[:] = saved_callbacks  # the same objects, in the same order
             for k, v in saved_args.items():
                 setattr(args, k, v)
             shutil.rmtree(tmp, ignore_errors=True)
