@@ -519,6 +519,7 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
     if ctx.rule is CountRule.SHIFTED:
         offset, share = _label_offset([s for rank in all_seqs for mb in rank for s in mb if "shift_labels" not in s])
     other = CountRule.UNSHIFTED if ctx.rule is CountRule.SHIFTED else CountRule.SHIFTED
+    n_given_other = 0
     for r, rank in enumerate(window):
         for batch, seqs in zip(rank, all_seqs[r]):
             acc, total, n, n_other, acc_given, n_given = None, 0.0, 0, 0, None, 0
@@ -538,6 +539,7 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
                     loss_g, c_g = _seq_loss(ctx, seq)
                     acc_given = _axpy(acc_given, 1.0, _grads(ctx.model, ctx.names, ctx.params, loss_g))
                     n_given += c_g
+                    n_given_other += _count(seq["labels"], other)
             if acc is None:
                 acc = [torch.zeros_like(p, dtype=torch.float32) for p in ctx.params]
             rows = int(batch["input_ids"].shape[0]) if torch.is_tensor(batch.get("input_ids")) else len(seqs)
@@ -576,6 +578,8 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
     if offset:
         n_given = max(sum(c for _, c in given_mb), 1)
         refs["labels_offset"] = _lin([(1.0 / n_given, g) for g, _ in given_mb])
+        if n_given_other and n_given_other != n_given:  # transformers 4.57 counts causal labels unshifted
+            refs["labels_offset+count_unshifted"] = [x * (n_given / n_given_other) for x in refs["labels_offset"]]
         notes.append(f"labels[t] == input_ids[t{offset:+d}] on {share:.0%} of the targets: the labels are shifted "
                      "before the model's own shift; the ground truth uses labels aligned with input_ids")
     packed = any(s > r for r, s in ((m.rows, m.sequences) for m in per_mb))
