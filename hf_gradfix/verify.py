@@ -83,6 +83,7 @@ HYPOTHESES = {
     "sequence_mean": "sequence weighting: every sequence's own token mean, averaged over the sequences",
     "labels_offset": "label alignment: the labels are shifted against input_ids before the loss shifts them "
     "again (a collator or dataset that shifts labels itself)",
+    "padding_targets": "padding: labels at padding positions are not -100, so the loss trains on padding tokens",
     "cross_attention": "cross-sequence attention: each packed row run as one sequence (attention and positions "
     "cross the boundaries)",
     "cross_attention_restart": "cross-sequence attention: packed sequences attend to each other (positions restart)",
@@ -288,10 +289,10 @@ def _decoder_input_ids(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _logits(model: nn.Module, seq: Mapping[str, torch.Tensor], keys: set[str], encoder_decoder: bool,
-            position_ids: torch.Tensor | None = None) -> torch.Tensor:
+            position_ids: torch.Tensor | None = None, keep_mask: bool = False) -> torch.Tensor:
     device = next(model.parameters()).device
-    kwargs = {k: v.to(device) for k, v in seq.items()
-              if k in keys and k not in ("labels", "shift_labels", "attention_mask", "position_ids", "num_items_in_batch")}
+    drop = ("labels", "shift_labels", "position_ids", "num_items_in_batch") + (() if keep_mask else ("attention_mask",))
+    kwargs = {k: v.to(device) for k, v in seq.items() if k in keys and k not in drop and torch.is_tensor(v)}
     if position_ids is not None and "position_ids" in keys:
         kwargs["position_ids"] = position_ids.to(device)
     elif "position_ids" in seq and "position_ids" in keys:
@@ -305,7 +306,7 @@ def _logits(model: nn.Module, seq: Mapping[str, torch.Tensor], keys: set[str], e
     return logits.float()
 
 
-def _sequence_level_loss(logits: torch.Tensor, labels: torch.Tensor, config: Any) -> tuple[torch.Tensor, int]:
+def _sequence_level_loss(logits: torch.Tensor, labels: torch.Tensor, config: Any, smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
     """transformers' sequence-classification rule (problem_type or inferred), summed over targets."""
     f = nn.functional
     problem = getattr(config, "problem_type", None)
@@ -317,10 +318,12 @@ def _sequence_level_loss(logits: torch.Tensor, labels: torch.Tensor, config: Any
         y = labels.reshape(logits.shape).to(logits.dtype)
         return f.binary_cross_entropy_with_logits(logits, y, reduction="sum"), int(y.numel())
     y = labels.reshape(-1).long()
-    return f.cross_entropy(logits.reshape(-1, n_labels), y, ignore_index=IGNORE, reduction="sum"), int((y != IGNORE).sum())
+    return (f.cross_entropy(logits.reshape(-1, n_labels), y, ignore_index=IGNORE, reduction="sum", label_smoothing=smoothing),
+            int((y != IGNORE).sum()))
 
 
-def _token_loss(logits: torch.Tensor, labels: torch.Tensor, rule: CountRule, preshifted: bool) -> tuple[torch.Tensor, int]:
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor, rule: CountRule, preshifted: bool,
+                smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
     """Summed CE of one sequence (batch of one) and its target count, by ``rule``."""
     labels = labels.to(logits.device).long()
     extra = logits.shape[1] - labels.shape[1]
@@ -330,8 +333,9 @@ def _token_loss(logits: torch.Tensor, labels: torch.Tensor, rule: CountRule, pre
         logits, labels = logits[:, :-1], labels[:, 1:]
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
+    # label smoothing as transformers' LabelSmoother: (1 - eps) * nll + eps * mean over the classes of -log p
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
-                                       reduction="sum")
+                                       reduction="sum", label_smoothing=smoothing)
     return loss, int((labels != IGNORE).sum())
 
 
@@ -491,18 +495,19 @@ class _Context:
     encoder_decoder: bool
     config: Any
     position_limit: int | None
+    smoothing: float = 0.0
 
 
 def _seq_loss(ctx: _Context, seq: Mapping[str, torch.Tensor], labels: torch.Tensor | None = None,
-              position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    logits = _logits(ctx.model, seq, ctx.keys, ctx.encoder_decoder, position_ids)
+              position_ids: torch.Tensor | None = None, keep_mask: bool = False) -> tuple[torch.Tensor, int]:
+    logits = _logits(ctx.model, seq, ctx.keys, ctx.encoder_decoder, position_ids, keep_mask)
     if ctx.rule is CountRule.ELEMENTS:
-        return _sequence_level_loss(logits, seq["labels"].to(logits.device), ctx.config)
+        return _sequence_level_loss(logits, seq["labels"].to(logits.device), ctx.config, ctx.smoothing)
     if labels is None:
         if "shift_labels" in seq:
-            return _token_loss(logits, seq["shift_labels"], ctx.rule, preshifted=True)
+            return _token_loss(logits, seq["shift_labels"], ctx.rule, preshifted=True, smoothing=ctx.smoothing)
         labels = seq["labels"]
-    return _token_loss(logits, labels, ctx.rule, preshifted=False)
+    return _token_loss(logits, labels, ctx.rule, preshifted=False, smoothing=ctx.smoothing)
 
 
 def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, notes: list[str]) -> tuple[dict, float, dict]:
@@ -582,6 +587,7 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
             refs["labels_offset+count_unshifted"] = [x * (n_given / n_given_other) for x in refs["labels_offset"]]
         notes.append(f"labels[t] == input_ids[t{offset:+d}] on {share:.0%} of the targets: the labels are shifted "
                      "before the model's own shift; the ground truth uses labels aligned with input_ids")
+    _padding_targets(ctx, window, refs, notes)
     packed = any(s > r for r, s in ((m.rows, m.sequences) for m in per_mb))
     if packed and token_level:
         _cross_attention(ctx, window, N, refs, notes)
@@ -624,6 +630,29 @@ def _cross_attention(ctx: _Context, window: list[list[dict]], N: int, refs: dict
             continue
         if acc is not None:
             refs[name] = acc
+
+
+def _padding_targets(ctx: _Context, window: list[list[dict]], refs: dict, notes: list[str]) -> None:
+    """Labels that are not -100 where ``attention_mask`` is 0 (a collator padding labels with the pad id): the
+    ground truth drops padding, the run trains on it.  Reference: each micro-batch as recorded, padding included."""
+    pads = 0
+    for rank in window:
+        for b in rank:
+            lab, mask = b.get("labels"), b.get("attention_mask")
+            if torch.is_tensor(lab) and torch.is_tensor(mask) and lab.shape == mask.shape and not ctx.encoder_decoder:
+                pads += int(((mask == 0) & (lab != IGNORE)).sum())
+    if not pads:
+        return
+    notes.append(f"{pads} label(s) are not -100 at padding positions (attention_mask 0): the run trains on padding; "
+                 "the ground truth does not (pad labels with -100)")
+    acc, n = None, 0
+    for rank in window:
+        for b in rank:
+            loss, c = _seq_loss(ctx, b, keep_mask=True)
+            acc = _axpy(acc, 1.0, _grads(ctx.model, ctx.names, ctx.params, loss))
+            n += c
+    if acc is not None and n:
+        refs["padding_targets"] = [x / n for x in acc]
 
 
 class _Skip(Exception):
@@ -862,7 +891,8 @@ def _compare(trainer, model, recorded, returned, marks, grads, params_at, traina
     rule, how, head = _detect_rule(model, first, getattr(trainer, "compute_loss_func", None))
     enc_dec = _is_encoder_decoder(model)
     ctx = _Context(model=model, names=names, params=params, keys=_forward_keys(model), rule=rule, encoder_decoder=enc_dec,
-                   config=getattr(_base_model(model), "config", None), position_limit=_position_limit(model))
+                   config=getattr(_base_model(model), "config", None), position_limit=_position_limit(model),
+                   smoothing=float(getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0))
     notes: list[str] = []
     if any(p.dtype != torch.float32 for p in params):
         notes.append("trainable parameters are not fp32: rounding alone can exceed a tight tolerance")

@@ -112,6 +112,7 @@ def test_cli_json_exit_code_and_plot(tmp_path, capsys):
     ("collator_shift", "labels_offset"),  # a collator that shifts labels itself
     ("loss_func_mean", "mean_of_means_summed"),  # a compute_loss_func averaging per micro-batch
     ("dataset_offset", "labels_offset"),  # a dataset whose labels are input_ids shifted by one
+    ("pad_labels", "padding_targets"),  # a collator padding labels with the pad id: the loss trains on padding
 ])
 def test_planted_bug_in_user_script_is_caught_and_named_and_the_fix_passes(capsys, tmp_path, bug, verdict):
     code, rep, _ = _verify_script(capsys, tmp_path, "--bug", bug)
@@ -141,6 +142,11 @@ def test_heads_stock_is_named_and_one_micro_batch_is_exact(capsys, tmp_path, hea
     assert rep["count_rule"].startswith("unshifted")
     code, rep, _ = _verify_script(capsys, tmp_path, "--head", head)
     assert code == 1 and rep["steps"][0]["verdict"] == verdict, rep["steps"][0]["candidates"]
+
+
+def test_label_smoothing_is_part_of_the_ground_truth(capsys, tmp_path):
+    code, rep, _ = _verify_script(capsys, tmp_path, "--label-smoothing", "0.1")
+    assert code == 0, rep
 
 
 def test_sequence_classification_patched_is_exact(capsys, tmp_path):

@@ -7,7 +7,8 @@ chosen head.  ``--bug`` plants one mistake users make; ``--fixed`` writes the sa
 - ``seq_divide``: a Trainer subclass whose ``compute_loss`` divides the summed loss by the number of sequences;
 - ``collator_shift``: a collator that shifts the labels itself (the model shifts them again);
 - ``loss_func_mean``: a ``compute_loss_func`` that averages over the micro-batch;
-- ``dataset_offset``: a dataset whose ``labels`` column is ``input_ids`` shifted by one.
+- ``dataset_offset``: a dataset whose ``labels`` column is ``input_ids`` shifted by one;
+- ``pad_labels``: a collator that pads the labels with the pad id instead of -100 (the loss trains on padding).
 
 Prints ``TRAINING FINISHED`` when ``trainer.train()`` returns (verify stops the script before that).
 """
@@ -77,7 +78,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--head", default="causal", choices=["causal", "mlm", "seqcls", "tokcls", "seq2seq"])
     p.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
-    p.add_argument("--bug", default="none", choices=["none", "seq_divide", "collator_shift", "loss_func_mean", "dataset_offset"])
+    p.add_argument("--bug", default="none", choices=["none", "seq_divide", "collator_shift", "loss_func_mean", "dataset_offset",
+                                                        "pad_labels"])
+    p.add_argument("--label-smoothing", type=float, default=0.0)
     p.add_argument("--fixed", action="store_true", help="the same code without the mistake")
     p.add_argument("--patch", action="store_true", help="hf_gradfix.patch() before building the trainer")
     p.add_argument("--packing", action="store_true", help="with --patch: hf_gradfix packing")
@@ -98,7 +101,7 @@ def main(argv=None) -> None:
 
     def tokenize(batch):
         enc = tok(batch["text"], truncation=True, max_length=40)
-        if a.head == "causal" and a.bug == "dataset_offset":
+        if a.head == "causal" and a.bug in ("dataset_offset", "pad_labels"):
             enc["labels"] = [ids[1:] + [-100] if offset else list(ids) for ids in enc["input_ids"]]
         elif a.head == "seqcls":
             enc["labels"] = [len(ids) % 3 for ids in enc["input_ids"]]
@@ -110,8 +113,9 @@ def main(argv=None) -> None:
 
     ds = ds.map(tokenize, batched=True, remove_columns=["text"])
 
-    if a.head == "causal" and a.bug == "dataset_offset":
-        collator = T.DataCollatorForSeq2Seq(tok, label_pad_token_id=-100)
+    if a.head == "causal" and a.bug in ("dataset_offset", "pad_labels"):
+        pad_labels = a.bug == "pad_labels" and not a.fixed
+        collator = T.DataCollatorForSeq2Seq(tok, label_pad_token_id=tok.pad_token_id if pad_labels else -100)
     elif a.head == "causal":
         collator = T.DataCollatorForLanguageModeling(tok, mlm=False)
         if a.bug == "collator_shift" and not a.fixed:
@@ -133,7 +137,7 @@ def main(argv=None) -> None:
     args = T.TrainingArguments(
         output_dir=a.output_dir, per_device_train_batch_size=a.bs, gradient_accumulation_steps=a.ga, max_steps=6,
         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0,
+        disable_tqdm=True, dataloader_num_workers=0, label_smoothing_factor=a.label_smoothing,
     )
 
     trainer_cls = T.Trainer
