@@ -323,13 +323,15 @@ def _sequence_level_loss(logits: torch.Tensor, labels: torch.Tensor, config: Any
 
 
 def _token_loss(logits: torch.Tensor, labels: torch.Tensor, rule: CountRule, preshifted: bool,
-                smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
-    """Summed CE of one sequence (batch of one) and its target count, by ``rule``."""
+                smoothing: float = 0.0, virtual_shift: bool = False) -> tuple[torch.Tensor, int]:
+    """Summed CE of one sequence (batch of one) and its target count, by ``rule``.  ``virtual_shift``: the model
+    prepends virtual tokens (PEFT prompt learning) to a causal LM, whose loss shifts over the longer sequence
+    (its last virtual token predicts ``labels[0]``, so the count rule is unshifted)."""
     labels = labels.to(logits.device).long()
     extra = logits.shape[1] - labels.shape[1]
     if extra > 0:  # prompt learning: virtual tokens in front of the labels (PEFT pads labels the same way)
         labels = torch.cat([torch.full((labels.shape[0], extra), IGNORE, dtype=labels.dtype, device=labels.device), labels], 1)
-    if rule is CountRule.SHIFTED and not preshifted:
+    if (rule is CountRule.SHIFTED or (extra > 0 and virtual_shift)) and not preshifted:
         logits, labels = logits[:, :-1], labels[:, 1:]
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
@@ -496,6 +498,7 @@ class _Context:
     config: Any
     position_limit: int | None
     smoothing: float = 0.0
+    virtual_shift: bool = False
 
 
 def _seq_loss(ctx: _Context, seq: Mapping[str, torch.Tensor], labels: torch.Tensor | None = None,
@@ -507,7 +510,7 @@ def _seq_loss(ctx: _Context, seq: Mapping[str, torch.Tensor], labels: torch.Tens
         if "shift_labels" in seq:
             return _token_loss(logits, seq["shift_labels"], ctx.rule, preshifted=True, smoothing=ctx.smoothing)
         labels = seq["labels"]
-    return _token_loss(logits, labels, ctx.rule, preshifted=False, smoothing=ctx.smoothing)
+    return _token_loss(logits, labels, ctx.rule, preshifted=False, smoothing=ctx.smoothing, virtual_shift=ctx.virtual_shift)
 
 
 def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, notes: list[str]) -> tuple[dict, float, dict]:
@@ -893,6 +896,12 @@ def _compare(trainer, model, recorded, returned, marks, grads, params_at, traina
     ctx = _Context(model=model, names=names, params=params, keys=_forward_keys(model), rule=rule, encoder_decoder=enc_dec,
                    config=getattr(_base_model(model), "config", None), position_limit=_position_limit(model),
                    smoothing=float(getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0))
+    if _base_model(model) is not model and rule is CountRule.UNSHIFTED and not enc_dec:
+        # PEFT prompt learning makes labels[..., 0] a target; whether the loss shifts is the base model's rule
+        try:
+            ctx.virtual_shift = _detect_rule(_base_model(model), first, None)[0] is CountRule.SHIFTED
+        except Exception:  # noqa: BLE001 - the base model cannot be probed alone: no virtual-token shift
+            ctx.virtual_shift = False
     notes: list[str] = []
     if any(p.dtype != torch.float32 for p in params):
         notes.append("trainable parameters are not fp32: rounding alone can exceed a tight tolerance")

@@ -213,11 +213,11 @@ def test_hook_is_reversible_and_fires_once():
 # ------------------------------------------------------------------------------------------ the Python API
 
 
-def _tiny_trainer(tmp_path, collator=None, **kw):
+def _tiny_trainer(tmp_path, collator=None, model=None, **kw):
     args = transformers.TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=3,
                                           report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
                                           max_steps=4, learning_rate=1e-2, **kw)
-    return transformers.Trainer(model=tiny_model(), args=args, data_collator=collator or _PadCollator(0),
+    return transformers.Trainer(model=model or tiny_model(), args=args, data_collator=collator or _PadCollator(0),
                                 train_dataset=_ListDataset(synthetic_samples(40, 128)))
 
 
@@ -297,3 +297,25 @@ def test_user_script_on_two_ranks_through_hf_gradfix_launch(tmp_path):
     rep = json.loads(proc.stdout)
     assert rep["world_size"] == 2 and rep["steps"][0]["verdict"] == "mean_of_means_summed+world_scaled", rep["steps"][0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.yaml", "run"] and not any((tmp_path / "run").iterdir())
+
+
+def test_peft_prompt_tuning_and_lora(tmp_path):
+    """PEFT: virtual tokens make labels[..., 0] a target of the causal loss (stock 5.x counts labels[..., 1:], the
+    count off by one per row, named count_shifted); with hf_gradfix exact; LoRA exact."""
+    peft = pytest.importorskip("peft")
+    import hf_gradfix
+
+    def prompt_model():
+        return peft.get_peft_model(tiny_model(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+
+    stock = verify_trainer(_tiny_trainer(tmp_path, model=prompt_model()), steps=1)
+    assert stock.steps[0].verdict == "count_shifted", stock.steps[0].candidates
+    hf_gradfix.patch()
+    try:
+        fixed = verify_trainer(_tiny_trainer(tmp_path, model=prompt_model()), steps=1)
+    finally:
+        hf_gradfix.unpatch()
+    assert fixed.exact, "\n".join(fixed.lines())
+    lora = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    rep = verify_trainer(_tiny_trainer(tmp_path, model=lora), steps=1)
+    assert rep.exact and "adapters" in rep.steps[0].groups, "\n".join(rep.lines())
