@@ -1105,7 +1105,7 @@ def plot_report(report: VerifyReport, path: str) -> str:
     import matplotlib.pyplot as plt
 
     names = sorted({k for s in report.steps for k in s.candidates}, key=lambda k: (k != "exact", k))
-    fig, ax = plt.subplots(figsize=(max(7, 0.55 * len(names) + 2), 4.2))
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(names) + 4), 4.2))
     width = 0.8 / max(len(report.steps), 1)
     for i, s in enumerate(report.steps):
         ys = [max(s.candidates.get(k, math.nan), 1e-12) for k in names]
@@ -1114,10 +1114,10 @@ def plot_report(report: VerifyReport, path: str) -> str:
     ax.set_yscale("log")
     ax.set_xticks([j + width * (len(report.steps) - 1) / 2 for j in range(len(names))])
     ax.set_xticklabels(names, rotation=40, ha="right", fontsize=8)
-    ax.set_ylabel("relative gradient error of the run vs reference")
+    ax.set_ylabel("run's relative gradient error")
     verdict = "EXACT" if report.exact else "NOT EXACT: " + ", ".join(report.broken)
     ax.set_title(f"hf-gradfix verify ({report.trainer or 'Trainer'}): {verdict}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
