@@ -22,6 +22,7 @@ a model (e.g. a packed row longer than its position table) are skipped with a no
 ``per_row`` / ``per_row_...``  a micro-batch's summed loss divided by its number of rows (sequences)
 ``sequence_mean``              every sequence's own token mean, averaged over the sequences
 ``labels_offset``              labels misaligned with ``input_ids`` (a collator or dataset that shifts them itself)
+``padding_targets``            labels that are not -100 at padding positions (the loss trains on padding)
 ``cross_attention``            packed sequences attending to each other (a row run as one sequence)
 ``scaled``                     the exact gradient times an unexplained constant (the factor is reported)
 =============================  ==================================================================================
