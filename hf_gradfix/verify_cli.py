@@ -1,6 +1,7 @@
-"""``hf-gradfix verify``: the command line of :mod:`hf_gradfix.verify`.
+"""hf-gradfix verify: run your training script unchanged and check its Trainer's first optimizer steps against a
+one-process ground truth (exit 0 EXACT, 1 NOT EXACT, 2 nothing checked).
 
-Two ways:
+Usage:
 
     hf-gradfix verify [--steps 2] [--tolerance 1e-5] [--json] [--plot FILE.png] -- python train.py ARGS...
     hf-gradfix verify [options] -- -m my_package.train ARGS...
@@ -173,7 +174,8 @@ def verify_main(argv: Sequence[str]) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(prog="hf-gradfix verify", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="hf-gradfix verify", description="\n\n".join(__doc__.split("\n\n")[:3]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="hf-gradfix verify [options] -- python train.py ARGS... | -m module ARGS...")
     add_verify_arguments(parser)
     ns = parser.parse_args(argv)
