@@ -45,6 +45,10 @@ def __getattr__(name: str):
         from .integration import trainer_fix
 
         return getattr(trainer_fix, name)
+    if name in ("verify_trainer", "VerifyReport"):
+        from . import verify
+
+        return getattr(verify, name)
     if name == "TokenWindow":
         from .loss.window import TokenWindow
 
@@ -75,4 +79,6 @@ __all__ = [
     "TokenWindow",
     "patch",
     "unpatch",
+    "verify_trainer",
+    "VerifyReport",
 ]

@@ -8,7 +8,7 @@ splits the file into accelerate's keys (handed to accelerate's own launcher thro
 
     hf-gradfix launch --config_file configs/cpu_multiprocess.yaml train.py --my-arg 1
     hf-gradfix config check configs/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
-    hf-gradfix verify --model tiny --grad-accum 4 --steps 2 [--json] [--plot loss.png]
+    hf-gradfix verify --steps 2 [--json] [--plot errors.png] -- python train.py ARGS
     hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100
 """
 
@@ -233,23 +233,6 @@ def _cmd_config_check(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_verify(ns: argparse.Namespace) -> int:
-    from . import verify as V
-
-    model = V.load_model(ns.model)
-    n = ns.batch_size * ns.grad_accum * max(1, int(os.environ.get("WORLD_SIZE", "1"))) * ns.steps * 2
-    samples = V.load_samples(ns.data, model, ns.model, n)
-    report = V.verify(lambda: model, samples, config=ns.config, grad_accum=ns.grad_accum, batch_size=ns.batch_size,
-                      steps=ns.steps, packing=ns.packing, inject=ns.inject, tolerance=ns.tolerance)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(report.to_json() if ns.json else "\n".join(report.lines()))
-        if ns.plot:
-            V.plot_loss_curves(ns.plot, lambda: V.load_model(ns.model), samples, steps=ns.plot_steps,
-                               grad_accum=ns.grad_accum, batch_size=ns.batch_size, config=ns.config)
-            print(f"loss curves: {ns.plot}")
-    return 0 if report.exact else 1
-
-
 def launch(argv: Sequence[str]) -> int:
     """``accelerate launch`` with exactly its arguments; the ``hf_gradfix:`` section reaches every rank."""
     from accelerate.commands.config import default_config_file
@@ -299,6 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
         return launch(argv[1:])
+    if argv and argv[0] == "verify":
+        from .verify_cli import verify_main
+
+        return verify_main(argv[1:])
     if argv and argv[0] == "plan":
         from .plan import plan_main
 
@@ -307,20 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("launch", help="accelerate launch with a YAML that carries an hf_gradfix: section (same arguments)")
     sub.add_parser("plan", help="per-rank memory for a model and a configuration (closed form, --simulate, --suggest)")
-    ver = sub.add_parser("verify", help="prove a run exact: configured gradients vs the one-process ground truth")
-    ver.add_argument("--model", default="tiny", help="'tiny' (embedded default), a local directory or a hub id (causal LM)")
-    ver.add_argument("--config", default=None, help="YAML with the hf_gradfix section (default: $HF_GRADFIX_CONFIG)")
-    ver.add_argument("--data", default=None, help=".jsonl of input_ids/labels or a text file (default: synthetic)")
-    ver.add_argument("--steps", type=int, default=2, help="optimizer steps to check")
-    ver.add_argument("--grad-accum", type=int, default=4, help="gradient accumulation steps")
-    ver.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch and rank")
-    ver.add_argument("--packing", action="store_true", default=None, help="force packing on")
-    ver.add_argument("--tolerance", type=float, default=1e-5, help="relative gradient error that counts as exact")
-    ver.add_argument("--inject", default=None, help="plant a known bug to see it caught: " + ", ".join(
-        ("mean_of_means", "ga_scaled", "world_scaled", "count_unshifted", "cross_attention")))
-    ver.add_argument("--json", action="store_true", help="machine-readable report")
-    ver.add_argument("--plot", default=None, metavar="FILE.png", help="also draw loss curves with and without hf_gradfix")
-    ver.add_argument("--plot-steps", type=int, default=20)
+    sub.add_parser("verify", help="prove a run exact: your script's gradients vs the one-process ground truth "
+                   "(hf-gradfix verify -- python train.py ARGS)")
     cfg = sub.add_parser("config", help="configuration tools")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     check = cfg_sub.add_parser("check", help="validate a YAML and print the resolved settings")
@@ -334,8 +309,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "config" and ns.config_command == "check":
         return _cmd_config_check(ns)
-    if ns.command == "verify":
-        return _cmd_verify(ns)
     parser.error("unknown command")
     return 2
 

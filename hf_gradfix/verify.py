@@ -1,56 +1,101 @@
-"""``hf-gradfix verify``: prove that a causal-LM run is exact, on the user's own model, data and configuration.
+"""``hf-gradfix verify``: prove that a run is exact, on the user's own trainer, model, data and loss code.
 
-The configured way: a ``transformers.Trainer`` with the plugin's configuration (gradient accumulation, packing,
-every rank when launched with ``hf-gradfix launch`` / ``accelerate launch``) runs a few optimizer steps; at each
-step, just before the optimizer, the accumulated (and all-reduced) gradient and every micro-batch the Trainer
-consumed are recorded.  The ground-truth way: at the same parameters, one process computes the gradient of the
-token mean over the whole global window in plain PyTorch (every sequence on its own, no padding, no packing).
+:func:`verify_trainer` takes any ``transformers.Trainer`` (stock, a subclass, TRL's ``SFTTrainer``; with or
+without hf_gradfix) and runs a few optimizer steps with everything it was built with.  It records every
+micro-batch ``training_step`` consumed, the loss it returned and, just before the optimizer, the accumulated
+(and all-reduced) gradient.  The ground truth is then computed at the same parameters in one process, in plain
+PyTorch: every sequence on its own (no padding, packed rows split), the per-target losses summed over the whole
+optimizer window on every rank, divided by the number of targets counted with the loss's own rule (causal
+shift, unshifted, one per sequence-level label).
 
-When they differ, named alternative references at the same parameters say which invariant broke:
+The verdict follows the numbers: EXACT exactly when every step's gradient and loss are within ``tolerance``
+(relative).  Otherwise NOT EXACT, and a step's diagnosis names a reference below only when that reference
+reproduces the run's gradient within ``tolerance``; else it is ``unexplained``.  References that cannot run on
+a model (e.g. a packed row longer than its position table) are skipped with a note.
 
-===================  =============================================================================
-``mean_of_means``    per-micro-batch token means averaged (the token count is not global)
-``..._summed``       the same means summed over the window (also not divided by GA)
-``ga_scaled``        the exact gradient times the accumulation steps (loss not divided by GA)
-``world_scaled``     the exact gradient times the number of data-parallel ranks
-``count_unshifted``  normalized by a count that includes each row's first label (off by one per row)
-``cross_attention``  packed sequences attending to each other (a row run as one sequence)
-===================  =============================================================================
+=============================  ==================================================================================
+``mean_of_means``              each micro-batch normalized by its own target count, the means averaged
+``mean_of_means_summed``       the same means summed over the window (a micro-batch mean not divided by GA)
+``ga_scaled`` / ...            the exact gradient times GA, the ranks, or both
+``rank_weighted``              each rank normalized by its own count (ranks weighted equally)
+``count_unshifted``            normalized by a count that includes each row's first label (or ``count_shifted``)
+``per_row`` / ``per_row_...``  a micro-batch's summed loss divided by its number of rows (sequences)
+``sequence_mean``              every sequence's own token mean, averaged over the sequences
+``labels_offset``              labels misaligned with ``input_ids`` (a collator or dataset that shifts them itself)
+``padding_targets``            labels that are not -100 at padding positions (the loss trains on padding)
+``cross_attention``            packed sequences attending to each other (a row run as one sequence)
+``scaled``                     the exact gradient times an unexplained constant (the factor is reported)
+=============================  ==================================================================================
 
-Dropout is switched off and gradient clipping disabled for the check (both change gradients by design).
+Dropout is switched off and gradient clipping disabled for the checked steps (both change gradients by
+design); the model, optimizer, trainer state and random-number generators are put back afterwards.
 
->>> from hf_gradfix.verify import HYPOTHESES
->>> sorted(HYPOTHESES)
-['count_unshifted', 'cross_attention', 'exact', 'ga_scaled', 'mean_of_means', 'mean_of_means_summed', 'world_scaled']
+>>> from hf_gradfix.verify import verdict_of
+>>> verdict_of({"exact": 2e-5, "ga_scaled": 3e-8}, loss_rel_err=None, tolerance=1e-5)
+'ga_scaled'
+>>> verdict_of({"exact": 2e-5, "ga_scaled": 3e-8, "scaled": 2e-8}, loss_rel_err=None, tolerance=1e-5)
+'ga_scaled'
+>>> verdict_of({"exact": 2e-5, "ga_scaled": 3e-3}, loss_rel_err=None, tolerance=1e-5)
+'unexplained'
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import json
 import math
 import os
+import random
+import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["verify", "VerifyReport", "HYPOTHESES", "tiny_model", "synthetic_samples", "BUGS"]
+from .loss.counting import IGNORE_INDEX as IGNORE
+from .loss.counting import CountRule
 
-IGNORE = -100
+__all__ = ["verify", "verify_trainer", "verdict_of", "VerifyReport", "StepResult", "HYPOTHESES", "tiny_model",
+           "synthetic_samples", "BUGS", "plot_report"]
+
 HYPOTHESES = {
     "exact": "exact: the global token mean over every micro-batch and rank",
-    "mean_of_means": "token count: per-micro-batch token means averaged instead of one global token mean",
-    "mean_of_means_summed": "token count and scaling by GA: per-micro-batch token means summed over the window "
-    "(a compute_loss override returning outputs.loss, transformers 5.x)",
+    "mean_of_means": "token count: each micro-batch normalized by its own target count, the means averaged "
+    "(not one count for the whole window)",
+    "mean_of_means_summed": "token count and scaling by GA: per-micro-batch means summed over the window (a "
+    "compute_loss override or compute_loss_func returning a micro-batch mean)",
     "ga_scaled": "scaling by GA: the loss is not divided by the gradient-accumulation steps",
     "world_scaled": "scaling by world size: the gradient is the data-parallel ranks' sum, not their mean",
+    "ga_world_scaled": "scaling by GA and world size: the loss is multiplied by both",
+    "rank_weighted": "token count: each rank normalized by its own target count (ranks weighted equally, e.g. "
+    "average_tokens_across_devices=False)",
     "count_unshifted": "shift: the target count includes each row's first label (off by one per row)",
-    "cross_attention": "cross-sequence attention: packed sequences attend to each other",
+    "count_shifted": "shift: the target count drops each row's first label, but the loss counts it",
+    "per_row": "sequence count: each micro-batch's summed loss divided by its number of rows, summed over the "
+    "window (a loss divided by the number of sequences, not tokens)",
+    "per_row_averaged": "sequence count: each micro-batch's summed loss divided by its number of rows, averaged "
+    "over the window",
+    "per_row_window": "sequence count: the window's summed loss divided by its number of rows",
+    "sequence_mean": "sequence weighting: every sequence's own token mean, averaged over the sequences",
+    "labels_offset": "label alignment: the labels are shifted against input_ids before the loss shifts them "
+    "again (a collator or dataset that shifts labels itself)",
+    "padding_targets": "padding: labels at padding positions are not -100, so the loss trains on padding tokens",
+    "cross_attention": "cross-sequence attention: each packed row run as one sequence (attention and positions "
+    "cross the boundaries)",
+    "cross_attention_restart": "cross-sequence attention: packed sequences attend to each other (positions restart)",
+    "scaled": "scale: the exact gradient times a constant no known bug explains",
+    "reported_loss": "reported loss: the gradient is exact but the loss the Trainer reports is not the window's "
+    "token mean",
+    "unexplained": "unexplained: no reference reproduces the run within the tolerance",
 }
-#: Bugs ``verify(inject=...)`` can plant in the configured run, to show they are caught.
+#: References with a constant fitted to the run (named only when no fixed-formula reference fits).
+FITTED = frozenset({"scaled"})
+#: Bugs ``verify(inject=...)`` can plant in the built-in run, to show they are caught.
 BUGS = ("mean_of_means", "ga_scaled", "world_scaled", "count_unshifted", "cross_attention")
 
 
@@ -75,125 +120,27 @@ def synthetic_samples(n: int, vocab: int, lo: int = 4, hi: int = 48, seed: int =
     return out
 
 
-# ------------------------------------------------------------------------------------------ batches -> sequences
+# ------------------------------------------------------------------------------------------ the verdict
 
 
-def sequences_of(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The real sequences of a micro-batch: packed rows split at ``position_ids`` restarts, padding dropped."""
-    ids, labels = batch["input_ids"].cpu(), batch["labels"].cpu()
-    pos = batch.get("position_ids")
-    mask = batch.get("attention_mask")
-    out = []
-    for r in range(ids.shape[0]):
-        if pos is not None:
-            p = pos[r].cpu()
-            starts = torch.nonzero(p == 0).flatten().tolist() + [p.numel()]
-            for a, b in zip(starts[:-1], starts[1:]):
-                out.append((ids[r, a:b], labels[r, a:b]))
-        elif mask is not None:
-            keep = mask[r].cpu().bool()
-            out.append((ids[r][keep], labels[r][keep]))
-        else:
-            out.append((ids[r], labels[r]))
-    return out
+def verdict_of(candidates: Mapping[str, float], loss_rel_err: float | None, tolerance: float) -> str:
+    """One step's verdict from the numbers: ``exact`` only when the gradient (``candidates['exact']``) and the
+    reported loss are within ``tolerance``; else the reference that reproduces the gradient within
+    ``tolerance`` (the closest one), else ``unexplained``."""
+    grad_ok = candidates["exact"] <= tolerance
+    loss_ok = loss_rel_err is None or loss_rel_err <= tolerance
+    if grad_ok and loss_ok:
+        return "exact"
+    if grad_ok:
+        return "reported_loss"
+    for pool in ([k for k in candidates if k not in FITTED], [k for k in candidates if k in FITTED]):
+        named = {k: candidates[k] for k in pool if k != "exact" and candidates[k] <= tolerance}
+        if named:  # a fixed-formula reference first; a fitted one (one free constant) only when none fits
+            return min(named, key=named.get)
+    return "unexplained"
 
 
-def _shifted_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, position_ids=None) -> tuple[torch.Tensor, int]:
-    device = next(model.parameters()).device
-    kwargs = {"position_ids": position_ids.to(device).unsqueeze(0)} if position_ids is not None else {}
-    logits = model(input_ids=ids.to(device).unsqueeze(0), use_cache=False, **kwargs).logits[0].float()
-    target = labels.to(device)[1:]
-    loss = nn.functional.cross_entropy(logits[:-1], target, ignore_index=IGNORE, reduction="sum")
-    return loss, int((target != IGNORE).sum())
-
-
-def _unshifted_count(labels: torch.Tensor) -> int:
-    return int((labels != IGNORE).sum())
-
-
-# ------------------------------------------------------------------------------------------ the references
-
-
-def _grad_of(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    if loss.requires_grad:
-        loss.backward()
-    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _combine(parts: list[tuple[float, dict]]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for w, g in parts:
-        for k, v in g.items():
-            out[k] = out.get(k, 0) + w * v
-    return out
-
-
-def references(model: nn.Module, window: list[list[dict]], *, grad_accum: int, world: int, packed: bool) -> tuple[dict, float]:
-    """Every hypothesis's gradient at ``model``'s parameters for one window, and the exact token-mean loss.
-
-    ``window[rank][k]`` is micro-batch ``k`` of ``rank`` as recorded (CPU tensors).
-    """
-    ref = copy.deepcopy(model).float()
-    ref.train()
-    per_mb, n_total, n_unshifted, loss_total = [], 0, 0, 0.0
-    for rank_batches in window:
-        for batch in rank_batches:
-            seqs = sequences_of(batch)
-            s = None
-            n = 0
-            for ids, labels in seqs:
-                if ids.numel() < 2:
-                    n_unshifted += _unshifted_count(labels)
-                    continue
-                part, c = _shifted_sum(ref, ids, labels)
-                s = part if s is None else s + part
-                n += c
-                n_unshifted += _unshifted_count(labels)
-            g = _grad_of(ref, s) if s is not None else _grad_of(ref, torch.zeros(()))
-            per_mb.append((g, n, float(s.detach()) if s is not None else 0.0, batch))
-            n_total += n
-            loss_total += float(s.detach()) if s is not None else 0.0
-    n_total = max(n_total, 1)
-    exact = _combine([(1.0 / n_total, g) for g, _, _, _ in per_mb])
-    hyps = {
-        "exact": exact,
-        "mean_of_means": _combine([(1.0 / (len(per_mb) * max(n, 1)), g) for g, n, _, _ in per_mb if n > 0]),
-        "ga_scaled": {k: v * grad_accum for k, v in exact.items()},
-        "mean_of_means_summed": _combine([(grad_accum / (len(per_mb) * max(n, 1)), g) for g, n, _, _ in per_mb if n > 0]),
-        "world_scaled": {k: v * world for k, v in exact.items()},
-        "count_unshifted": {k: v * n_total / max(n_unshifted, 1) for k, v in exact.items()},
-    }
-    if packed:  # each packed row as ONE causal sequence: what a model that ignores the boundaries computes
-        parts = []
-        for _, _, _, batch in per_mb:
-            ids, labels = batch["input_ids"].cpu(), batch["labels"].cpu()
-            s = None
-            for r in range(ids.shape[0]):
-                part, _ = _shifted_sum(ref, ids[r], labels[r], position_ids=torch.arange(ids.shape[1]))
-                s = part if s is None else s + part
-            parts.append((1.0 / n_total, _grad_of(ref, s)))
-        hyps["cross_attention"] = _combine(parts)
-    return hyps, loss_total / n_total
-
-
-def _rel(g: dict, ref: dict, keys: Sequence[str] | None = None) -> float:
-    keys = list(keys if keys is not None else ref.keys())
-    num = sum(float((g[k].float().cpu() - ref[k].float().cpu()).pow(2).sum()) for k in keys)
-    den = sum(float(ref[k].float().cpu().pow(2).sum()) for k in keys)
-    return math.sqrt(num) / max(math.sqrt(den), 1e-30)
-
-
-def _group_of(name: str) -> str:
-    low = name.lower()
-    for key, group in (("embed", "embeddings"), ("wte", "embeddings"), ("lm_head", "head"), ("norm", "norms"),
-                       ("attn", "attention"), ("attention", "attention"), ("mlp", "mlp"), ("feed_forward", "mlp")):
-        if key in low:
-            return group
-    return "other"
-
-
-# ------------------------------------------------------------------------------------------ the configured run
+# ------------------------------------------------------------------------------------------ report
 
 
 @dataclass
@@ -206,6 +153,10 @@ class StepResult:
     groups: dict[str, float]
     verdict: str
     candidates: dict[str, float]
+    targets: int = 0
+    micro_batches: int = 0
+    sequences: int = 0
+    detail: str = ""
 
 
 @dataclass
@@ -217,25 +168,832 @@ class VerifyReport:
     packing: bool
     steps: list[StepResult] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)
+    trainer: str = ""
+    head: str = ""
+    count_rule: str = ""
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
+    def describe(self, name: str, step: StepResult | None = None) -> str:
+        text = "; and ".join(HYPOTHESES.get(part, part) for part in name.split("+"))
+        if step is not None and step.detail and name == step.verdict:
+            text += f" ({step.detail})"
+        return text
+
     def lines(self) -> list[str]:
         out = [
-            f"hf-gradfix verify: {len(self.steps)} step(s), GA {self.grad_accum}, {self.world_size} rank(s), "
-            f"packing {'on' if self.packing else 'off'}, tolerance {self.tolerance:g}",
+            f"hf-gradfix verify: {self.trainer + ', ' if self.trainer else ''}{len(self.steps)} step(s), "
+            f"GA {self.grad_accum}, {self.world_size} rank(s), packing {'on' if self.packing else 'off'}, "
+            f"tolerance {self.tolerance:g}",
         ]
+        if self.head:
+            out.append(f"  loss: {self.head}; count rule {self.count_rule}")
         for s in self.steps:
             loss = f", loss rel err {s.loss_rel_err:.1e}" if s.loss_rel_err is not None else ""
-            out.append(f"  step {s.step}: gradient rel err {s.grad_rel_err:.1e}{loss} -> {HYPOTHESES[s.verdict] if s.verdict in HYPOTHESES else s.verdict}")
+            out.append(f"  step {s.step}: gradient rel err {s.grad_rel_err:.1e}{loss} ({s.targets} targets, "
+                       f"{s.sequences} sequences, {s.micro_batches} micro-batches) -> {self.describe(s.verdict, s)}")
             out.append("    per group: " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(s.groups.items())))
-        out.append("EXACT" if self.exact else "NOT EXACT: " + "; ".join(HYPOTHESES.get(b, b) for b in self.broken))
+            if s.verdict != "exact":
+                near = sorted((v, k) for k, v in s.candidates.items() if k != "exact")[:3]
+                out.append("    nearest references: " + ", ".join(f"{k} {v:.1e}" for v, k in near))
+        for note in self.notes:
+            out.append(f"  note: {note}")
+        if self.exact:
+            out.append("EXACT")
+        else:
+            by_name = {s.verdict: s for s in self.steps if s.verdict != "exact"}
+            out.append("NOT EXACT: " + "; ".join(self.describe(b, by_name.get(b)) for b in self.broken))
         return out
 
 
+# ------------------------------------------------------------------------------------------ sequences
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    fn = getattr(model, "get_base_model", None)
+    return fn() if callable(fn) else model
+
+
+def _is_encoder_decoder(model: nn.Module) -> bool:
+    return bool(getattr(getattr(_base_model(model), "config", None), "is_encoder_decoder", False))
+
+
+_DECODER_KEYS = ("decoder_input_ids", "decoder_attention_mask", "decoder_position_ids", "labels", "shift_labels")
+
+
+def sequences_of(batch: Mapping[str, Any], encoder_decoder: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The real sequences of a micro-batch, each a batch of one: packed rows split at ``position_ids``
+    restarts, padding dropped (``attention_mask``).  Tensors of shape ``(rows, width)`` are cut to the
+    sequence, other per-row tensors (sequence-level labels, decoder tensors of an encoder-decoder) taken whole.
+
+    >>> b = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "position_ids": torch.tensor([[0, 1, 0, 1, 2]])}
+    >>> [s["input_ids"].tolist() for s in sequences_of(b)]
+    [[[5, 6]], [[7, 8, 9]]]
+    """
+    ids = batch["input_ids"]
+    rows, width = ids.shape[0], ids.shape[-1]
+    pos, mask = batch.get("position_ids"), batch.get("attention_mask")
+    out = []
+    for r in range(rows):
+        keep = torch.ones(width, dtype=torch.bool)
+        if torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[-1] == width:
+            keep = mask[r].bool().cpu()
+        if torch.is_tensor(pos) and pos.dim() == 2 and pos.shape[-1] == width:
+            p = pos[r].cpu()
+            starts = torch.nonzero(p == 0).flatten().tolist()
+            if not starts or starts[0] != 0:
+                starts = [0] + starts
+            spans = list(zip(starts, starts[1:] + [width]))
+        else:
+            spans = [(0, width)]
+        for a, b in spans:
+            idx = torch.arange(a, b)[keep[a:b]]
+            if idx.numel() == 0:
+                continue
+            seq = {}
+            for k, v in batch.items():
+                if not torch.is_tensor(v) or v.dim() == 0 or v.shape[0] != rows:
+                    continue
+                if k == "attention_mask":
+                    continue
+                decoder_side = encoder_decoder and k in _DECODER_KEYS
+                if v.dim() >= 2 and v.shape[1] == width and not decoder_side:
+                    seq[k] = v[r:r + 1, idx]
+                else:
+                    seq[k] = v[r:r + 1]
+            out.append(seq)
+    return out
+
+
+def _forward_keys(model: nn.Module) -> set[str]:
+    sig = inspect.signature(_base_model(model).forward)
+    return {n for n, p in sig.parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _decoder_input_ids(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    for m in (model, _base_model(model)):
+        fn = getattr(m, "prepare_decoder_input_ids_from_labels", None)
+        if callable(fn):
+            return fn(labels=labels)
+        fn = getattr(m, "_shift_right", None)
+        if callable(fn):
+            return fn(labels)
+    raise ValueError(f"{type(model).__name__}: no way to turn labels into decoder_input_ids")
+
+
+def _logits(model: nn.Module, seq: Mapping[str, torch.Tensor], keys: set[str], encoder_decoder: bool,
+            position_ids: torch.Tensor | None = None, keep_mask: bool = False) -> torch.Tensor:
+    device = next(model.parameters()).device
+    drop = ("labels", "shift_labels", "position_ids", "num_items_in_batch") + (() if keep_mask else ("attention_mask",))
+    kwargs = {k: v.to(device) for k, v in seq.items() if k in keys and k not in drop and torch.is_tensor(v)}
+    if position_ids is not None and "position_ids" in keys:
+        kwargs["position_ids"] = position_ids.to(device)
+    elif "position_ids" in seq and "position_ids" in keys:
+        kwargs["position_ids"] = seq["position_ids"].to(device)
+    if encoder_decoder and "decoder_input_ids" not in kwargs and "labels" in seq:
+        kwargs["decoder_input_ids"] = _decoder_input_ids(model, seq["labels"].to(device))
+    if "use_cache" in keys:
+        kwargs["use_cache"] = False
+    out = model(**kwargs)
+    logits = out["logits"] if isinstance(out, Mapping) else getattr(out, "logits", out[0] if isinstance(out, tuple) else out)
+    return logits.float()
+
+
+def _sequence_level_loss(logits: torch.Tensor, labels: torch.Tensor, config: Any, smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
+    """transformers' sequence-classification rule (problem_type or inferred), summed over targets."""
+    f = nn.functional
+    problem = getattr(config, "problem_type", None)
+    n_labels = logits.shape[-1]
+    if problem == "regression" or (problem is None and n_labels == 1):
+        x, y = logits.reshape(-1), labels.reshape(-1).to(logits.dtype)
+        return f.mse_loss(x, y, reduction="sum"), int(y.numel())
+    if problem == "multi_label_classification" or (problem is None and torch.is_floating_point(labels)):
+        y = labels.reshape(logits.shape).to(logits.dtype)
+        return f.binary_cross_entropy_with_logits(logits, y, reduction="sum"), int(y.numel())
+    y = labels.reshape(-1).long()
+    return (f.cross_entropy(logits.reshape(-1, n_labels), y, ignore_index=IGNORE, reduction="sum", label_smoothing=smoothing),
+            int((y != IGNORE).sum()))
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor, rule: CountRule, preshifted: bool,
+                smoothing: float = 0.0, virtual_shift: bool = False) -> tuple[torch.Tensor, int]:
+    """Summed CE of one sequence (batch of one) and its target count, by ``rule``.  ``virtual_shift``: the model
+    prepends virtual tokens (PEFT prompt learning) to a causal LM, whose loss shifts over the longer sequence
+    (its last virtual token predicts ``labels[0]``, so the count rule is unshifted)."""
+    labels = labels.to(logits.device).long()
+    extra = logits.shape[1] - labels.shape[1]
+    if extra > 0:  # prompt learning: virtual tokens in front of the labels (PEFT pads labels the same way)
+        labels = torch.cat([torch.full((labels.shape[0], extra), IGNORE, dtype=labels.dtype, device=labels.device), labels], 1)
+    if (rule is CountRule.SHIFTED or (extra > 0 and virtual_shift)) and not preshifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    if logits.shape[:2] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
+    # label smoothing as transformers' LabelSmoother: (1 - eps) * nll + eps * mean over the classes of -log p
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+                                       reduction="sum", label_smoothing=smoothing)
+    return loss, int((labels != IGNORE).sum())
+
+
+def _count(labels: torch.Tensor, rule: CountRule) -> int:
+    if rule is CountRule.SHIFTED:
+        labels = labels[..., 1:]
+    return int((labels != IGNORE).sum())
+
+
+def _label_offset(seqs: Sequence[Mapping[str, torch.Tensor]]) -> tuple[int, float]:
+    """For causal LMs, whose labels are ``input_ids`` (with -100 masks): the offset ``k`` with
+    ``labels[t] == input_ids[t + k]`` on (nearly) every target, when it is not 0; ``(0, share)`` otherwise."""
+    hits = {k: [0, 0] for k in (-2, -1, 0, 1, 2)}
+    for s in seqs:
+        ids, lab = s.get("input_ids"), s.get("labels")
+        if ids is None or lab is None or ids.shape != lab.shape:
+            return 0, 1.0
+        ids, lab = ids[0], lab[0]
+        n = ids.numel()
+        for k, h in hits.items():
+            t = torch.arange(max(0, -k), min(n, n - k))
+            if t.numel() == 0:
+                continue
+            valid = lab[t] != IGNORE
+            h[0] += int((lab[t][valid] == ids[t + k][valid]).sum())
+            h[1] += int(valid.sum())
+    share = {k: (a / b if b else 0.0) for k, (a, b) in hits.items()}
+    best = max((k for k in hits if k), key=lambda k: share[k])
+    if hits[best][1] >= 8 and share[best] >= 0.9 and share[0] < 0.5:
+        return best, share[best]
+    return 0, share[0]
+
+
+def _realign(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Labels given as ``input_ids[t + k]`` put back at position ``t + k``."""
+    out = torch.full_like(labels, IGNORE)
+    n = labels.shape[-1]
+    if k > 0:
+        out[..., k:] = labels[..., : n - k]
+    else:
+        out[..., : n + k] = labels[..., -k:]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the loss's own rule
+
+
+def _detect_rule(model: nn.Module, batch: Mapping[str, Any], compute_loss_func: Callable | None) -> tuple[CountRule, str, str]:
+    """(count rule, how it was found, the head in words) from the model's own loss on a real batch."""
+    from .loss.probe import ProbeError, detect_count_rule
+
+    labels = batch.get("labels")
+    if "shift_labels" in batch:
+        return CountRule.UNSHIFTED, "the collator provides shift_labels", "token-level loss on shift_labels"
+    if not torch.is_tensor(labels):
+        raise ValueError("the recorded batches have no 'labels' tensor: nothing to verify")
+    device = next(model.parameters()).device
+    keys = _forward_keys(model)
+    enc_dec = _is_encoder_decoder(model)
+
+    def model_loss(b, n):
+        kwargs = {k: v.to(device) for k, v in b.items() if torch.is_tensor(v) and (k in keys or k == "labels")}
+        out = model(**kwargs)
+        loss = out["loss"] if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if loss is None:
+            raise ProbeError("the model returns no loss")
+        return loss
+
+    def func_loss(b, n):
+        labels = b["labels"].to(device)
+        kwargs = {k: v.to(device) for k, v in b.items() if torch.is_tensor(v) and k in keys and k != "labels"}
+        if enc_dec and "decoder_input_ids" not in kwargs:
+            kwargs["decoder_input_ids"] = _decoder_input_ids(model, labels)
+        return compute_loss_func(model(**kwargs), labels, num_items_in_batch=n)
+
+    how = "the loss's own count rule"
+    rule = None
+    for fn, what in ((model_loss, "the model's loss"), (func_loss if compute_loss_func else None, "compute_loss_func")):
+        if fn is None:
+            continue
+        try:
+            with torch.no_grad():
+                rule, why = detect_count_rule(fn, dict(batch), honors=False)
+            how = f"probed on {what}: {why}"
+            break
+        except Exception:  # noqa: BLE001 - a loss we cannot probe: try the next, then the default
+            continue
+    if rule is None:
+        if labels.dim() >= 2 and not torch.is_floating_point(labels):
+            rule = CountRule.UNSHIFTED if enc_dec else CountRule.SHIFTED
+        else:
+            rule = CountRule.ELEMENTS
+        how = "assumed (the loss could not be probed)"
+    if rule is CountRule.ELEMENTS:
+        head = "sequence-level loss (one target per label)"
+    elif rule is CountRule.SHIFTED:
+        head = "causal LM (targets labels[..., 1:])"
+    elif enc_dec:
+        head = "seq2seq (decoder targets, unshifted)"
+    else:
+        head = "token-level loss, unshifted (masked LM / token classification)"
+    return rule, how, head
+
+
+# ------------------------------------------------------------------------------------------ the references
+
+
+def _grads(model: nn.Module, names: Sequence[str], params: Sequence[nn.Parameter], loss: torch.Tensor) -> list[torch.Tensor]:
+    if not loss.requires_grad:
+        return [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    try:
+        gs = torch.autograd.grad(loss, params, allow_unused=True)
+    except RuntimeError:  # e.g. reentrant activation checkpointing: .backward() instead
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        loss.backward()
+        gs = [p.grad for p in params]
+        for p, g in zip(params, saved):
+            p.grad = g
+    return [torch.zeros_like(p, dtype=torch.float32) if g is None else g.detach().float() for p, g in zip(params, gs)]
+
+
+def _axpy(acc: list[torch.Tensor] | None, w: float, g: list[torch.Tensor]) -> list[torch.Tensor]:
+    if acc is None:
+        return [w * x for x in g]
+    for a, x in zip(acc, g):
+        a.add_(x, alpha=w)
+    return acc
+
+
+def _lin(parts: Sequence[tuple[float, list[torch.Tensor]]]) -> list[torch.Tensor]:
+    acc = None
+    for w, g in parts:
+        acc = _axpy(acc, w, g) if acc is not None else [w * x for x in g]
+    return acc
+
+
+@dataclass
+class _MicroBatch:
+    rank: int
+    grad: list[torch.Tensor]  # gradient of the summed per-target losses (ground-truth targets)
+    loss: float
+    count: int
+    other_count: int  # counted with the other token rule (shifted <-> unshifted)
+    rows: int
+    sequences: int
+
+
+@dataclass
+class _Context:
+    model: nn.Module
+    names: list[str]
+    params: list[nn.Parameter]
+    keys: set[str]
+    rule: CountRule
+    encoder_decoder: bool
+    config: Any
+    position_limit: int | None
+    smoothing: float = 0.0
+    virtual_shift: bool = False
+
+
+def _seq_loss(ctx: _Context, seq: Mapping[str, torch.Tensor], labels: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, keep_mask: bool = False) -> tuple[torch.Tensor, int]:
+    logits = _logits(ctx.model, seq, ctx.keys, ctx.encoder_decoder, position_ids, keep_mask)
+    if ctx.rule is CountRule.ELEMENTS:
+        return _sequence_level_loss(logits, seq["labels"].to(logits.device), ctx.config, ctx.smoothing)
+    if labels is None:
+        if "shift_labels" in seq:
+            return _token_loss(logits, seq["shift_labels"], ctx.rule, preshifted=True, smoothing=ctx.smoothing)
+        labels = seq["labels"]
+    return _token_loss(logits, labels, ctx.rule, preshifted=False, smoothing=ctx.smoothing, virtual_shift=ctx.virtual_shift)
+
+
+def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, notes: list[str]) -> tuple[dict, float, dict]:
+    """Every reference gradient at the model's current parameters for one window, the exact window loss and
+    facts about the window.  ``window[rank][k]``: micro-batch ``k`` of ``rank`` as recorded (CPU tensors)."""
+    world = len(window)
+    per_mb: list[_MicroBatch] = []
+    given_mb: list[tuple[list[torch.Tensor], int]] = []
+    seq_mean_acc: list[torch.Tensor] | None = None  # sum over sequences of (gradient of the sequence's token mean)
+    n_seq = 0
+    all_seqs = [[sequences_of(b, ctx.encoder_decoder) for b in rank] for rank in window]
+    token_level = ctx.rule is not CountRule.ELEMENTS
+    offset, share = 0, 1.0
+    if ctx.rule is CountRule.SHIFTED:
+        offset, share = _label_offset([s for rank in all_seqs for mb in rank for s in mb if "shift_labels" not in s])
+    other = CountRule.UNSHIFTED if ctx.rule is CountRule.SHIFTED else CountRule.SHIFTED
+    n_given_other = 0
+    for r, rank in enumerate(window):
+        for batch, seqs in zip(rank, all_seqs[r]):
+            acc, total, n, n_other, acc_given, n_given = None, 0.0, 0, 0, None, 0
+            for seq in seqs:
+                true_labels = _realign(seq["labels"], offset) if offset else None
+                loss, c = _seq_loss(ctx, seq, labels=true_labels)
+                g = _grads(ctx.model, ctx.names, ctx.params, loss)
+                acc = _axpy(acc, 1.0, g)
+                total += float(loss.detach())
+                n += c
+                if c:
+                    seq_mean_acc = _axpy(seq_mean_acc, 1.0 / c, g)
+                    n_seq += 1
+                if token_level and "shift_labels" not in seq:
+                    n_other += _count(true_labels if offset else seq["labels"], other)
+                if offset:
+                    loss_g, c_g = _seq_loss(ctx, seq)
+                    acc_given = _axpy(acc_given, 1.0, _grads(ctx.model, ctx.names, ctx.params, loss_g))
+                    n_given += c_g
+                    n_given_other += _count(seq["labels"], other)
+            if acc is None:
+                acc = [torch.zeros_like(p, dtype=torch.float32) for p in ctx.params]
+            rows = int(batch["input_ids"].shape[0]) if torch.is_tensor(batch.get("input_ids")) else len(seqs)
+            per_mb.append(_MicroBatch(r, acc, total, n, n_other, rows, len(seqs)))
+            if offset:
+                given_mb.append((acc_given if acc_given is not None else [torch.zeros_like(a) for a in acc], n_given))
+    N = max(sum(m.count for m in per_mb), 1)
+    M = len(per_mb)
+    ga = max(1, max(sum(1 for m in per_mb if m.rank == r) for r in range(world)))
+    exact = _lin([(1.0 / N, m.grad) for m in per_mb])
+    refs: dict[str, list[torch.Tensor]] = {"exact": exact}
+    nz = [m for m in per_mb if m.count > 0]
+    refs["mean_of_means"] = _lin([(1.0 / (len(nz) * m.count), m.grad) for m in nz]) if nz else exact
+    refs["mean_of_means_summed"] = _lin([(1.0 / (world * m.count), m.grad) for m in nz]) if nz else exact
+    if ga > 1:
+        refs["ga_scaled"] = [ga * x for x in exact]
+    if world > 1:
+        refs["world_scaled"] = [world * x for x in exact]
+        if ga > 1:
+            refs["ga_world_scaled"] = [ga * world * x for x in exact]
+        per_rank = {r: sum(m.count for m in per_mb if m.rank == r) for r in range(world)}
+        refs["rank_weighted"] = _lin([(1.0 / (world * max(per_rank[m.rank], 1)), m.grad) for m in per_mb])
+    if token_level:
+        n_other = sum(m.other_count for m in per_mb)
+        if n_other and n_other != N:
+            refs["count_unshifted" if ctx.rule is CountRule.SHIFTED else "count_shifted"] = [x * (N / n_other) for x in exact]
+    rows_total = max(sum(m.rows for m in per_mb), 1)
+    refs["per_row"] = _lin([(1.0 / (world * m.rows), m.grad) for m in per_mb if m.rows])
+    refs["per_row_averaged"] = _lin([(1.0 / (M * m.rows), m.grad) for m in per_mb if m.rows])
+    refs["per_row_window"] = [x / rows_total for x in _lin([(1.0, m.grad) for m in per_mb])]
+    if n_seq and token_level and seq_mean_acc is not None:
+        refs["sequence_mean"] = [x / n_seq for x in seq_mean_acc]
+    if world > 1:  # Trainer paths that multiply the loss by the ranks on top of another mistake
+        for name in [k for k in refs if k not in ("exact", "world_scaled", "ga_world_scaled", "ga_scaled")]:
+            refs[f"{name}+world_scaled"] = [world * x for x in refs[name]]
+    if offset:
+        n_given = max(sum(c for _, c in given_mb), 1)
+        refs["labels_offset"] = _lin([(1.0 / n_given, g) for g, _ in given_mb])
+        if n_given_other and n_given_other != n_given:  # transformers 4.57 counts causal labels unshifted
+            refs["labels_offset+count_unshifted"] = [x * (n_given / n_given_other) for x in refs["labels_offset"]]
+        notes.append(f"labels[t] == input_ids[t{offset:+d}] on {share:.0%} of the targets: the labels are shifted "
+                     "before the model's own shift; the ground truth uses labels aligned with input_ids")
+    _padding_targets(ctx, window, refs, notes)
+    packed = any(s > r for r, s in ((m.rows, m.sequences) for m in per_mb))
+    if packed and token_level:
+        _cross_attention(ctx, window, N, refs, notes)
+    return refs, sum(m.loss for m in per_mb) / N, {"targets": N, "micro_batches": M, "sequences": sum(m.sequences for m in per_mb),
+                                                   "packed": packed, "offset": offset}
+
+
+def _cross_attention(ctx: _Context, window: list[list[dict]], N: int, refs: dict, notes: list[str]) -> None:
+    """Packed rows run as one sequence each: with the rows' restarting ``position_ids`` and with positions
+    0..width-1 (what a model that ignores the boundaries computes).  Skipped when a row is longer than the
+    model's position table."""
+    for name, continuous in (("cross_attention", True), ("cross_attention_restart", False)):
+        if not continuous and "position_ids" not in ctx.keys:
+            continue
+        acc = None
+        try:
+            for rank in window:
+                for batch in rank:
+                    width = batch["input_ids"].shape[-1]
+                    if continuous and ctx.position_limit is not None and width > ctx.position_limit:
+                        raise _Skip(f"reference {name} skipped: a packed row of {width} tokens run as one sequence "
+                                    f"overflows the model's position table ({ctx.position_limit} positions)")
+                    for r in range(batch["input_ids"].shape[0]):
+                        row = {k: v[r:r + 1] for k, v in batch.items()
+                               if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0]}
+                        if "attention_mask" in batch and batch["attention_mask"].dim() == 2:
+                            keep = batch["attention_mask"][r].bool()
+                            row = {k: (v[:, keep] if v.dim() >= 2 and v.shape[1] == width else v) for k, v in row.items()}
+                        pos = torch.arange(row["input_ids"].shape[-1]).unsqueeze(0) if continuous else None
+                        if not continuous and "position_ids" not in row:
+                            continue
+                        loss, _ = _seq_loss(ctx, row, position_ids=pos)
+                        acc = _axpy(acc, 1.0 / N, _grads(ctx.model, ctx.names, ctx.params, loss))
+        except _Skip as skip:
+            notes.append(str(skip))
+            continue
+        except (IndexError, RuntimeError, ValueError) as err:
+            notes.append(f"reference {name} skipped: the model cannot run a packed row as one sequence ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:120]})")
+            continue
+        if acc is not None:
+            refs[name] = acc
+
+
+def _padding_targets(ctx: _Context, window: list[list[dict]], refs: dict, notes: list[str]) -> None:
+    """Labels that are not -100 where ``attention_mask`` is 0 (a collator padding labels with the pad id): the
+    ground truth drops padding, the run trains on it.  Reference: each micro-batch as recorded, padding included."""
+    pads = 0
+    for rank in window:
+        for b in rank:
+            lab, mask = b.get("labels"), b.get("attention_mask")
+            if torch.is_tensor(lab) and torch.is_tensor(mask) and lab.shape == mask.shape and not ctx.encoder_decoder:
+                pads += int(((mask == 0) & (lab != IGNORE)).sum())
+    if not pads:
+        return
+    notes.append(f"{pads} label(s) are not -100 at padding positions (attention_mask 0): the run trains on padding; "
+                 "the ground truth does not (pad labels with -100)")
+    acc, n = None, 0
+    for rank in window:
+        for b in rank:
+            loss, c = _seq_loss(ctx, b, keep_mask=True)
+            acc = _axpy(acc, 1.0, _grads(ctx.model, ctx.names, ctx.params, loss))
+            n += c
+    if acc is not None and n:
+        refs["padding_targets"] = [x / n for x in acc]
+
+
+class _Skip(Exception):
+    pass
+
+
+def _position_limit(model: nn.Module) -> int | None:
+    cfg = getattr(_base_model(model), "config", None)
+    if cfg is None:
+        return None
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    if getattr(text, "position_embedding_type", None) == "absolute" or hasattr(text, "n_positions") or any(
+        isinstance(m, nn.Embedding) and "pos" in n.lower() for n, m in model.named_modules()
+    ):
+        for key in ("n_positions", "max_position_embeddings"):
+            v = getattr(text, key, None)
+            if isinstance(v, int):
+                return v
+    return None
+
+
+def _rel(g: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], idx: Sequence[int] | None = None) -> float:
+    idx = range(len(ref)) if idx is None else idx
+    num = sum(float((g[i].double() - ref[i].double().to(g[i].device)).pow(2).sum()) for i in idx)
+    den = sum(float(ref[i].double().pow(2).sum()) for i in idx)
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return math.sqrt(num / den)
+
+
+def _group_of(name: str) -> str:
+    low = name.lower()
+    for key, group in (("lora_", "adapters"), ("embed", "embeddings"), ("wte", "embeddings"), ("wpe", "embeddings"),
+                       ("lm_head", "head"), ("classifier", "head"), ("score", "head"), ("cls.", "head"), ("norm", "norms"),
+                       ("ln_", "norms"), ("attn", "attention"), ("attention", "attention"), ("mlp", "mlp"),
+                       ("feed_forward", "mlp"), ("ffn", "mlp"), ("dense", "mlp")):
+        if key in low:
+            return group
+    return "other"
+
+
+def _scale_fit(g: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+    dot = sum(float((a.double().cpu() * b.double().cpu()).sum()) for a, b in zip(g, ref))
+    den = sum(float(b.double().pow(2).sum()) for b in ref)
+    c = dot / den if den else 1.0
+    return c, [c * x for x in ref]
+
+
+# ------------------------------------------------------------------------------------------ the user's trainer
+
+
+def _world() -> int:
+    d = torch.distributed
+    return d.get_world_size() if d.is_available() and d.is_initialized() else 1
+
+
+def _gather(obj: Any) -> list:
+    if _world() == 1:
+        return [obj]
+    out: list = [None] * _world()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A detached full fp32 CPU copy (a DTensor shard of FSDP2 / TP is gathered: a collective on every rank)."""
+    full = getattr(t, "full_tensor", None)
+    return (full() if callable(full) else t).detach().float().cpu().clone()
+
+
+def _data_ranks(trainer) -> list[bool] | None:
+    """Per rank: whether it holds its own data (ranks of one tp x cp group train on the same batches: keep the one at
+    tp = cp = 0), or None when every rank does."""
+    from hf_gradfix.integration.trainer_fix import state_of
+
+    state = state_of(trainer)
+    dims = state.nd.dims if state is not None and state.nd is not None else None
+    if dims is None or dims.non_data_parallel == 1:
+        return None
+    return [dims.coords(r)["tp"] == 0 and dims.coords(r)["cp"] == 0 for r in range(_world())]
+
+
+def _to_cpu(batch: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def _no_dropout(model: nn.Module):
+    """Dropout off (``nn.Dropout`` modules and float ``*dropout*`` attributes read by attention code), put back after."""
+    saved: list[tuple[Any, str, Any]] = []
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p:
+            saved.append((m, "p", m.p))
+            m.p = 0.0
+        for key, value in list(vars(m).items()):
+            if "dropout" in key.lower() and isinstance(value, float) and value > 0:
+                saved.append((m, key, value))
+                setattr(m, key, 0.0)
+    for cfg in {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}.values():
+        for key, value in list(vars(cfg).items()):
+            if ("dropout" in key.lower() or key.endswith("_pdrop")) and isinstance(value, float) and value > 0:
+                saved.append((cfg, key, value))
+                setattr(cfg, key, 0.0)
+    try:
+        yield
+    finally:
+        for obj, key, value in reversed(saved):
+            setattr(obj, key, value)
+
+
+@contextlib.contextmanager
+def _saved_rng():
+    import numpy as np
+
+    state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+        if state[3] is not None:
+            torch.cuda.set_rng_state_all(state[3])
+
+
+def _reporting_callbacks(trainer) -> list:
+    try:
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+    except ImportError:  # pragma: no cover
+        return []
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    # reporting integrations (files, services) and the console printers: the checked steps are not the user's run
+    kinds = tuple(c for c in INTEGRATION_TO_CALLBACK.values() if isinstance(c, type)) + (PrinterCallback, ProgressCallback)
+    return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, kinds)]
+
+
+def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, train_kwargs: dict | None = None,
+                   run_train: Callable[[], Any] | None = None, reference_model: nn.Module | None = None) -> VerifyReport:
+    """Run ``steps`` optimizer steps of ``trainer`` as configured and compare each step's gradient and reported
+    loss with the one-process ground truth on the batches it actually drew, at the same parameters.
+
+    Works with any ``transformers.Trainer`` (a subclass, TRL's ``SFTTrainer``, with or without hf_gradfix).
+    Afterwards the model's parameters, the optimizer (if one was passed in), the trainer's state, its
+    arguments and callbacks and the random-number generators are as before, so ``trainer.train()`` can follow.
+    Under ``torchrun`` / ``hf-gradfix launch`` every rank calls it; the report is the same on every rank.
+    A model sharded by an ND mesh (FSDP2 / tp / cp DTensor parameters) needs ``reference_model``: an unsharded copy
+    made before the trainer sharded it (the ground truth runs on it in one process).
+
+    >>> import transformers, hf_gradfix
+    >>> from hf_gradfix.verify import tiny_model, synthetic_samples, _PadCollator, _ListDataset
+    >>> args = transformers.TrainingArguments("/tmp/hf_gradfix_doctest", per_device_train_batch_size=2,
+    ...     gradient_accumulation_steps=2, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    >>> trainer = transformers.Trainer(model=tiny_model(), args=args, data_collator=_PadCollator(0),
+    ...     train_dataset=_ListDataset(synthetic_samples(16, 128)))
+    >>> report = hf_gradfix.verify_trainer(trainer, steps=1)
+    >>> report.exact, report.steps[0].grad_rel_err < 1e-5
+    (True, True)
+    """
+    import transformers
+
+    if not isinstance(trainer, transformers.Trainer):
+        raise TypeError(f"verify_trainer: expected a transformers.Trainer, got {type(trainer).__name__}")
+    if steps < 1:
+        raise ValueError(f"verify_trainer: steps={steps} must be >= 1")
+    model = trainer.model
+    recorded: list[dict] = []
+    returned: list[float] = []
+    marks: list[int] = []
+    grads: list[dict[str, torch.Tensor]] = []
+    params_at: list[dict[str, torch.Tensor]] = []
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    initial = {n: p.detach().clone() for n, p in trainable}
+    sharded = any(callable(getattr(p, "full_tensor", None)) for _, p in trainable)
+    if sharded and reference_model is None:
+        raise ValueError(
+            "verify_trainer: the model's parameters are sharded (FSDP2 / tensor / context parallel DTensors); pass "
+            "reference_model=, an unsharded copy of the model made before the trainer was built"
+        )
+    class _Recorder(transformers.TrainerCallback):
+        target = steps
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.target = state.global_step + steps
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            grads.append({n: (_full(p.grad) if p.grad is not None else torch.zeros(p.shape)) for n, p in trainable})
+            marks.append(len(recorded))
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step >= self.target:
+                control.should_training_stop = True
+            control.should_save = False
+            control.should_evaluate = False
+            return control
+
+        def on_epoch_end(self, args, state, control, **kw):
+            control.should_save = False
+            control.should_evaluate = False
+            return control
+
+    def training_step(model_arg, inputs, *a, **kw):
+        if len(recorded) == (marks[-1] if marks else 0):  # first micro-batch of a window: the parameters it sees
+            params_at.append({n: _full(p) for n, p in trainable})
+        recorded.append(_to_cpu(inputs))
+        out = type(trainer).training_step(trainer, model_arg, inputs, *a, **kw)
+        returned.append(float(out.detach().float().mean()) if torch.is_tensor(out) else float(out))
+        return out
+
+    args = trainer.args
+    saved_args = {k: getattr(args, k) for k in ("max_grad_norm", "output_dir", "logging_dir") if hasattr(args, k)}
+    saved_trainer = {k: trainer.__dict__.get(k) for k in ("state", "control", "optimizer", "lr_scheduler")}
+    opt_state = copy.deepcopy(trainer.optimizer.state_dict()) if getattr(trainer, "optimizer", None) is not None else None
+    reporting = _reporting_callbacks(trainer)
+    saved_callbacks = list(trainer.callback_handler.callbacks)
+    recorder = _Recorder()
+    tmp = tempfile.mkdtemp(prefix="hf_gradfix_verify_")
+    with _saved_rng(), _no_dropout(model):
+        try:
+            args.max_grad_norm = 0.0  # clipping acts after the gradient is formed
+            args.output_dir = tmp
+            if "logging_dir" in saved_args:
+                args.logging_dir = tmp
+            for cb in reporting:
+                trainer.callback_handler.remove_callback(cb)
+            trainer.add_callback(recorder)
+            trainer.training_step = training_step
+            if run_train is not None:
+                run_train()
+            else:
+                trainer.train(**(train_kwargs or {}))
+        finally:
+            trainer.__dict__.pop("training_step", None)
+            trainer.callback_handler.callbacks[:] = saved_callbacks  # the same objects, in the same order
+            for k, v in saved_args.items():
+                setattr(args, k, v)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if reference_model is not None:  # the ground truth runs on the unsharded copy, in one process
+            ref_params = dict(reference_model.named_parameters())
+            model, trainable_ref = reference_model, [(n, ref_params[n]) for n, _ in trainable]
+        else:
+            trainable_ref = trainable
+        report = _compare(trainer, model, recorded, returned, marks, grads, params_at, trainable_ref, tolerance)
+        model = trainer.model
+        if len(report.steps) < steps:
+            report.notes.append(f"the trainer took {len(report.steps)} of the {steps} steps asked for (its data ran out)")
+        with torch.no_grad():
+            for n, p in trainable:
+                p.copy_(initial[n])
+                p.grad = None
+        for k, v in saved_trainer.items():
+            setattr(trainer, k, v)
+        if opt_state is not None and saved_trainer["optimizer"] is not None:
+            saved_trainer["optimizer"].load_state_dict(opt_state)
+    return report
+
+
+def _compare(trainer, model, recorded, returned, marks, grads, params_at, trainable, tolerance) -> VerifyReport:
+    names = [n for n, _ in trainable]
+    params = [p for _, p in trainable]
+    world = _world()
+    ga = int(trainer.args.gradient_accumulation_steps)
+    first = next((b for b in recorded if "labels" in b or "shift_labels" in b), None)
+    if first is None:
+        raise ValueError("verify_trainer: the trainer's batches carry no 'labels': nothing to compare with")
+    rule, how, head = _detect_rule(model, first, getattr(trainer, "compute_loss_func", None))
+    enc_dec = _is_encoder_decoder(model)
+    ctx = _Context(model=model, names=names, params=params, keys=_forward_keys(model), rule=rule, encoder_decoder=enc_dec,
+                   config=getattr(_base_model(model), "config", None), position_limit=_position_limit(model),
+                   smoothing=float(getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0))
+    if _base_model(model) is not model and rule is CountRule.UNSHIFTED and not enc_dec:
+        # PEFT prompt learning makes labels[..., 0] a target; whether the loss shifts is the base model's rule
+        try:
+            ctx.virtual_shift = _detect_rule(_base_model(model), first, None)[0] is CountRule.SHIFTED
+        except Exception:  # noqa: BLE001 - the base model cannot be probed alone: no virtual-token shift
+            ctx.virtual_shift = False
+    notes: list[str] = []
+    if any(p.dtype != torch.float32 for p in params):
+        notes.append("trainable parameters are not fp32: rounding alone can exceed a tight tolerance")
+    if getattr(trainer.args, "bf16", False) or getattr(trainer.args, "fp16", False):
+        notes.append("mixed precision (bf16/fp16 autocast) is on: expect errors around 1e-3 from rounding alone")
+    report = VerifyReport(exact=True, tolerance=tolerance, world_size=world, grad_accum=ga, packing=False,
+                          trainer=type(trainer).__name__, head=head, count_rule=f"{rule.value} ({how})")
+    groups: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        groups.setdefault(_group_of(n), []).append(i)
+    holds_data = _data_ranks(trainer)
+    for step in range(len(grads)):
+        lo = marks[step - 1] if step else 0
+        window = _gather(recorded[lo:marks[step]])
+        if holds_data is not None:  # one copy of each tp x cp group's batches
+            window = [w for w, keep in zip(window, holds_data) if keep]
+        logged_local = sum(returned[lo:marks[step]])
+        logged = sum(_gather(logged_local)) / world
+        with torch.no_grad():
+            for n, p in trainable:
+                p.copy_(params_at[step][n].to(p.device, p.dtype))
+        step_notes: list[str] = []
+        refs, loss_exact, facts = references(ctx, window, grad_accum=ga, notes=step_notes)
+        for note in step_notes:
+            if note not in notes:
+                notes.append(note)
+        report.packing = report.packing or facts["packed"]
+        g = [grads[step][n] for n in names]
+        candidates = {name: _rel(g, [x.cpu() for x in ref]) for name, ref in refs.items()}
+        c, scaled = _scale_fit(g, refs["exact"])
+        if abs(c - 1.0) > tolerance:  # a factor indistinguishable from 1 is rounding, not a diagnosis
+            candidates["scaled"] = _rel(g, [x.cpu() for x in scaled])
+        loss_err = abs(logged - loss_exact) / max(abs(loss_exact), 1e-30)
+        verdict = verdict_of(candidates, loss_err, tolerance)
+        detail = ""
+        if verdict == "scaled":
+            detail = f"x{c:.6g}"
+        elif verdict == "reported_loss":
+            detail = f"reported {logged:.6g}, exact {loss_exact:.6g}, x{logged / loss_exact if loss_exact else math.nan:.4g}"
+        elif verdict not in ("exact", "unexplained"):
+            detail = f"reproduces the run to {candidates[verdict]:.1e}"
+        report.steps.append(StepResult(
+            step=step + 1, loss_exact=loss_exact, loss_logged=logged, loss_rel_err=loss_err,
+            grad_rel_err=candidates["exact"], verdict=verdict, candidates=candidates, detail=detail,
+            groups={k: _rel(g, [x.cpu() for x in refs["exact"]], idx) for k, idx in groups.items()},
+            targets=facts["targets"], micro_batches=facts["micro_batches"], sequences=facts["sequences"],
+        ))
+        if verdict != "exact":
+            report.exact = False
+            if verdict not in report.broken:
+                report.broken.append(verdict)
+    report.notes = notes
+    return report
+
+
+# ------------------------------------------------------------------------------------------ the built-in run
+
+
 def _inject_trainer(base: type, bug: str | None, grad_accum: int) -> type:
-    """A Trainer subclass that plants ``bug`` in the configured run (for proving the detector works)."""
+    """A Trainer subclass that plants ``bug`` in the built-in run (for proving the detector works)."""
     if bug is None:
         return base
 
@@ -256,25 +1014,6 @@ def _inject_trainer(base: type, bug: str | None, grad_accum: int) -> type:
     return Injected
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A detached full CPU copy (a DTensor shard of FSDP2 / TP gathered: a collective on every rank)."""
-    full = getattr(t, "full_tensor", None)
-    return (full() if callable(full) else t).detach().clone().cpu()
-
-
-def _world() -> int:
-    d = torch.distributed
-    return d.get_world_size() if d.is_available() and d.is_initialized() else 1
-
-
-def _gather(obj: Any) -> list:
-    if _world() == 1:
-        return [obj]
-    out: list = [None] * _world()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 def verify(
     model: nn.Module | Callable[[], nn.Module] | None = None,
     samples: Sequence[dict] | None = None,
@@ -289,7 +1028,8 @@ def verify(
     output_dir: str | None = None,
     learning_rate: float = 1e-3,
 ) -> VerifyReport:
-    """Run ``steps`` optimizer steps the configured way and compare each gradient with the ground truth.
+    """The built-in run: a plain ``Trainer`` with the hf_gradfix configuration on a causal LM, checked by
+    :func:`verify_trainer`.
 
     ``model``: a causal LM (or a zero-argument builder; default :func:`tiny_model`); ``samples``: dicts with
     ``input_ids`` and ``labels`` (default :func:`synthetic_samples`); ``config``: the hf_gradfix configuration
@@ -315,12 +1055,6 @@ def verify(
     if inject == "count_unshifted":  # a causal LM counted with the token-classification rule
         cfg.loss.count_rule = "unshifted"
     model = model() if callable(model) and not isinstance(model, nn.Module) else (model or tiny_model())
-    for m in model.modules():  # dropout makes the two ways differ by design
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(getattr(model, "config", None), key):
-            setattr(model.config, key, 0.0)
     vocab = int(getattr(model.config, "vocab_size", 128))
     launched = max(1, int(os.environ.get("WORLD_SIZE", "1")))  # the process group starts with the Trainer
     if inject == "world_scaled" and launched == 1:
@@ -329,80 +1063,31 @@ def verify(
     if inject == "cross_attention":
         # a model that ignores the boundaries: position_ids restarts are dropped before the forward
         model = _BoundaryBlind(model)
-    recorded: list[list[dict]] = []
-    grads: list[dict] = []
-    losses: list[float | None] = []
-
-    class Recorder(transformers.TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-            m = model.module if hasattr(model, "module") else model
-            grads.append({n: _full(p.grad) for n, p in m.named_parameters() if p.grad is not None})
-            marks.append(len(recorded))  # the micro-batches of this window end here (packing may give fewer than GA)
-            params.append({n: _full(p) for n, p in m.named_parameters()})
-
-    params: list[dict] = []
-    marks: list[int] = []
     out = output_dir or tempfile.mkdtemp(prefix="hf_gradfix_verify_")
-    args = transformers.TrainingArguments(
-        output_dir=out, report_to="none", per_device_train_batch_size=batch_size, gradient_accumulation_steps=grad_accum,
-        max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1,
-        save_strategy="no", remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), seed=0,
-    )
-    base = _inject_trainer(transformers.Trainer, inject, grad_accum)
+    try:
+        args = transformers.TrainingArguments(
+            output_dir=out, report_to="none", per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=grad_accum, max_steps=steps, learning_rate=learning_rate,
+            lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+            remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True,
+            use_cpu=not torch.cuda.is_available(), seed=0,
+        )
+        base = _inject_trainer(transformers.Trainer, inject, grad_accum)
+        collator = _PadCollator(int(getattr(model.config, "pad_token_id", None) or 0))
+        from hf_gradfix.integration.nd import requested
 
-    class RecordingTrainer(base):  # type: ignore[misc, valid-type]
-        def training_step(self, model, inputs, *a, **kw):
-            recorded.append({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in inputs.items()})
-            return super().training_step(model, inputs, *a, **kw)
-
-    from hf_gradfix.integration.nd import requested
-
-    # an ND mesh (tp / FSDP2 / cp) shards the model in place: keep an unsharded copy for the references
-    unsharded = copy.deepcopy(model.inner if isinstance(model, _BoundaryBlind) else model) if requested(cfg.parallel) else None
-    collator = _PadCollator(int(getattr(model.config, "pad_token_id", None) or 0))
-    trainer = RecordingTrainer(model=model, args=args, train_dataset=_ListDataset(samples), data_collator=collator,
-                               callbacks=[Recorder(), hf_gradfix.GradFixCallback(cfg)])
-    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # keep stdout for the report
-    trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
-    trainer.train()
-    for entry in trainer.state.log_history:
-        if "loss" in entry:
-            losses.append(float(entry["loss"]))
-    world = _world()
-    report = VerifyReport(exact=True, tolerance=tolerance, world_size=world, grad_accum=grad_accum, packing=cfg.packing.enabled)
-    base_model = unsharded if unsharded is not None else (model.inner if isinstance(model, _BoundaryBlind) else model)
-    state = hf_gradfix.state_of(trainer)
-    dims = state.nd.dims if state is not None and state.nd is not None else None
-    # ranks of one tp x cp group trained on the same batches: the window holds one of them (coords tp = cp = 0)
-    holds_data = [dims is None or (dims.coords(r)["tp"] == 0 and dims.coords(r)["cp"] == 0) for r in range(world)]
-    data_ranks = sum(holds_data)
-    for step in range(len(grads)):
-        gathered = _gather(recorded[(marks[step - 1] if step else 0):marks[step]])
-        window = [w for r, w in enumerate(gathered) if holds_data[r]]
-        ref_model = copy.deepcopy(base_model).cpu()
-        ref_model.load_state_dict({k.removeprefix("inner."): v for k, v in params[step].items()}, strict=False)
-        hyps, loss_exact = references(ref_model, window, grad_accum=grad_accum, world=data_ranks, packed=cfg.packing.enabled or inject == "cross_attention")
-        g = {k.removeprefix("inner."): v for k, v in grads[step].items()}
-        keys = [k for k in hyps["exact"] if k in g]
-        candidates = {name: _rel(g, h, keys) for name, h in hyps.items()}
-        err = candidates["exact"]
-        verdict = "exact" if err <= tolerance else min(candidates, key=candidates.get)
-        if verdict != "exact" and candidates[verdict] > 1e-3:
-            verdict = "unexplained"
-        groups: dict[str, list[str]] = {}
-        for k in keys:
-            groups.setdefault(_group_of(k), []).append(k)
-        logged = losses[step] if step < len(losses) else None
-        loss_err = abs(logged - loss_exact) / max(abs(loss_exact), 1e-30) if logged is not None else None
-        report.steps.append(StepResult(
-            step=step + 1, loss_exact=loss_exact, loss_logged=logged, loss_rel_err=loss_err, grad_rel_err=err,
-            groups={name: _rel(g, hyps["exact"], ks) for name, ks in groups.items()}, verdict=verdict, candidates=candidates,
-        ))
-        if verdict != "exact":
-            report.exact = False
-            if verdict not in report.broken:
-                report.broken.append(verdict)
+        # an ND mesh (tp / FSDP2 / cp) shards the model in place when the trainer is built: keep an unsharded copy
+        unsharded = copy.deepcopy(model) if requested(cfg.parallel) else None
+        trainer = base(model=model, args=args, train_dataset=_ListDataset(samples), data_collator=collator,
+                       callbacks=[hf_gradfix.GradFixCallback(cfg)])
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # keep stdout for the report
+        trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
+        report = verify_trainer(trainer, steps=steps, tolerance=tolerance, reference_model=unsharded)
+    finally:
+        if output_dir is None:
+            shutil.rmtree(out, ignore_errors=True)
+    report.grad_accum = grad_accum
+    report.packing = report.packing or cfg.packing.enabled
     return report
 
 
@@ -448,6 +1133,35 @@ class _PadCollator:
             labels[i, :n] = torch.as_tensor(f["labels"])
             mask[i, :n] = 1
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def plot_report(report: VerifyReport, path: str) -> str:
+    """Per step: the run's gradient error against the exact gradient and every reference (log scale), with the
+    tolerance; the verdict in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({k for s in report.steps for k in s.candidates}, key=lambda k: (k != "exact", k))
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(names) + 4), 4.2))
+    width = 0.8 / max(len(report.steps), 1)
+    for i, s in enumerate(report.steps):
+        ys = [max(s.candidates.get(k, math.nan), 1e-12) for k in names]
+        ax.bar([j + i * width for j in range(len(names))], ys, width=width, label=f"step {s.step} ({s.verdict})")
+    ax.axhline(report.tolerance, color="red", linestyle="--", label=f"tolerance {report.tolerance:g}")
+    ax.set_yscale("log")
+    ax.set_xticks([j + width * (len(report.steps) - 1) / 2 for j in range(len(names))])
+    ax.set_xticklabels(names, rotation=40, ha="right", fontsize=8)
+    ax.set_ylabel("run's relative gradient error")
+    verdict = "EXACT" if report.exact else "NOT EXACT: " + ", ".join(report.broken)
+    ax.set_title(f"hf-gradfix verify ({report.trainer or 'Trainer'}): {verdict}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_loss_curves(path: str, model: Any = None, samples: Sequence[dict] | None = None, *, steps: int = 20,

@@ -1,4 +1,11 @@
-"""``hf-gradfix verify``: passes exact runs, flags every planted bug with the invariant it breaks."""
+"""``hf-gradfix verify``: the verdict follows the numbers; the user's own script is checked; every planted bug is
+caught and named, the same scripts fixed pass.
+
+The user scripts live in tests/verify_scripts/ (a tokenizer trained offline, ``datasets``, transformers' own
+collators returning ``BatchEncoding``).  The ground truth is computed by hf_gradfix.verify in plain PyTorch; the
+planted bugs are written in the scripts, independently of it, and each must be named by the one reference that
+reproduces the run's gradient to fp32 precision.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +13,74 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+import transformers
 import yaml
 
 import harness as H
 from hf_gradfix.cli import main
-from hf_gradfix.verify import verify
+from hf_gradfix.verify import _ListDataset, _PadCollator, synthetic_samples, tiny_model, verdict_of, verify, verify_trainer
+from hf_gradfix.verify_cli import trainer_train_hook
+
+SCRIPTS = Path(__file__).resolve().parent / "verify_scripts"
+USER = str(SCRIPTS / "train_user.py")
 
 
-def test_exact_runs_pass():
+def _verify_script(capsys, tmp_path, *script_args, steps=1, extra=()):
+    """``hf-gradfix verify --json -- python train_user.py ...`` in this process: (exit code, report dict)."""
+    out = tmp_path / "run"
+    code = main(["verify", "--steps", str(steps), "--json", *extra, "--", sys.executable, USER, *script_args,
+                 "--output_dir", str(out)])
+    captured = capsys.readouterr()
+    assert "TRAINING FINISHED" not in captured.out + captured.err  # the script was stopped after the checked steps
+    return code, json.loads(captured.out), captured.err
+
+
+# ------------------------------------------------------------------------------------------ the verdict
+
+
+def test_verdict_rules():
+    tol = 1e-5
+    assert verdict_of({"exact": 3e-8}, None, tol) == "exact"
+    assert verdict_of({"exact": 3e-8}, 2e-3, tol) == "reported_loss"  # gradient right, reported loss wrong
+    assert verdict_of({"exact": 0.7, "ga_scaled": 2e-7, "mean_of_means": 0.5}, 0.7, tol) == "ga_scaled"
+    # nearest is not enough: a reference must reproduce the run within the tolerance
+    assert verdict_of({"exact": 0.7, "ga_scaled": 2e-3, "mean_of_means": 0.5}, 0.7, tol) == "unexplained"
+    # the fitted scale is named only when no fixed-formula reference fits
+    assert verdict_of({"exact": 3.0, "ga_scaled": 3e-7, "scaled": 2e-7}, 3.0, tol) == "ga_scaled"
+    assert verdict_of({"exact": 3.0, "ga_scaled": 0.2, "scaled": 2e-7}, 3.0, tol) == "scaled"
+    # "exact" is never a fallback: an error above the tolerance is NOT EXACT even if it is the nearest
+    assert verdict_of({"exact": 2e-5, "ga_scaled": 3.0}, None, tol) == "unexplained"
+
+
+def test_tolerance_edge(capsys):
+    """EXACT exactly when every error is within --tolerance: just above the run's error passes, just below fails
+    (and, with no reference within that tolerance either, is 'unexplained'), with the exit codes to match."""
+    assert main(["verify", "--steps", "1", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    step = rep["steps"][0]
+    err = max(step["grad_rel_err"], step["loss_rel_err"])
+    assert 0 < err < 1e-5
+    assert main(["verify", "--steps", "1", "--json", "--tolerance", repr(err * 1.01)]) == 0
+    assert json.loads(capsys.readouterr().out)["exact"] is True
+    assert main(["verify", "--steps", "1", "--tolerance", repr(err * 0.99)]) == 1
+    text = capsys.readouterr().out
+    assert "NOT EXACT: unexplained" in text and "\nEXACT" not in text
+
+
+# ------------------------------------------------------------------------------------------ the built-in run
+
+
+def test_builtin_exact_runs_pass():
     plain = verify(steps=1)
     packed = verify(steps=1, packing=True)
     for rep in (plain, packed):
         assert rep.exact and not rep.broken
         assert rep.steps[0].grad_rel_err < 1e-5 and rep.steps[0].loss_rel_err < 1e-5
-    assert packed.packing
+    assert packed.packing and packed.steps[0].sequences > packed.steps[0].micro_batches
 
 
 @pytest.mark.parametrize("bug, verdicts", [
@@ -30,34 +89,233 @@ def test_exact_runs_pass():
     ("count_unshifted", {"count_unshifted"}),
     ("cross_attention", {"cross_attention"}),
 ])
-def test_each_planted_bug_is_named(bug, verdicts):
+def test_builtin_planted_bug_is_named(bug, verdicts):
     rep = verify(steps=1, inject=bug)
     assert not rep.exact
     assert rep.steps[0].verdict in verdicts, rep.steps[0].candidates
     assert rep.steps[0].grad_rel_err > 1e-3  # the bug is real, not noise
-    # the named explanation reproduces the planted gradient to fp32 precision
-    assert rep.steps[0].candidates[rep.steps[0].verdict] < 1e-5
+    assert rep.steps[0].candidates[rep.steps[0].verdict] < 1e-5  # the named reference reproduces it
 
 
 def test_cli_json_exit_code_and_plot(tmp_path, capsys):
-    assert main(["verify", "--steps", "1", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["exact"] is True and data["steps"][0]["verdict"] == "exact"
-    assert main(["verify", "--steps", "1", "--inject", "ga_scaled"]) == 1
+    png = tmp_path / "errors.png"
+    assert main(["verify", "--steps", "1", "--inject", "ga_scaled", "--plot", str(png)]) == 1
     assert "NOT EXACT: scaling by GA" in capsys.readouterr().out
-    png = tmp_path / "curves.png"
-    assert main(["verify", "--steps", "1", "--plot", str(png), "--plot-steps", "3"]) == 0
     assert png.stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------------------------ the user's script
+
+
+@pytest.mark.parametrize("bug, verdict", [
+    ("seq_divide", "per_row"),  # a Trainer subclass dividing the summed loss by the number of sequences
+    ("collator_shift", "labels_offset"),  # a collator that shifts labels itself
+    ("loss_func_mean", "mean_of_means_summed"),  # a compute_loss_func averaging per micro-batch
+    ("dataset_offset", "labels_offset"),  # a dataset whose labels are input_ids shifted by one
+    ("pad_labels", "padding_targets"),  # a collator padding labels with the pad id: the loss trains on padding
+])
+def test_planted_bug_in_user_script_is_caught_and_named_and_the_fix_passes(capsys, tmp_path, bug, verdict):
+    code, rep, _ = _verify_script(capsys, tmp_path, "--bug", bug)
+    assert code == 1 and rep["exact"] is False, rep
+    step = rep["steps"][0]
+    assert step["verdict"] == verdict, step["candidates"]
+    assert step["grad_rel_err"] > 1e-2
+    assert step["candidates"][verdict] <= 1e-5
+    assert rep["broken"] == [verdict]
+    code, rep, _ = _verify_script(capsys, tmp_path, "--bug", bug, "--fixed")
+    assert code == 0 and rep["exact"] is True, rep
+    assert rep["steps"][0]["grad_rel_err"] <= 1e-5
+    run = tmp_path / "run"  # the user's output_dir (transformers creates it): no checkpoint, no log of the checked steps
+    assert not run.exists() or not any(run.iterdir())
+
+
+@pytest.mark.parametrize("head, verdict", [
+    ("mlm", "mean_of_means_summed"),  # BERT-style heads ignore num_items_in_batch: micro-batch means summed
+    ("tokcls", "mean_of_means_summed"),
+    ("seq2seq", "mean_of_means_summed"),
+])
+def test_heads_stock_is_named_and_one_micro_batch_is_exact(capsys, tmp_path, head, verdict):
+    """The ground truth for masked LM, token classification and seq2seq (unshifted count rule): stock transformers
+    is exact with one micro-batch per step, and the known GA bug of these heads is named with GA 4."""
+    code, rep, _ = _verify_script(capsys, tmp_path, "--head", head, "--ga", "1", "--bs", "4")
+    assert code == 0, rep
+    assert rep["count_rule"].startswith("unshifted")
+    code, rep, _ = _verify_script(capsys, tmp_path, "--head", head)
+    assert code == 1 and rep["steps"][0]["verdict"] == verdict, rep["steps"][0]["candidates"]
+
+
+def test_label_smoothing_is_part_of_the_ground_truth(capsys, tmp_path):
+    code, rep, _ = _verify_script(capsys, tmp_path, "--label-smoothing", "0.1")
+    assert code == 0, rep
+
+
+def test_sequence_classification_patched_is_exact(capsys, tmp_path):
+    code, rep, _ = _verify_script(capsys, tmp_path, "--head", "seqcls", "--patch")
+    assert code == 0, rep
+    assert rep["count_rule"].startswith("elements")
+
+
+def test_learned_positions_with_packing(capsys, tmp_path):
+    """GPT-2 (64 learned positions) packed into 4096-token rows: exact, the row-as-one-sequence reference is
+    skipped with a note instead of overflowing the position table; stock GPT-2 has the count off by one per row."""
+    code, rep, _ = _verify_script(capsys, tmp_path, "--arch", "gpt2", "--patch", "--packing")
+    assert code == 0, rep
+    assert rep["packing"] is True and rep["steps"][0]["sequences"] > rep["steps"][0]["micro_batches"]
+    assert any("cross_attention skipped" in n and "position table" in n for n in rep["notes"]), rep["notes"]
+    code, rep, _ = _verify_script(capsys, tmp_path, "--arch", "gpt2")
+    assert code == 1 and rep["steps"][0]["verdict"] == "count_unshifted"
+
+
+def test_module_form_text_report_and_plot(capsys, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.chdir(tmp_path)
+    png = tmp_path / "errors.png"
+    before = transformers.Trainer.train
+    code = main(["verify", "--steps", "2", "--plot", str(png), "--", "python", "-m", "train_user", "--bug", "seq_divide",
+                 "--output_dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "SequenceMeanTrainer, 2 step(s)" in out and "step 2:" in out
+    assert "NOT EXACT: sequence count" in out
+    assert transformers.Trainer.train is before  # the hook is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["errors.png", "run"]  # only what was asked for
+    assert not any((tmp_path / "run").iterdir())
+    assert png.stat().st_size > 1000
+
+
+def test_script_without_trainer_and_bad_arguments(capsys, tmp_path):
+    script = tmp_path / "no_trainer.py"
+    script.write_text("print('hello')\n")
+    assert main(["verify", "--", "python", str(script)]) == 2
+    assert "without calling train()" in capsys.readouterr().err
+    assert main(["verify", "--model", "tiny", "--", "python", str(script)]) == 2
+    assert "--model only apply to the built-in run" in capsys.readouterr().err
+    assert main(["verify", "--", "python", str(tmp_path / "missing.py")]) == 2
+    script.write_text("raise ValueError('boom')\n")
+    assert main(["verify", "--", str(script)]) == 2
+    assert "boom" in capsys.readouterr().err
+
+
+def test_hook_is_reversible_and_fires_once():
+    before = transformers.Trainer.train
+    seen = []
+    with trainer_train_hook(lambda trainer, run: seen.append(trainer)):
+        assert transformers.Trainer.train is not before
+        transformers.Trainer.train("first")
+        assert transformers.Trainer.train is before  # removed as soon as it fired
+    assert transformers.Trainer.train is before and seen == ["first"]
+    with pytest.raises(RuntimeError):
+        with trainer_train_hook(lambda trainer, run: None):
+            raise RuntimeError("user error")
+    assert transformers.Trainer.train is before
+
+
+# ------------------------------------------------------------------------------------------ the Python API
+
+
+def _tiny_trainer(tmp_path, collator=None, model=None, **kw):
+    args = transformers.TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=3,
+                                          report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+                                          max_steps=4, learning_rate=1e-2, **kw)
+    return transformers.Trainer(model=model or tiny_model(), args=args, data_collator=collator or _PadCollator(0),
+                                train_dataset=_ListDataset(synthetic_samples(40, 128)))
+
+
+def test_verify_trainer_api_restores_the_trainer(tmp_path):
+    """verify_trainer on a stock Trainer with BatchEncoding batches: exact, and afterwards the trainer trains as if
+    it had never been checked (parameters, RNG, state, arguments, callbacks put back)."""
+    pad = _PadCollator(0)
+
+    def collate(features):  # what transformers' collators return
+        return transformers.BatchEncoding(pad(features))
+
+    reference = _tiny_trainer(tmp_path, collate)
+    reference.train()
+    expected = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
+
+    trainer = _tiny_trainer(tmp_path, collate)
+    callbacks = list(trainer.callback_handler.callbacks)
+    report = verify_trainer(trainer, steps=2)
+    assert report.exact and len(report.steps) == 2, "\n".join(report.lines())
+    assert trainer.state.global_step == 0 and trainer.args.max_grad_norm == 1.0
+    assert trainer.callback_handler.callbacks == callbacks
+    trainer.train()
+    for n, p in trainer.model.named_parameters():
+        torch.testing.assert_close(p, expected[n], rtol=0, atol=0)
+
+
+def test_trl_sft_trainer(tmp_path):
+    trl = pytest.importorskip("trl")
+    import datasets
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import train_user
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    tok = train_user.build_tokenizer()
+    model = train_user.build_model("causal", "llama", len(tok), tok.pad_token_id)
+    ds = datasets.Dataset.from_dict({"text": train_user.sentences(32)})
+    cfg = trl.SFTConfig(output_dir=str(tmp_path / "sft"), per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                        max_steps=2, report_to="none", use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
+                        max_length=40, learning_rate=1e-3)
+    trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
+    report = verify_trainer(trainer, steps=1)
+    assert report.trainer == "SFTTrainer"
+    assert report.exact, "\n".join(report.lines())
+
+
+# ------------------------------------------------------------------------------------------ several ranks
+
+
+def _cpu_yaml(tmp_path):
+    cfg = tmp_path / "cpu.yaml"
+    cfg.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU", "num_processes": 2, "num_machines": 1, "machine_rank": 0,
+                                   "main_process_ip": "127.0.0.1", "main_process_port": H._free_port(), "use_cpu": True}))
+    return cfg
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("inject, code, expect", [(None, 0, "EXACT"), ("world_scaled", 1, "NOT EXACT: scaling by world size")])
 def test_two_ranks_through_hf_gradfix_launch(tmp_path, inject, code, expect):
-    cfg = tmp_path / "cpu.yaml"
-    cfg.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU", "num_processes": 2, "num_machines": 1, "machine_rank": 0,
-                                   "main_process_ip": "127.0.0.1", "main_process_port": H._free_port(), "use_cpu": True}))
-    cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(cfg), "-m", "hf_gradfix", "verify", "--steps", "1"]
+    cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(_cpu_yaml(tmp_path)), "-m", "hf_gradfix",
+           "verify", "--steps", "1"]
     cmd += ["--inject", inject] if inject else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert (proc.returncode != 0) == bool(code), proc.stderr[-2000:]
     assert "2 rank(s)" in proc.stdout and expect in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.distributed
+def test_user_script_on_two_ranks_through_hf_gradfix_launch(tmp_path):
+    """A compute_loss_func averaging per micro-batch on 2 ranks: transformers also multiplies it by the ranks."""
+    cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(_cpu_yaml(tmp_path)), "-m", "hf_gradfix",
+           "verify", "--steps", "1", "--json", "--", USER, "--bug", "loss_func_mean", "--output_dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    rep = json.loads(proc.stdout)
+    assert rep["world_size"] == 2 and rep["steps"][0]["verdict"] == "mean_of_means_summed+world_scaled", rep["steps"][0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.yaml", "run"] and not any((tmp_path / "run").iterdir())
+
+
+def test_peft_prompt_tuning_and_lora(tmp_path):
+    """PEFT: virtual tokens make labels[..., 0] a target of the causal loss (stock 5.x counts labels[..., 1:], the
+    count off by one per row, named count_shifted); with hf_gradfix exact; LoRA exact."""
+    peft = pytest.importorskip("peft")
+    import hf_gradfix
+
+    def prompt_model():
+        return peft.get_peft_model(tiny_model(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+
+    stock = verify_trainer(_tiny_trainer(tmp_path, model=prompt_model()), steps=1)
+    assert stock.steps[0].verdict == "count_shifted", stock.steps[0].candidates
+    hf_gradfix.patch()
+    try:
+        fixed = verify_trainer(_tiny_trainer(tmp_path, model=prompt_model()), steps=1)
+    finally:
+        hf_gradfix.unpatch()
+    assert fixed.exact, "\n".join(fixed.lines())
+    lora = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    rep = verify_trainer(_tiny_trainer(tmp_path, model=lora), steps=1)
+    assert rep.exact and "adapters" in rep.steps[0].groups, "\n".join(rep.lines())

@@ -1,0 +1,229 @@
+"""hf-gradfix verify: run your training script unchanged and check its Trainer's first optimizer steps against a
+one-process ground truth (exit 0 EXACT, 1 NOT EXACT, 2 nothing checked).
+
+Usage:
+
+    hf-gradfix verify [--steps 2] [--tolerance 1e-5] [--json] [--plot FILE.png] -- python train.py ARGS...
+    hf-gradfix verify [options] -- -m my_package.train ARGS...
+    hf-gradfix launch --config_file run.yaml -m hf_gradfix verify [options] -- train.py ARGS...   # every rank
+    hf-gradfix verify --model tiny --grad-accum 4 --steps 2     # the built-in run (no script)
+
+With a script, the script runs unchanged in this process (``runpy``, its own ``sys.argv``); the first
+``transformers.Trainer`` (any subclass, TRL trainers) whose ``train()`` it calls is checked by
+:func:`hf_gradfix.verify.verify_trainer` for ``--steps`` optimizer steps, and the script is stopped there.
+Exit code 0 when EXACT, 1 when NOT EXACT, 2 when nothing could be checked (the script failed or trained no
+Trainer, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import runpy
+import sys
+import traceback
+from typing import Any, Callable, Iterator, Sequence
+
+__all__ = ["verify_main", "add_verify_arguments", "trainer_train_hook", "run_script"]
+
+_BUILTIN_ONLY = ("model", "config", "data", "grad_accum", "batch_size", "packing", "inject", "plot_curves")
+
+
+def add_verify_arguments(ver: argparse.ArgumentParser) -> None:
+    """The options of ``hf-gradfix verify`` (the script's own command line goes after ``--``)."""
+    ver.add_argument("--steps", type=int, default=2, help="optimizer steps to check (default 2)")
+    ver.add_argument("--tolerance", type=float, default=1e-5,
+                     help="relative gradient and loss error that counts as exact (default 1e-5)")
+    ver.add_argument("--json", action="store_true", help="print the report as JSON (the script's own output goes to stderr)")
+    ver.add_argument("--plot", default=None, metavar="FILE.png", help="draw the run's error against every reference")
+    built = ver.add_argument_group("built-in run (no script after --)")
+    built.add_argument("--model", default=None, help="'tiny' (default), a local directory or a hub id (causal LM)")
+    built.add_argument("--config", default=None, help="YAML with the hf_gradfix section (default: $HF_GRADFIX_CONFIG)")
+    built.add_argument("--data", default=None, help=".jsonl of input_ids/labels or a text file (default: synthetic)")
+    built.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation steps (default 4)")
+    built.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch and rank (default 2)")
+    built.add_argument("--packing", action="store_true", default=None, help="force packing on")
+    built.add_argument("--inject", default=None, help="plant a known bug to see it caught: " + ", ".join(
+        ("mean_of_means", "ga_scaled", "world_scaled", "count_unshifted", "cross_attention")))
+    built.add_argument("--plot-curves", default=None, metavar="FILE.png",
+                       help="also draw loss curves with and without hf_gradfix")
+    built.add_argument("--plot-steps", type=int, default=20, help="steps of the --plot-curves runs")
+
+
+class _Checked(BaseException):
+    """Raised out of the hooked ``Trainer.train`` to stop the user's script once its trainer is checked
+    (a BaseException, so that the script's own ``except Exception`` does not swallow it)."""
+
+    def __init__(self, report: Any):
+        super().__init__("hf-gradfix verify: trainer checked")
+        self.report = report
+
+
+@contextlib.contextmanager
+def trainer_train_hook(on_train: Callable[[Any, Callable[[], Any]], Any]) -> Iterator[None]:
+    """Within the block, the first ``transformers.Trainer.train`` call (of any subclass that reaches it) runs
+    ``on_train(trainer, run_train)`` instead; ``run_train()`` is that call, unhooked.
+
+    The only change verify makes to transformers: installed here, removed here (also on errors), once only.
+
+    >>> import transformers
+    >>> before = transformers.Trainer.train
+    >>> with trainer_train_hook(lambda trainer, run: None):
+    ...     transformers.Trainer.train is before
+    False
+    >>> transformers.Trainer.train is before
+    True
+    """
+    import transformers
+
+    original = transformers.Trainer.train
+    fired = []
+
+    @functools.wraps(original)
+    def train(self, *args, **kwargs):
+        if fired:
+            return original(self, *args, **kwargs)
+        fired.append(True)
+        transformers.Trainer.train = original
+        return on_train(self, lambda: original(self, *args, **kwargs))
+
+    transformers.Trainer.train = train
+    try:
+        yield
+    finally:
+        transformers.Trainer.train = original
+
+
+def _split_command(command: Sequence[str]) -> tuple[str, str, list[str]]:
+    """``("path"|"module", target, args)`` from ``python [-u] train.py ARGS`` / ``train.py ARGS`` / ``-m mod ARGS``."""
+    cmd = list(command)
+    if cmd and os.path.basename(cmd[0]).startswith("python"):
+        cmd = cmd[1:]
+        while cmd and cmd[0].startswith("-") and cmd[0] != "-m":
+            if cmd[0] in ("-c", "-"):
+                raise ValueError("hf-gradfix verify: `python -c` / stdin scripts are not supported; pass a script file or -m module")
+            cmd = cmd[1:]
+    if not cmd:
+        raise ValueError("hf-gradfix verify: nothing to run after --; e.g. hf-gradfix verify -- python train.py ARGS")
+    if cmd[0] == "-m":
+        if len(cmd) < 2:
+            raise ValueError("hf-gradfix verify: -m needs a module name")
+        return "module", cmd[1], cmd[2:]
+    if not os.path.isfile(cmd[0]):
+        raise ValueError(f"hf-gradfix verify: script {cmd[0]!r} not found")
+    return "path", cmd[0], cmd[1:]
+
+
+def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-5, quiet_stdout: bool = False) -> Any:
+    """Run the user's command in this process and return the :class:`~hf_gradfix.verify.VerifyReport` of the
+    first Trainer it trains.  Raises ``RuntimeError`` when the script trains none."""
+    from .verify import verify_trainer
+
+    kind, target, args = _split_command(command)
+
+    def on_train(trainer, run_train):
+        raise _Checked(verify_trainer(trainer, steps, tolerance=tolerance, run_train=run_train))
+
+    from .integration.patching import is_patched, unpatch
+
+    was_patched = is_patched()
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    redirect = contextlib.redirect_stdout(sys.stderr) if quiet_stdout else contextlib.nullcontext()
+    try:
+        with redirect, trainer_train_hook(on_train):
+            if kind == "module":
+                sys.argv = [target, *args]
+                if "" not in sys.path:
+                    sys.path.insert(0, os.getcwd())
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [target, *args]
+                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+                runpy.run_path(target, run_name="__main__")
+    except _Checked as done:
+        return done.report
+    except SystemExit as ex:
+        if ex.code not in (None, 0):
+            raise RuntimeError(f"the script exited with status {ex.code} before training a Trainer") from None
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        if is_patched() and not was_patched:  # the script's hf_gradfix.patch() ends with the script
+            unpatch()
+    raise RuntimeError("the script finished without calling train() on a transformers.Trainer: nothing to verify")
+
+
+def _print_report(report: Any, ns: argparse.Namespace) -> None:
+    from .verify import plot_report
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    print(report.to_json() if ns.json else "\n".join(report.lines()), flush=True)
+    if ns.plot:
+        plot_report(report, ns.plot)
+        if not ns.json:
+            print(f"plot: {ns.plot}")
+
+
+def verify_main(argv: Sequence[str]) -> int:
+    """``hf-gradfix verify ...``; returns the exit code (0 EXACT, 1 NOT EXACT, 2 nothing checked)."""
+    argv = list(argv)
+    command: list[str] | None = None
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="hf-gradfix verify", description="\n\n".join(__doc__.split("\n\n")[:3]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="hf-gradfix verify [options] -- python train.py ARGS... | -m module ARGS...")
+    add_verify_arguments(parser)
+    ns = parser.parse_args(argv)
+    if ns.steps < 1:
+        print(f"hf-gradfix verify: --steps={ns.steps}: must be >= 1", file=sys.stderr)
+        return 2
+    if ns.tolerance <= 0:
+        print(f"hf-gradfix verify: --tolerance={ns.tolerance}: must be > 0", file=sys.stderr)
+        return 2
+    if command is not None:
+        given = [f"--{k.replace('_', '-')}" for k in _BUILTIN_ONLY if getattr(ns, k) is not None]
+        if given:
+            print(f"hf-gradfix verify: {', '.join(given)} only apply to the built-in run; with a script, its own "
+                  "model, data and configuration are used (set the hf_gradfix configuration with hf-gradfix launch "
+                  "or $HF_GRADFIX_CONFIG)", file=sys.stderr)
+            return 2
+        try:
+            report = run_script(command, steps=ns.steps, tolerance=ns.tolerance, quiet_stdout=ns.json)
+        except ValueError as err:
+            print(str(err), file=sys.stderr)
+            return 2
+        except RuntimeError as err:
+            print(f"hf-gradfix verify: {err}", file=sys.stderr)
+            return 2
+        except Exception:  # the user's script failed: its traceback, then our line
+            traceback.print_exc()
+            print("hf-gradfix verify: the script raised before its Trainer could be checked (traceback above)",
+                  file=sys.stderr)
+            return 2
+        _print_report(report, ns)
+        return 0 if report.exact else 1
+    return _builtin(ns)
+
+
+def _builtin(ns: argparse.Namespace) -> int:
+    from . import verify as V
+
+    spec = ns.model or "tiny"
+    grad_accum = ns.grad_accum or 4
+    batch_size = ns.batch_size or 2
+    model = V.load_model(spec)
+    n = batch_size * grad_accum * max(1, int(os.environ.get("WORLD_SIZE", "1"))) * ns.steps * 2
+    samples = V.load_samples(ns.data, model, spec, n)
+    report = V.verify(lambda: model, samples, config=ns.config, grad_accum=grad_accum, batch_size=batch_size,
+                      steps=ns.steps, packing=ns.packing, inject=ns.inject, tolerance=ns.tolerance)
+    _print_report(report, ns)
+    if ns.plot_curves and int(os.environ.get("RANK", "0")) == 0:
+        V.plot_loss_curves(ns.plot_curves, lambda: V.load_model(spec), samples, steps=ns.plot_steps,
+                           grad_accum=grad_accum, batch_size=batch_size, config=ns.config)
+        print(f"loss curves: {ns.plot_curves}")
+    return 0 if report.exact else 1
