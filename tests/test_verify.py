@@ -144,6 +144,24 @@ def test_heads_stock_is_named_and_one_micro_batch_is_exact(capsys, tmp_path, hea
     assert code == 1 and rep["steps"][0]["verdict"] == verdict, rep["steps"][0]["candidates"]
 
 
+@pytest.mark.parametrize("head", ["mlm", "tokcls", "seq2seq"])
+def test_heads_patched_are_exact_with_transformers_collators(capsys, tmp_path, head):
+    """The same heads and collators (transformers' own, BatchEncoding batches) under hf_gradfix.patch(): EXACT."""
+    code, rep, _ = _verify_script(capsys, tmp_path, "--head", head, "--patch")
+    assert code == 0 and rep["exact"] is True, rep["steps"][0]["candidates"]
+
+
+def test_example_tutorial_script_stock_is_caught_and_patched_is_exact(capsys, tmp_path):
+    """examples/train_causal_lm.py --loss tutorial (the docs' compute_loss override, transformers' collator): verify
+    names the bug stock, and the same script with --hf-gradfix is exact."""
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "train_causal_lm.py")
+    for extra, expect in (((), 1), (("--hf-gradfix",), 0)):
+        code = main(["verify", "--steps", "1", "--json", "--", sys.executable, example, "--loss", "tutorial",
+                     "--out", str(tmp_path / "run"), *extra])
+        rep = json.loads(capsys.readouterr().out)
+        assert code == expect and rep["exact"] is (expect == 0), rep["steps"][0]["candidates"]
+
+
 def test_label_smoothing_is_part_of_the_ground_truth(capsys, tmp_path):
     code, rep, _ = _verify_script(capsys, tmp_path, "--label-smoothing", "0.1")
     assert code == 0, rep
