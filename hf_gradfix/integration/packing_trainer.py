@@ -18,6 +18,7 @@ configuration says ``packing: {enabled: true}``, whichever entry point installed
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -27,6 +28,10 @@ from ..config import ConfigError
 from ..config.schema import PackingConfig
 
 logger = logging.getLogger("hf_gradfix")
+
+# What prepare_model_for_packing learned about a trainer's model (the first position the model uses on its own),
+# for the dataloader built right after it.
+_POSITION_START: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def _sample_lengths(dataset: Any) -> list[int]:
@@ -88,7 +93,10 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     sampler.set_epoch(0)
     config = getattr(trainer.model, "config", None)
     pad_id = getattr(config, "pad_token_id", None)
-    collator = PackedCollator(cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id))
+    collator = PackedCollator(
+        cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id),
+        position_ids_start=_POSITION_START.get(trainer, 0),
+    )
     loader = _EpochAwareLoader(
         dataset,
         batch_sampler=sampler,
@@ -118,7 +126,28 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
     if cfg.mode == "varlen" and cfg.attention == "auto":
         attention = select_varlen_attention(trainer.args.device)
         set_attention_implementation(model, attention)
+    line = f"packing: {cfg.mode} rows of <= {cfg.token_budget} tokens, attention {attention}"
     if cfg.guard:
+        budget = _check_budget(cfg)
+        longest = _longest_sample(trainer.train_dataset)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            check_model_packs_correctly(model, mode=cfg.mode)
-    return f"packing: {cfg.mode} rows of <= {cfg.token_budget} tokens, attention {attention}" + (", guard passed" if cfg.guard else "")
+            report = check_model_packs_correctly(
+                model, mode=cfg.mode, token_budget=max(budget, 4),
+                max_sequence_length=None if longest is None else min(longest, budget),
+            )
+        _POSITION_START[trainer] = report.position_ids_start
+        line += ", guard passed"
+        if report.position_ids_start:
+            line += f" (positions start at {report.position_ids_start}, as the model's own)"
+    return line
+
+
+def _longest_sample(dataset: Any) -> int | None:
+    """The longest sample of a map-style dataset (``None`` when unknown, e.g. a stream)."""
+    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        lengths = _sample_lengths(dataset)
+    except Exception:  # the dataloader reports unusable data with its own message
+        return None
+    return max(lengths) if lengths else None
