@@ -34,20 +34,54 @@ logger = logging.getLogger("hf_gradfix")
 _POSITION_START: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
-def _sample_lengths(dataset: Any) -> list[int]:
-    column_names = getattr(dataset, "column_names", None)
-    if column_names is not None:  # datasets.Dataset: read columns, not rows
-        if "length" in column_names:
-            return [int(n) for n in dataset["length"]]
-        if "input_ids" in column_names:
-            return [len(ids) for ids in dataset["input_ids"]]
+def _vocab_sizes(model: Any) -> tuple[int | None, int | None]:
+    """(input vocabulary, output vocabulary) of the model, read from its embeddings."""
+    def rows(module: Any, *names: str) -> int | None:
+        for name in names:
+            n = getattr(module, name, None)
+            if isinstance(n, int) and n > 0:
+                return n
+        return None
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     try:
-        return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
-    except (KeyError, TypeError) as err:
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except (AttributeError, NotImplementedError):
+        out = None
+    vocab = rows(emb, "num_embeddings") if emb is not None else None
+    if vocab is None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    labels = rows(out, "out_features", "num_embeddings") if out is not None else None
+    return vocab, labels if labels is not None else vocab
+
+
+_CHECKED: "weakref.WeakKeyDictionary[Any, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _checked_dataset(trainer, cfg: PackingConfig):
+    """The train dataset as the loader reads it, and its one-pass validation (cached per trainer and dataset)."""
+    from ..packing.validate import validate_packing_dataset
+
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise ValueError("Trainer: training requires a train_dataset.")
+    cached = _CHECKED.get(trainer)
+    if cached is not None and cached[0] is dataset:
+        return cached[1]
+    source = dataset
+    if getattr(trainer.args, "remove_unused_columns", False) and hasattr(trainer, "_remove_unused_columns"):
+        if getattr(dataset, "column_names", None) is not None:
+            dataset = trainer._remove_unused_columns(dataset, description="training")
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise ConfigError(
-            "hf_gradfix.packing.enabled: packing needs a map-style train dataset whose samples have 'input_ids' "
-            f"(got {type(dataset).__name__}: {err}). Fix: tokenize the dataset first, or set packing.enabled: false."
-        ) from err
+            f"hf_gradfix.packing.enabled: the train dataset is a {type(dataset).__name__} without random access; "
+            "packing needs a map-style dataset of samples with 'input_ids'. Fix: tokenize into a datasets.Dataset, "
+            "or set packing.enabled: false."
+        )
+    vocab, label_vocab = _vocab_sizes(trainer.model)
+    check = validate_packing_dataset(dataset, vocab_size=vocab, label_vocab_size=label_vocab, token_budget=_check_budget(cfg))
+    _CHECKED[trainer] = (source, (dataset, check))
+    return dataset, check
 
 
 def _check_budget(cfg: PackingConfig) -> int:
@@ -78,13 +112,8 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
             "is not used (raise packing.token_budget for larger micro-batches).",
             budget, trainer.args.per_device_train_batch_size,
         )
-    dataset = trainer.train_dataset
-    if dataset is None:
-        raise ValueError("Trainer: training requires a train_dataset.")
-    if getattr(trainer.args, "remove_unused_columns", False) and hasattr(trainer, "_remove_unused_columns"):
-        if getattr(dataset, "column_names", None) is not None:
-            dataset = trainer._remove_unused_columns(dataset, description="training")
-    lengths = _sample_lengths(dataset)
+    dataset, check = _checked_dataset(trainer, cfg)
+    lengths = check.lengths
     from .trainer_fix import _nd_dims
 
     dims = _nd_dims(trainer)  # under an ND mesh accelerate splits batches over the data-parallel ranks only
@@ -129,7 +158,8 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
     line = f"packing: {cfg.mode} rows of <= {cfg.token_budget} tokens, attention {attention}"
     if cfg.guard:
         budget = _check_budget(cfg)
-        longest = _longest_sample(trainer.train_dataset)
+        _, check = _checked_dataset(trainer, cfg)  # bad rows first: one line naming the index, before any forward
+        longest = int(check.lengths.max()) if check.n_samples else None
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             report = check_model_packs_correctly(
                 model, mode=cfg.mode, token_budget=max(budget, 4),
@@ -140,14 +170,3 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
         if report.position_ids_start:
             line += f" (positions start at {report.position_ids_start}, as the model's own)"
     return line
-
-
-def _longest_sample(dataset: Any) -> int | None:
-    """The longest sample of a map-style dataset (``None`` when unknown, e.g. a stream)."""
-    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-        return None
-    try:
-        lengths = _sample_lengths(dataset)
-    except Exception:  # the dataloader reports unusable data with its own message
-        return None
-    return max(lengths) if lengths else None
