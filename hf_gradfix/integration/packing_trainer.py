@@ -58,6 +58,12 @@ def _vocab_sizes(model: Any) -> tuple[int | None, int | None]:
 _CHECKED: "weakref.WeakKeyDictionary[Any, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
 
 
+def _is_stream(dataset: Any) -> bool:
+    return isinstance(dataset, torch.utils.data.IterableDataset) or (
+        hasattr(dataset, "__iter__") and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))
+    )
+
+
 def _checked_dataset(trainer, cfg: PackingConfig):
     """The train dataset as the loader reads it, and its one-pass validation (cached per trainer and dataset)."""
     from ..packing.validate import validate_packing_dataset
@@ -106,6 +112,8 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     from ..packing.sampler import PackedBatchSampler
 
     budget = _check_budget(cfg)
+    if _is_stream(trainer.train_dataset):
+        return _streaming_train_dataloader(trainer, cfg, budget)
     if trainer.args.per_device_train_batch_size != 1:
         logger.warning(
             "hf_gradfix packing: one packed row of <= %d tokens is one micro-batch; per_device_train_batch_size=%d "
@@ -158,8 +166,10 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
     line = f"packing: {cfg.mode} rows of <= {cfg.token_budget} tokens, attention {attention}"
     if cfg.guard:
         budget = _check_budget(cfg)
-        _, check = _checked_dataset(trainer, cfg)  # bad rows first: one line naming the index, before any forward
-        longest = int(check.lengths.max()) if check.n_samples else None
+        longest = None  # a stream's lengths are unknown up front: probe up to the budget
+        if not _is_stream(trainer.train_dataset):
+            _, check = _checked_dataset(trainer, cfg)  # bad rows first: one line naming the index, before any forward
+            longest = int(check.lengths.max()) if check.n_samples else None
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             report = check_model_packs_correctly(
                 model, mode=cfg.mode, token_budget=max(budget, 4),
@@ -170,3 +180,55 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
         if report.position_ids_start:
             line += f" (positions start at {report.position_ids_start}, as the model's own)"
     return line
+
+
+class _OneBin:
+    """``collate_fn`` for a DataLoader over :class:`StreamingPacker` with ``batch_size=1``: the batch is one bin."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, batch):
+        return self.collator(batch[0])
+
+
+def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
+    """Online packing of an IterableDataset: every process packs the same global row sequence and accelerate's
+    ``IterableDatasetShard`` deals row ``i`` to process ``i % world`` (batches are never dispatched from rank 0:
+    packed rows of different lengths cannot be concatenated)."""
+    from ..packing.collator import PackedCollator
+    from ..packing.stream import StreamingPacker
+    from .trainer_fix import _nd_dims
+
+    if cfg.buffer_size < 2:
+        raise ConfigError(
+            f"hf_gradfix.packing.buffer_size: invalid value {cfg.buffer_size!r}; it must be at least 2 samples packed "
+            "together, e.g. 1000 (larger fills rows better and holds more samples in memory)."
+        )
+    dims = _nd_dims(trainer)
+    world = dims.dp if dims is not None else trainer.accelerator.num_processes
+    packer = StreamingPacker(trainer.train_dataset, budget, buffer_size=cfg.buffer_size, num_replicas=world, rank="all")
+    config = getattr(trainer.model, "config", None)
+    pad_id = getattr(config, "pad_token_id", None)
+    collator = PackedCollator(
+        cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id),
+        position_ids_start=_POSITION_START.get(trainer, 0),
+    )
+    if trainer.args.dataloader_num_workers:
+        logger.warning(
+            "hf_gradfix packing: a stream is packed in the main process (dataloader_num_workers=%d would give every "
+            "worker the whole stream); using 0 workers.", trainer.args.dataloader_num_workers,
+        )
+    loader = DataLoader(packer, batch_size=1, collate_fn=_OneBin(collator), num_workers=0,
+                        pin_memory=trainer.args.dataloader_pin_memory)
+    logger.info(
+        "hf_gradfix packing: streaming, buffer of %d samples packed best-fit-decreasing into rows of <= %d tokens "
+        "(%s mode), rows dealt to %d data-parallel rank(s)", cfg.buffer_size, budget, cfg.mode, world,
+    )
+    dl_config = trainer.accelerator.dataloader_config
+    saved = dl_config.dispatch_batches
+    dl_config.dispatch_batches = False
+    try:
+        return trainer.accelerator.prepare(loader)
+    finally:
+        dl_config.dispatch_batches = saved
