@@ -168,11 +168,14 @@ class StreamingPacker(IterableDataset):
         while (done + len(rows)) % W:
             splittable = [k for k, r in enumerate(rows) if len(r) >= 2]
             if not splittable:
+                merged = self._merge_for_tail(rows, done)
+                if merged is not None:
+                    return merged
                 extra = (done + len(rows)) % W
                 warnings.warn(
                     f"StreamingPacker: the stream ended with {done + len(rows)} rows, not a multiple of "
-                    f"num_replicas={W}, and its last rows hold one sample each; the last {extra} row(s) are left out "
-                    "so that every rank gets the same number of rows.",
+                    f"num_replicas={W}; its last rows hold one sample each and cannot be merged within the budget, so "
+                    f"the last {extra} row(s) are left out so that every rank gets the same number of rows.",
                     UserWarning,
                     stacklevel=3,
                 )
@@ -187,6 +190,18 @@ class StreamingPacker(IterableDataset):
                 loads[h] += len(s["input_ids"])
             rows.extend(halves)
         return sorted(rows, key=lambda r: -sum(len(s["input_ids"]) for s in r))
+
+    def _merge_for_tail(self, rows: list[list[Mapping[str, Any]]], done: int) -> list[list[Mapping[str, Any]]] | None:
+        """Merge the emptiest rows pairwise (within the budget) until the row count divides ``num_replicas``."""
+        rows = sorted(rows, key=lambda r: sum(len(s["input_ids"]) for s in r))
+        while (done + len(rows)) % self.num_replicas:
+            if len(rows) < 2:
+                return None
+            a, b = rows[0], rows[1]
+            if sum(len(s["input_ids"]) for s in a + b) > self.token_budget:
+                return None
+            rows = sorted([a + b, *rows[2:]], key=lambda r: sum(len(s["input_ids"]) for s in r))
+        return rows[::-1]
 
     def _global_rows(self) -> Iterator[list[Mapping[str, Any]]]:
         """The global row sequence, resuming from a loaded state; keeps the live state current."""
