@@ -83,6 +83,12 @@ def test_bad_stream_rows_are_named_by_their_stream_index():
         list(StreamingPacker(rows, BUDGET))
     with pytest.raises(PackedBatchError, match=r"^stream sample 0, column 'input_ids': is empty"):
         list(StreamingPacker([{"input_ids": []}], BUDGET))
+    # with the model's vocabulary (as the Trainer passes it): ids, label lengths and padding are checked on read
+    rows = [{"input_ids": [5] * 4}, {"input_ids": [5, 6], "labels": [5]}, {"input_ids": [5, 99]}]
+    with pytest.raises(PackedBatchError, match=r"^stream sample 1, column 'labels': has 1 entries but input_ids has 2\. Fix: labels must be unshifted"):
+        list(StreamingPacker(rows, BUDGET, vocab_size=50))
+    with pytest.raises(PackedBatchError, match=r"^stream sample 1, column 'input_ids': token id 99 is outside the vocabulary \[0, 50\)"):
+        list(StreamingPacker([rows[0], rows[2]], BUDGET, vocab_size=50))
 
 
 def test_fill_grows_with_the_buffer():

@@ -207,7 +207,11 @@ def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
         )
     dims = _nd_dims(trainer)
     world = dims.dp if dims is not None else trainer.accelerator.num_processes
-    packer = StreamingPacker(trainer.train_dataset, budget, buffer_size=cfg.buffer_size, num_replicas=world, rank="all")
+    vocab, label_vocab = _vocab_sizes(trainer.model)
+    packer = StreamingPacker(
+        trainer.train_dataset, budget, buffer_size=cfg.buffer_size, num_replicas=world, rank="all",
+        vocab_size=vocab, label_vocab_size=label_vocab,
+    )
     config = getattr(trainer.model, "config", None)
     pad_id = getattr(config, "pad_token_id", None)
     collator = PackedCollator(

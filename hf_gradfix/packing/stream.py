@@ -85,6 +85,9 @@ class StreamingPacker(IterableDataset):
             more samples (within the half-buffer carry limit).
         num_replicas: data-parallel world size.
         rank: this process's rank, or ``"all"`` for every rank's rows interleaved (accelerate / ``Trainer``).
+        vocab_size / label_vocab_size: when given, every sample is checked as it is read (as
+            :func:`.validate.validate_packing_dataset` checks a map-style dataset: dtypes, dimensions, label and
+            mask lengths, padding, ids within the vocabulary), errors naming the stream index and the column.
 
     >>> p = StreamingPacker([{"input_ids": [1] * n} for n in (3, 3, 2, 2, 4, 1)], token_budget=5, buffer_size=3,
     ...                     num_replicas=2, rank=0)
@@ -101,6 +104,8 @@ class StreamingPacker(IterableDataset):
         min_fill: float = 0.98,
         num_replicas: int = 1,
         rank: int | Literal["all"] = "all",
+        vocab_size: int | None = None,
+        label_vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
@@ -119,6 +124,8 @@ class StreamingPacker(IterableDataset):
         self.min_fill = float(min_fill)
         self.num_replicas = num_replicas
         self.rank = rank
+        self.vocab_size = vocab_size
+        self.label_vocab_size = label_vocab_size
         self._epoch = 0
         self._resume: dict[str, Any] | None = None
         # live position of the current iteration (for state_dict)
@@ -191,6 +198,18 @@ class StreamingPacker(IterableDataset):
             rows.extend(halves)
         return sorted(rows, key=lambda r: -sum(len(s["input_ids"]) for s in r))
 
+    def _checked_length(self, sample: Any, index: int) -> int:
+        if self.vocab_size is None and self.label_vocab_size is None:
+            return _length(sample, index, self.token_budget)
+        from .validate import PackedDataError, _Checker, _Problem
+
+        label_vocab = self.vocab_size if self.label_vocab_size is None else self.label_vocab_size
+        try:
+            check = _Checker(self.vocab_size, label_vocab, self.token_budget, -100).rows([sample])
+        except _Problem as p:
+            raise PackedDataError(f"stream sample {index}, column '{p.column}': {p.what}. Fix: {p.fix}.") from None
+        return int(check.lengths[0])
+
     def _merge_for_tail(self, rows: list[list[Mapping[str, Any]]], done: int) -> list[list[Mapping[str, Any]]] | None:
         """Merge the emptiest rows pairwise (within the budget) until the row count divides ``num_replicas``."""
         rows = sorted(rows, key=lambda r: sum(len(s["input_ids"]) for s in r))
@@ -225,7 +244,7 @@ class StreamingPacker(IterableDataset):
 
         yield from hand_out()
         for sample in stream:
-            lengths.append(_length(sample, self._read, budget))
+            lengths.append(self._checked_length(sample, self._read))
             buffer.append(sample)
             self._read += 1
             if len(buffer) >= self.buffer_size:
