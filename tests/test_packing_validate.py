@@ -159,3 +159,12 @@ def test_the_trainer_refuses_ids_outside_the_model_vocabulary():
     rows[2]["input_ids"] = [4, vocab, 5]
     with pytest.raises(PackedDataError, match=rf"^train dataset index 2, column 'input_ids': token id {vocab} is outside the vocabulary \[0, {vocab}\)"):
         _train_on(datasets.Dataset.from_list(rows), model)
+
+
+def test_a_bad_row_of_a_shuffled_dataset_is_named_by_its_dataset_index():
+    rows = _with(_good(300, seed=4), 123, attention_mask=[0] + [1] * (len(_good(300, seed=4)[123]["input_ids"]) - 1))
+    ds = datasets.Dataset.from_list(rows).shuffle(seed=1)  # an index mapping: dataset index != storage row
+    where = [i for i in range(len(ds)) if 0 in ds[i]["attention_mask"]]
+    assert where and where[0] != 123
+    with pytest.raises(PackedDataError, match=rf"^train dataset index {where[0]}, column 'attention_mask': has a 0 at token 0"):
+        validate_packing_dataset(ds)

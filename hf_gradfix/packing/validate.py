@@ -43,7 +43,7 @@ from .collator import PackedBatchError
 __all__ = ["DatasetCheck", "PackedDataError", "validate_packing_dataset"]
 
 IGNORE_INDEX = -100
-_BLOCK_ROWS = 65_536  # rows per vectorized block (bounds the memory of one block's flattened ids)
+_BLOCK_ROWS = 16_384  # rows per vectorized block (bounds the memory of one block's flattened ids)
 
 
 class PackedDataError(PackedBatchError):
@@ -203,28 +203,57 @@ class _Checker:
             raise _Problem(0, "input_ids", f"no such column (columns: {columns})", _FIXES["missing"])
         table = dataset.with_format("arrow")
         n = len(dataset)
-        arrays = {c: table[c] for c in ("input_ids", "labels", "attention_mask", "length") if c in columns}
-        arrays = {c: (a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a) for c, a in arrays.items()}
-        for column, arr in arrays.items():
-            if column == "length":
+        names = [c for c in ("input_ids", "labels", "attention_mask", "length") if c in columns]
+        schema = table[0:1].schema if n else None  # one row: the column types (same for every block)
+        for column in names:
+            if column == "length" or schema is None:
                 continue
-            if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type)):
-                raise _Problem(0, column, f"holds {arr.type} values, not a list of token ids per sample", _FIXES["2d"] if column == "input_ids" else _FIXES["dtype"])
-            value_type = arr.type.value_type
+            col_type = schema.field(column).type
+            if not (pa.types.is_list(col_type) or pa.types.is_large_list(col_type) or pa.types.is_fixed_size_list(col_type)):
+                raise _Problem(0, column, f"holds {col_type} values, not a list of token ids per sample", _FIXES["2d"] if column == "input_ids" else _FIXES["dtype"])
+            value_type = col_type.value_type
             if pa.types.is_list(value_type) or pa.types.is_large_list(value_type) or pa.types.is_fixed_size_list(value_type):
-                first = _first_nonempty(arr)
-                raise _Problem(first, column, f"is 2-D ({arr.type}): each row must be one flat sample", _FIXES["2d"])
+                raise _Problem(_first_nonempty(table[0:min(n, _BLOCK_ROWS)].column(column).combine_chunks()), column,
+                               f"is 2-D ({col_type}): each row must be one flat sample", _FIXES["2d"])
             if not pa.types.is_integer(value_type) and not (column == "attention_mask" and pa.types.is_boolean(value_type)):
-                raise _Problem(_first_nonempty(arr), column, f"holds {value_type} values, not integer ids", _FIXES["dtype"])
-            if arr.null_count:
-                i = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
-                raise _Problem(i, column, "is missing (null)", _FIXES["missing"])
+                raise _Problem(_first_nonempty(table[0:min(n, _BLOCK_ROWS)].column(column).combine_chunks()), column,
+                               f"holds {value_type} values, not integer ids", _FIXES["dtype"])
         n_targets = 0
         without = 0
         all_lengths = np.empty(n, dtype=np.int64)
+        # A shuffled/selected dataset reads its rows through an index mapping; gathering them in random order is
+        # slow (55 s per 1M rows), so read them in storage order and map positions back to dataset indices.
+        index_map = None
+        data, idx_table = getattr(dataset, "data", None), getattr(dataset, "_indices", None)
+        if idx_table is not None and hasattr(getattr(data, "table", None), "take"):
+            rows = idx_table.column(0).to_numpy().astype(np.int64)
+            index_map = np.argsort(rows, kind="stable")  # iteration position -> dataset index
+            storage_rows = rows[index_map]
+        try:
+            self._arrow_blocks(table, data, storage_rows if index_map is not None else None, names, n, all_lengths)
+        except _Problem as p:
+            if index_map is not None:
+                p.index = int(index_map[p.index])
+            raise
+        n_targets, without = self._totals
+        if index_map is not None:
+            ordered = np.empty_like(all_lengths)
+            ordered[index_map] = all_lengths
+            all_lengths = ordered
+        return DatasetCheck(all_lengths, n_targets, without)
+
+    def _arrow_blocks(self, table: Any, data: Any, storage_rows: np.ndarray | None, names: list[str], n: int, all_lengths: np.ndarray) -> None:
+        n_targets = without = 0
         for base in range(0, n, _BLOCK_ROWS):
             stop = min(n, base + _BLOCK_ROWS)
-            ids = arrays["input_ids"].slice(base, stop - base)
+            # one block of rows at a time: memory bounded by the block
+            block = table[base:stop] if storage_rows is None else data.table.take(storage_rows[base:stop])
+            arrays = {c: block.column(c).combine_chunks() for c in names}
+            for column in names:
+                if arrays[column].null_count:
+                    i = int(np.flatnonzero(arrays[column].is_null().to_numpy(zero_copy_only=False))[0])
+                    raise _Problem(base + i, column, "is missing (null)", _FIXES["missing"])
+            ids = arrays["input_ids"]
             lengths = ids.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
             all_lengths[base:stop] = lengths
             self._lengths(lengths, base)
@@ -232,7 +261,7 @@ class _Checker:
             np.cumsum(lengths, out=offsets[1:])
             self._ids(ids.flatten().to_numpy(zero_copy_only=False), offsets, base, "input_ids")
             if "length" in arrays:
-                given = arrays["length"].slice(base, stop - base).to_numpy(zero_copy_only=False)
+                given = arrays["length"].to_numpy(zero_copy_only=False)
                 bad = np.flatnonzero(given != lengths)
                 if bad.size:
                     i = int(bad[0])
@@ -240,7 +269,7 @@ class _Checker:
             for column in ("labels", "attention_mask"):
                 if column not in arrays:
                     continue
-                col = arrays[column].slice(base, stop - base)
+                col = arrays[column]
                 col_lengths = col.value_lengths().to_numpy(zero_copy_only=False)
                 bad = np.flatnonzero(col_lengths != lengths)
                 if bad.size:
@@ -262,7 +291,7 @@ class _Checker:
             if "labels" not in arrays:  # the collator trains on input_ids: every token after the first
                 n_targets += int((lengths - 1).sum())
                 without += int((lengths <= 1).sum())
-        return DatasetCheck(all_lengths, n_targets, without)
+        self._totals = (n_targets, without)
 
     # ------------------------------------------------------------------ any map-style dataset
     def rows(self, dataset: Any) -> DatasetCheck:
