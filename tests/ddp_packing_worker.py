@@ -26,10 +26,21 @@ def samples():
     return H.make_samples("causal", n=N, seed=0)
 
 
-def main(out: str) -> None:
+STREAM_BUFFER, STREAM_STEPS = 8, 2
+
+
+def stream():
+    """The samples as a ``datasets`` streaming dataset (3 shards)."""
+    import datasets
+
+    rows = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples()]
+    return datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=3)
+
+
+def main(out: str, streaming: bool = False) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
-    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET}})
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": STREAM_BUFFER}})
     model = H.build_model("llama", attn_implementation="sdpa")
     init = {k: v.clone() for k, v in model.state_dict().items()}
     capture = H.GradCapture()
@@ -37,8 +48,10 @@ def main(out: str) -> None:
         output_dir=f"{out}/trainer{rank}", optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=GA,
         per_device_train_batch_size=1, num_train_epochs=1, logging_steps=1, report_to="none", use_cpu=True,
         save_strategy="no", disable_tqdm=True, seed=SEED, remove_unused_columns=False,
+        max_steps=STREAM_STEPS if streaming else -1,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=H.TokenDataset(samples()), callbacks=[capture])
+    dataset = stream() if streaming else H.TokenDataset(samples())
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[capture])
     trainer.train()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     torch.save({"grads": capture.grads, "logged": logged, "init": init}, f"{out}/rank{rank}.pt")
@@ -47,4 +60,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], streaming=len(sys.argv) > 2 and sys.argv[2] == "stream")

@@ -327,7 +327,8 @@ def test_round_trip():
             "on_undetermined": "warn",
             "aux_loss": "as_is",
         },
-        "packing": {"enabled": False, "token_budget": 4096, "mode": "varlen", "attention": "auto", "guard": True},
+        "packing": {"enabled": False, "token_budget": 4096, "mode": "varlen", "attention": "auto", "guard": True,
+                    "buffer_size": 1000},
         "optimizer": {
             "name": "none", "targets": None, "exclude": [], "rank": None, "update_proj_gap": 200, "scale": None,
             "proj_side": "auto", "proj_method": "auto", "on_switch": "keep", "min_size": 0, "stagger": False,

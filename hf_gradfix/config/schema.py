@@ -137,6 +137,10 @@ class PackingConfig:
         default=True,
         metadata={"help": "before training, refuse a model that mixes packed sequences (packed-vs-separate forward)"},
     )
+    buffer_size: int = field(
+        default=1000,
+        metadata={"help": "streams (IterableDataset): samples packed together (best-fit-decreasing) in the online buffer"},
+    )
 
 
 OptimizerName = Literal["none", "galore_adamw", "apollo_adamw", "apollo_mini"]

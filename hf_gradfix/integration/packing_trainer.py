@@ -18,6 +18,7 @@ configuration says ``packing: {enabled: true}``, whichever entry point installed
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -28,21 +29,65 @@ from ..config.schema import PackingConfig
 
 logger = logging.getLogger("hf_gradfix")
 
+# What prepare_model_for_packing learned about a trainer's model (the first position the model uses on its own),
+# for the dataloader built right after it.
+_POSITION_START: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
-def _sample_lengths(dataset: Any) -> list[int]:
-    column_names = getattr(dataset, "column_names", None)
-    if column_names is not None:  # datasets.Dataset: read columns, not rows
-        if "length" in column_names:
-            return [int(n) for n in dataset["length"]]
-        if "input_ids" in column_names:
-            return [len(ids) for ids in dataset["input_ids"]]
+
+def _vocab_sizes(model: Any) -> tuple[int | None, int | None]:
+    """(input vocabulary, output vocabulary) of the model, read from its embeddings."""
+    def rows(module: Any, *names: str) -> int | None:
+        for name in names:
+            n = getattr(module, name, None)
+            if isinstance(n, int) and n > 0:
+                return n
+        return None
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     try:
-        return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
-    except (KeyError, TypeError) as err:
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except (AttributeError, NotImplementedError):
+        out = None
+    vocab = rows(emb, "num_embeddings") if emb is not None else None
+    if vocab is None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    labels = rows(out, "out_features", "num_embeddings") if out is not None else None
+    return vocab, labels if labels is not None else vocab
+
+
+_CHECKED: "weakref.WeakKeyDictionary[Any, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _is_stream(dataset: Any) -> bool:
+    return isinstance(dataset, torch.utils.data.IterableDataset) or (
+        hasattr(dataset, "__iter__") and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))
+    )
+
+
+def _checked_dataset(trainer, cfg: PackingConfig):
+    """The train dataset as the loader reads it, and its one-pass validation (cached per trainer and dataset)."""
+    from ..packing.validate import validate_packing_dataset
+
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise ValueError("Trainer: training requires a train_dataset.")
+    cached = _CHECKED.get(trainer)
+    if cached is not None and cached[0] is dataset:
+        return cached[1]
+    source = dataset
+    if getattr(trainer.args, "remove_unused_columns", False) and hasattr(trainer, "_remove_unused_columns"):
+        if getattr(dataset, "column_names", None) is not None:
+            dataset = trainer._remove_unused_columns(dataset, description="training")
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise ConfigError(
-            "hf_gradfix.packing.enabled: packing needs a map-style train dataset whose samples have 'input_ids' "
-            f"(got {type(dataset).__name__}: {err}). Fix: tokenize the dataset first, or set packing.enabled: false."
-        ) from err
+            f"hf_gradfix.packing.enabled: the train dataset is a {type(dataset).__name__} without random access; "
+            "packing needs a map-style dataset of samples with 'input_ids'. Fix: tokenize into a datasets.Dataset, "
+            "or set packing.enabled: false."
+        )
+    vocab, label_vocab = _vocab_sizes(trainer.model)
+    check = validate_packing_dataset(dataset, vocab_size=vocab, label_vocab_size=label_vocab, token_budget=_check_budget(cfg))
+    _CHECKED[trainer] = (source, (dataset, check))
+    return dataset, check
 
 
 def _check_budget(cfg: PackingConfig) -> int:
@@ -67,19 +112,16 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     from ..packing.sampler import PackedBatchSampler
 
     budget = _check_budget(cfg)
+    if _is_stream(trainer.train_dataset):
+        return _streaming_train_dataloader(trainer, cfg, budget)
     if trainer.args.per_device_train_batch_size != 1:
         logger.warning(
             "hf_gradfix packing: one packed row of <= %d tokens is one micro-batch; per_device_train_batch_size=%d "
             "is not used (raise packing.token_budget for larger micro-batches).",
             budget, trainer.args.per_device_train_batch_size,
         )
-    dataset = trainer.train_dataset
-    if dataset is None:
-        raise ValueError("Trainer: training requires a train_dataset.")
-    if getattr(trainer.args, "remove_unused_columns", False) and hasattr(trainer, "_remove_unused_columns"):
-        if getattr(dataset, "column_names", None) is not None:
-            dataset = trainer._remove_unused_columns(dataset, description="training")
-    lengths = _sample_lengths(dataset)
+    dataset, check = _checked_dataset(trainer, cfg)
+    lengths = check.lengths
     from .trainer_fix import _nd_dims
 
     dims = _nd_dims(trainer)  # under an ND mesh accelerate splits batches over the data-parallel ranks only
@@ -88,7 +130,10 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     sampler.set_epoch(0)
     config = getattr(trainer.model, "config", None)
     pad_id = getattr(config, "pad_token_id", None)
-    collator = PackedCollator(cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id))
+    collator = PackedCollator(
+        cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id),
+        position_ids_start=_POSITION_START.get(trainer, 0),
+    )
     loader = _EpochAwareLoader(
         dataset,
         batch_sampler=sampler,
@@ -118,10 +163,79 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
     if cfg.mode == "varlen" and cfg.attention == "auto":
         attention = select_varlen_attention(trainer.args.device)
         set_attention_implementation(model, attention)
+    line = f"packing: {cfg.mode} rows of <= {cfg.token_budget} tokens, attention {attention}"
     if cfg.guard:
+        budget = _check_budget(cfg)
+        longest = None  # a stream's lengths are unknown up front: probe up to the budget
+        if not _is_stream(trainer.train_dataset):
+            _, check = _checked_dataset(trainer, cfg)  # bad rows first: one line naming the index, before any forward
+            longest = int(check.lengths.max()) if check.n_samples else None
         # Under the Trainer's mixed precision, as its forward will run: this runs before accelerate wraps the model,
         # and an fp32 model on flash_attention_2 outside autocast hands fp32 to flash-attn, which refuses it.
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []), \
                 trainer.accelerator.autocast():
-            check_model_packs_correctly(model, mode=cfg.mode)
-    return f"packing: {cfg.mode} rows of <= {cfg.token_budget} tokens, attention {attention}" + (", guard passed" if cfg.guard else "")
+            report = check_model_packs_correctly(
+                model, mode=cfg.mode, token_budget=max(budget, 4),
+                max_sequence_length=None if longest is None else min(longest, budget),
+            )
+        _POSITION_START[trainer] = report.position_ids_start
+        line += ", guard passed"
+        if report.position_ids_start:
+            line += f" (positions start at {report.position_ids_start}, as the model's own)"
+    return line
+
+
+class _OneBin:
+    """``collate_fn`` for a DataLoader over :class:`StreamingPacker` with ``batch_size=1``: the batch is one bin."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, batch):
+        return self.collator(batch[0])
+
+
+def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
+    """Online packing of an IterableDataset: every process packs the same global row sequence and accelerate's
+    ``IterableDatasetShard`` deals row ``i`` to process ``i % world`` (batches are never dispatched from rank 0:
+    packed rows of different lengths cannot be concatenated)."""
+    from ..packing.collator import PackedCollator
+    from ..packing.stream import StreamingPacker
+    from .trainer_fix import _nd_dims
+
+    if cfg.buffer_size < 2:
+        raise ConfigError(
+            f"hf_gradfix.packing.buffer_size: invalid value {cfg.buffer_size!r}; it must be at least 2 samples packed "
+            "together, e.g. 1000 (larger fills rows better and holds more samples in memory)."
+        )
+    dims = _nd_dims(trainer)
+    world = dims.dp if dims is not None else trainer.accelerator.num_processes
+    vocab, label_vocab = _vocab_sizes(trainer.model)
+    packer = StreamingPacker(
+        trainer.train_dataset, budget, buffer_size=cfg.buffer_size, num_replicas=world, rank="all",
+        vocab_size=vocab, label_vocab_size=label_vocab,
+    )
+    config = getattr(trainer.model, "config", None)
+    pad_id = getattr(config, "pad_token_id", None)
+    collator = PackedCollator(
+        cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id),
+        position_ids_start=_POSITION_START.get(trainer, 0),
+    )
+    if trainer.args.dataloader_num_workers:
+        logger.warning(
+            "hf_gradfix packing: a stream is packed in the main process (dataloader_num_workers=%d would give every "
+            "worker the whole stream); using 0 workers.", trainer.args.dataloader_num_workers,
+        )
+    loader = DataLoader(packer, batch_size=1, collate_fn=_OneBin(collator), num_workers=0,
+                        pin_memory=trainer.args.dataloader_pin_memory)
+    logger.info(
+        "hf_gradfix packing: streaming, buffer of %d samples packed best-fit-decreasing into rows of <= %d tokens "
+        "(%s mode), rows dealt to %d data-parallel rank(s)", cfg.buffer_size, budget, cfg.mode, world,
+    )
+    dl_config = trainer.accelerator.dataloader_config
+    saved = dl_config.dispatch_batches
+    dl_config.dispatch_batches = False
+    try:
+        return trainer.accelerator.prepare(loader)
+    finally:
+        dl_config.dispatch_batches = saved

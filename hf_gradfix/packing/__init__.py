@@ -1,8 +1,9 @@
-"""Padding-free packing: bin packing, a rank-balanced batch sampler, a varlen collator, a reference
-varlen attention for CPU, and a guard that refuses models which mix packed sequences.
+"""Padding-free packing: bin packing, a rank-balanced batch sampler, an online packer for streams, up-front
+dataset validation, a varlen collator, a reference varlen attention for CPU, and a guard that refuses models
+which mix packed sequences.
 
-``binpack``, ``sampler`` and ``collator`` need only torch/numpy; ``attention`` and ``guard`` import
-transformers and are loaded on first use.
+``binpack``, ``sampler``, ``stream``, ``validate`` and ``collator`` need only torch/numpy; ``attention`` and
+``guard`` import transformers and are loaded on first use.
 
 >>> from hf_gradfix.packing import pack
 >>> [sorted(b) for b in pack([5, 3, 4], budget=8)]
@@ -14,6 +15,8 @@ from __future__ import annotations
 from .binpack import pack
 from .collator import PackedBatchError, PackedCollator, check_packed_batch
 from .sampler import PackedBatchSampler
+from .stream import StreamingPacker
+from .validate import PackedDataError, validate_packing_dataset
 
 
 def __getattr__(name: str):
@@ -21,7 +24,7 @@ def __getattr__(name: str):
         from . import attention
 
         return getattr(attention, name)
-    if name in ("check_model_packs_correctly", "PackingCheckError"):
+    if name in ("check_model_packs_correctly", "PackingCheckError", "probe_lengths"):
         from . import guard
 
         return getattr(guard, name)
@@ -31,6 +34,9 @@ def __getattr__(name: str):
 __all__ = [
     "PackedBatchError",
     "PackedBatchSampler",
+    "PackedDataError",
+    "StreamingPacker",
+    "validate_packing_dataset",
     "PackedCollator",
     "check_packed_batch",
     "pack",
@@ -39,4 +45,5 @@ __all__ = [
     "set_attention_implementation",
     "check_model_packs_correctly",
     "PackingCheckError",
+    "probe_lengths",
 ]

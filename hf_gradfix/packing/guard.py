@@ -21,7 +21,7 @@ import torch
 from .attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention, use_attention_implementation
 from .collator import PackedCollator
 
-__all__ = ["PackingCheckError", "PackingCheckReport", "check_model_packs_correctly"]
+__all__ = ["PackingCheckError", "PackingCheckReport", "check_model_packs_correctly", "probe_lengths"]
 
 
 class PackingCheckError(RuntimeError):
@@ -38,7 +38,8 @@ class PackingCheckReport:
 
     ``max_diff``: largest |packed - separate| over real tokens; ``first_sequence_diff``: the same for the first
     sequence of the (first) row alone; ``control_diff``: the same for a packed row WITHOUT restarted positions
-    (what mixing looks like; the probe is only conclusive if it is far above ``max_diff``).
+    (what mixing looks like; the probe is only conclusive if it is far above ``max_diff``);
+    ``position_ids_start``: the first position the model uses for a sequence alone (packed rows must use it too).
 
     >>> PackingCheckReport("LlamaForCausalLM", "sdpa", "varlen", (5, 7, 4), 1e-6, 0.0, 2.5, 4e-4, True).passed
     True
@@ -55,6 +56,7 @@ class PackingCheckReport:
     passed: bool
     reason: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    position_ids_start: int = 0
 
 
 def _output_tensor(out: Any) -> torch.Tensor:
@@ -93,18 +95,64 @@ def _device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _position_table(config: Any) -> int | None:
+    """The position-table size the config states (only used to size the default probe)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def probe_lengths(token_budget: int, max_sequence_length: int | None = None) -> tuple[int, ...]:
+    """The guard's probe row: ``token_budget`` tokens, laid out to expose what packing can get wrong.
+
+    A short sequence first (nothing precedes it, so any change in it can only come from what FOLLOWS it in the
+    row, i.e. length-dependent behaviour such as dynamic RoPE scaling), then the longest sequence training can
+    hold (``token_budget`` minus the short ones, at most ``max_sequence_length``), then two short sequences
+    (they see the long one if the model lets packed sequences attend to each other).
+
+    >>> probe_lengths(4096)
+    (7, 4069, 11, 9)
+    >>> probe_lengths(4096, max_sequence_length=1000)
+    (7, 1000, 11, 9)
+    >>> probe_lengths(16)
+    (3, 6, 4, 3)
+    """
+    if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 4:
+        raise ValueError(f"token_budget must be an int >= 4 for the packing probe, got {token_budget!r}")
+    shorts = (7, 11, 9) if token_budget >= 64 else (max(1, token_budget // 5),) * 3
+    shorts = (shorts[0], shorts[1] + (token_budget < 64), shorts[2])
+    long = token_budget - sum(shorts)
+    if max_sequence_length is not None:
+        long = min(long, int(max_sequence_length))
+    return (shorts[0], max(1, long), shorts[1], shorts[2])
+
+
 def check_model_packs_correctly(
     model: torch.nn.Module,
     attn_implementation: str | None = None,
     *,
     mode: Literal["varlen", "rows"] = "varlen",
-    lengths: tuple[int, ...] = (5, 7, 4),
+    token_budget: int | None = None,
+    max_sequence_length: int | None = None,
+    lengths: tuple[int, ...] | None = None,
     tolerance: float | None = None,
-    position_ids_start: int = 0,
+    position_ids_start: int | None = None,
     seed: int = 0,
     raise_on_failure: bool = True,
 ) -> PackingCheckReport:
     """Packed-vs-separate forward on ``model``; raise :class:`PackingCheckError` if packing changes the logits.
+
+    The ground truth is each sequence run ALONE the way the model runs it by default: ``input_ids`` only, the
+    model's own positions. So a model whose positions start at an offset (RoBERTa-style causal LMs start at
+    ``padding_idx + 1``) is compared with what it computes in unpacked training, and the first position is
+    detected from behaviour (the start ``k`` for which ``position_ids = k, k+1, ...`` reproduces the default
+    run; reported as ``position_ids_start`` for the collator). The probe row is ``token_budget`` tokens long
+    (:func:`probe_lengths`), so behaviour that depends on the row's length (dynamic RoPE scaling: frequencies
+    follow the longest position in the row) shows up. A model that cannot run its longest probe sequence alone
+    (a position table shorter than the budget) is probed with that sequence halved until it runs: longer
+    samples could not be trained unpacked either.
 
     Args:
         model: a transformers model (causal LM or base model); run in eval mode under ``no_grad``, then restored.
@@ -112,126 +160,209 @@ def check_model_packs_correctly(
             current one. :data:`~hf_gradfix.packing.attention.REFERENCE_VARLEN_ATTENTION` is registered on demand.
         mode: pack as :class:`~hf_gradfix.packing.collator.PackedCollator` will in training: ``"varlen"`` (one
             row, ``position_ids`` + ``cu_seq_lens``) or ``"rows"`` (two rows, the shorter one tail-padded).
-        lengths: probe sequence lengths (at least 2 sequences).
+        token_budget: tokens per packed row in training; ``None``: twice the config's position table, between
+            64 and 4096 tokens.
+        max_sequence_length: the longest sample training will see (caps the probe's long sequence).
+        lengths: explicit probe sequence lengths (at least 2), instead of ``token_budget``'s layout.
         tolerance: max allowed |packed - separate| logit difference; default ``1e-4`` (fp32/fp64) or ``3e-2``
             (half-precision weights, or autocast on) times ``max(1, max |logit|)``.
-        position_ids_start: first position of every sequence (as given to the collator).
+        position_ids_start: first position of every packed sequence; ``None``: detected (see above).
         seed: seed of the probe's own generator (the global RNG is not touched).
         raise_on_failure: ``False`` returns the failing report instead of raising.
 
     Always sets ``model.config.use_cache = False`` (and passes ``use_cache=False``): a cache built in ``forward``
     disables packed-sequence detection on sdpa/eager. The error message names the model class, the attention
-    implementation and the reason, e.g. "its attention ignores position_ids-based packing: sequences attend to
-    each other".
+    implementation and the reason.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
     ...                   num_key_value_heads=2, vocab_size=64, initializer_range=0.2, attn_implementation="sdpa")
     >>> model = LlamaForCausalLM(cfg)
-    >>> report = check_model_packs_correctly(model)
-    >>> report.passed, report.max_diff < 1e-5 < 1e-2 < report.control_diff, model.config.use_cache
-    (True, True, False)
+    >>> report = check_model_packs_correctly(model, token_budget=128)
+    >>> report.passed, report.lengths, report.position_ids_start, model.config.use_cache
+    (True, (7, 101, 11, 9), 0, False)
+    >>> report.max_diff < 1e-5 < 1e-2 < report.control_diff
+    True
     """
     if mode not in ("varlen", "rows"):
         raise ValueError(f"mode must be 'varlen' or 'rows', got {mode!r}")
+    cls_name = type(model).__name__
+    config = getattr(model, "config", None)
+    if lengths is None:
+        if token_budget is None:
+            table = _position_table(config)
+            token_budget = min(4096, max(64, 2 * table)) if table else 256
+        lengths = probe_lengths(token_budget, max_sequence_length)
     lengths = tuple(int(n) for n in lengths)
     if len(lengths) < 2 or min(lengths) < 1:
         raise ValueError(f"lengths must hold at least 2 positive sequence lengths, got {lengths}")
+    if position_ids_start is not None and (isinstance(position_ids_start, bool) or not isinstance(position_ids_start, int) or position_ids_start < 0):
+        raise ValueError(f"position_ids_start must be a non-negative int or None, got {position_ids_start!r}")
     if attn_implementation == REFERENCE_VARLEN_ATTENTION:
         register_reference_varlen_attention()
-    cls_name = type(model).__name__
-    config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
 
     vocab = _vocab_size(model)
     device = _device(model)
     gen = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
     pad_id = getattr(config, "pad_token_id", None)
-    collator = PackedCollator(
-        mode=mode, pad_token_id=int(pad_id) if isinstance(pad_id, int) else 0, position_ids_start=position_ids_start
-    )
-    if mode == "varlen":
-        index_bins = [list(range(len(seqs)))]
-    else:  # two rows, the second one shorter so that it gets a padded tail
-        half = max(1, len(seqs) - 1)
-        index_bins = [list(range(half)), list(range(half, len(seqs)))]
-        if sum(lengths[half:]) >= sum(lengths[:half]):
-            index_bins = index_bins[::-1]
-    bins = [[{"input_ids": seqs[i]} for i in b] for b in index_bins]
-    # (row, offset) of every sequence in the packed batch
-    placement: dict[int, tuple[int, int]] = {}
-    for r, b in enumerate(index_bins):
-        off = 0
-        for i in b:
-            placement[i] = (r, off)
-            off += lengths[i]
-    packed = collator(bins)
-    packed.pop("labels")
+    pad_id = int(pad_id) if isinstance(pad_id, int) and 0 <= pad_id < vocab else None
+
+    def tokens(n: int) -> torch.Tensor:
+        # never the pad id: unpadded samples have none, and RoBERTa-style models give it a special position
+        t = torch.randint(0, vocab - (pad_id is not None), (n,), generator=gen)
+        return t + (t >= pad_id).long() if pad_id is not None else t
+
+    seqs = [tokens(n) for n in lengths]
     extra = {"use_cache": False} if _accepts(model, "use_cache") else {}
 
     def run(**inputs: Any) -> torch.Tensor:
         inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
         return _output_tensor(model(**inputs, **extra)).float()
 
+    def refusal(reason: str, exc: BaseException | None, **more: Any) -> PackingCheckReport:
+        report = PackingCheckReport(
+            cls_name, impl_used, mode, tuple(int(s.numel()) for s in seqs), float("inf"), float("inf"),
+            float("nan"), float("nan"), False, reason, {**details, **more},
+        )
+        return _fail(report, raise_on_failure, exc)
+
     was_training = model.training
     impl_used = getattr(config, "_attn_implementation", None)
     details: dict[str, Any] = {}
+    longest = max(range(len(seqs)), key=lambda i: (lengths[i], -i))
     try:
         model.eval()
         with use_attention_implementation(model, attn_implementation) as impl_used, torch.no_grad():
-            stage = "a single unpacked sequence"
+            # 1. every sequence alone, as unpacked training runs it: input_ids only, the model's own positions
+            separate: list[torch.Tensor | None] = [None] * len(seqs)
+            for i in sorted(range(len(seqs)), key=lambda i: i == longest):
+                try:
+                    separate[i] = run(input_ids=seqs[i].unsqueeze(0))[0]
+                except Exception as e:
+                    shorter = seqs[i].numel() // 2
+                    floor = max(n for j, n in enumerate(lengths) if j != i)
+                    if i != longest or shorter < floor:
+                        first = str(e).splitlines()[0][:200] if str(e) else ""
+                        return refusal(
+                            f"it raised {type(e).__name__} on a single unpacked sequence of {seqs[i].numel()} tokens "
+                            f"({first}); it does not support this attention implementation", e, exception=repr(e)
+                        )
+                    # the position table is shorter than the budget: halve until the model runs it alone
+                    while True:
+                        try:
+                            separate[i] = run(input_ids=seqs[i][:shorter].unsqueeze(0))[0]
+                            break
+                        except Exception:
+                            shorter //= 2
+                            if shorter < floor:
+                                raise
+                    details["longest_sequence_run_alone"] = shorter
+                    seqs[i] = seqs[i][:shorter]
+            lengths = tuple(int(s.numel()) for s in seqs)
+            scale = max(1.0, max(float(q.abs().max()) for q in separate))  # type: ignore[union-attr]
+            if tolerance is None:
+                half = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()) or \
+                    torch.is_autocast_enabled(device.type)  # fp32 weights under autocast compute in half precision
+                tolerance = (3e-2 if half else 1e-4) * scale
+
+            # 2. the model's own first position, by behaviour
+            probe = max((i for i in range(len(seqs)) if i != longest), key=lambda i: (lengths[i], -i))
+            start = position_ids_start
+            if start is None:
+                candidates = list(dict.fromkeys([0, *([pad_id + 1] if pad_id is not None else []), 1, 2, 3]))
+                s = seqs[probe]
+                tried = {}
+                for k in candidates:
+                    try:
+                        d = float((run(input_ids=s.unsqueeze(0), position_ids=torch.arange(k, k + s.numel()).unsqueeze(0))[0] - separate[probe]).abs().max())  # type: ignore[operator]
+                    except Exception as e:  # the packed run below reports a model that refuses position_ids
+                        tried[k] = repr(e)
+                        continue
+                    tried[k] = d
+                    if d <= tolerance:
+                        start = k
+                        break
+                details["position_start_diffs"] = tried
+                if start is None:
+                    if all(isinstance(v, str) for v in tried.values()):
+                        start = 0
+                    else:
+                        return refusal(
+                            "run alone, its default positions are not consecutive from any first position in "
+                            f"{candidates} (position_ids = k, k+1, ... never reproduces them; max diffs "
+                            f"{ {k: (round(v, 4) if isinstance(v, float) else 'error') for k, v in tried.items()} }), so "
+                            "restarted position_ids in a packed row cannot reproduce unpacked training", None,
+                        )
+
+            # 3. the packed row, built by the collator exactly as in training
+            collator = PackedCollator(mode=mode, pad_token_id=0 if pad_id is None else pad_id, position_ids_start=start)
+            if mode == "varlen":
+                index_bins = [list(range(len(seqs)))]
+            else:  # two rows, the second one shorter so that it gets a padded tail
+                half_n = max(1, len(seqs) // 2)
+                index_bins = [list(range(half_n)), list(range(half_n, len(seqs)))]
+                if sum(lengths[half_n:]) >= sum(lengths[:half_n]):
+                    index_bins = index_bins[::-1]
+            packed = collator([[{"input_ids": seqs[i]} for i in b] for b in index_bins])
+            packed.pop("labels")
+            placement: dict[int, tuple[int, int]] = {}
+            for r, b in enumerate(index_bins):
+                off = 0
+                for i in b:
+                    placement[i] = (r, off)
+                    off += lengths[i]
             try:
-                separate = [
-                    run(
-                        input_ids=s.unsqueeze(0),
-                        position_ids=torch.arange(position_ids_start, position_ids_start + s.numel()).unsqueeze(0),
-                    )[0]
-                    for s in seqs
-                ]
-                stage = "packed inputs"
                 out = run(**packed)
             except Exception as e:  # a model that cannot run this attention implementation or packed inputs
                 first = str(e).splitlines()[0][:200] if str(e) else ""
-                reason = (
-                    f"it raised {type(e).__name__} on {stage} ({first}); it does not support this attention "
-                    "implementation / packed format"
+                return refusal(
+                    f"it raised {type(e).__name__} on packed inputs ({first}); it does not support this attention "
+                    "implementation / packed format", e, exception=repr(e)
                 )
-                report = PackingCheckReport(
-                    cls_name, impl_used, mode, lengths, float("inf"), float("inf"), float("nan"),
-                    float("nan"), False, reason, {"exception": repr(e)},
-                )
-                return _fail(report, raise_on_failure, e)
-            # The same row WITHOUT restarted positions (and without cu_seq_lens): what mixing looks like.
+            # 4. control: the same row WITHOUT restarted positions (and without cu_seq_lens): what mixing looks
+            # like. A row past the position table cannot run that way; then the short sequences alone form it.
+            control_seqs: list[int] = sorted(placement)
             width = packed["input_ids"].shape[1]
-            plain = torch.arange(position_ids_start, position_ids_start + width).expand_as(packed["input_ids"])
+            plain = torch.arange(start, start + width).expand_as(packed["input_ids"])
+            control_placement = placement
             try:
                 control = run(input_ids=packed["input_ids"], position_ids=plain)
-            except Exception as e:  # pragma: no cover - arange positions always work
-                control = None
+            except Exception as e:
                 details["control_exception"] = repr(e)
+                control_seqs = [i for i in range(len(seqs)) if i != longest]
+                row = torch.cat([seqs[i] for i in control_seqs]).unsqueeze(0)
+                control_placement, off = {}, 0
+                for i in control_seqs:
+                    control_placement[i] = (0, off)
+                    off += lengths[i]
+                try:
+                    control = run(input_ids=row, position_ids=torch.arange(start, start + off).unsqueeze(0))
+                except Exception as e2:  # pragma: no cover
+                    control = None
+                    details["control_exception"] = repr(e2)
     finally:
         model.train(was_training)
 
-    # Real tokens of the packed output, in the order of `seqs`.
-    packed_parts = [out[r, off : off + lengths[i]] for i, (r, off) in sorted(placement.items())]
-    control_parts = (
-        [control[r, off : off + lengths[i]] for i, (r, off) in sorted(placement.items())] if control is not None else []
-    )
-    diffs = [float((p - q).abs().max()) for p, q in zip(packed_parts, separate)]
+    def part(t: torch.Tensor, where: dict[int, tuple[int, int]], i: int) -> torch.Tensor:
+        r, off = where[i]
+        return t[r, off : off + lengths[i]]
+
+    diffs = [float((part(out, placement, i) - separate[i]).abs().max()) for i in range(len(seqs))]  # type: ignore[operator]
     max_diff = max(diffs)
-    first_diff = diffs[index_bins[0][0]]
+    first_seq = index_bins[0][0]
+    first_diff = diffs[first_seq]
     control_diff = packed_vs_control = float("nan")
     if control is not None:
-        control_diff = max(float((c - q).abs().max()) for c, q in zip(control_parts, separate))
-        packed_vs_control = max(float((p - c).abs().max()) for p, c in zip(packed_parts, control_parts))
-    scale = max(1.0, max(float(q.abs().max()) for q in separate))
-    if tolerance is None:
-        half = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()) or \
-            torch.is_autocast_enabled(device.type)  # fp32 weights under autocast compute in half precision
-        tolerance = (3e-2 if half else 1e-4) * scale
+        control_diff = max(float((part(control, control_placement, i) - separate[i]).abs().max()) for i in control_seqs)  # type: ignore[operator]
+        if control_placement is placement:
+            packed_vs_control = max(float((part(out, placement, i) - part(control, placement, i)).abs().max()) for i in control_seqs)
     details.update(per_sequence_diff=diffs, packed_vs_control=packed_vs_control, logit_scale=scale)
+    if start:
+        details["position_offset_note"] = (
+            f"the model starts positions at {start} on its own: packed rows must restart position_ids at {start}"
+        )
 
     reason = None
     if max_diff > tolerance:
@@ -239,8 +370,10 @@ def check_model_packs_correctly(
         where = "cu_seq_lens / position_ids" if flash else "position_ids"
         if first_diff > tolerance:
             reason = (
-                f"even the first packed sequence differs from its separate run (max diff {first_diff:.3g}): the model "
-                "does not process a packed row token by token like separate rows"
+                f"the first sequence of the packed row, which no other sequence precedes, differs from its separate "
+                f"run (max diff {first_diff:.3g}): its output depends on what follows it in the row or on the row's "
+                f"length (longest sequence {max(lengths)} tokens), e.g. dynamic RoPE scaling, whose frequencies "
+                "follow the largest position in the row, or non-causal layers"
             )
         elif control is not None and packed_vs_control <= tolerance:
             reason = (
@@ -260,7 +393,7 @@ def check_model_packs_correctly(
         )
     report = PackingCheckReport(
         cls_name, impl_used, mode, lengths, max_diff, first_diff, control_diff, float(tolerance), reason is None,
-        reason, details,
+        reason, details, start,
     )
     if reason is not None:
         return _fail(report, raise_on_failure, None)

@@ -96,15 +96,19 @@ _STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """Everything one epoch of a :class:`PackedBatchSampler` will yield, for all ranks.
+    """Everything one epoch of a :class:`PackedBatchSampler` will yield, for all ranks, as numpy arrays
+    (built once per epoch; a rank reads its column of ``schedule``):
 
-    - ``bins[b]``: the sample indices of bin ``b``; ``bin_tokens[b]``: its tokens;
+    - bin ``b`` holds the samples ``items[offsets[b]:offsets[b + 1]]`` (:meth:`bin`; ``bins`` lists them all);
+      ``bin_tokens[b]``: its tokens;
     - ``schedule[step, rank]``: the bin that ``rank`` processes at ``step``;
     - ``rank_tokens[rank]``: tokens per rank over the epoch;
     - ``added_bins``: bins added (beyond the packer's) to make the count a multiple of
       ``num_replicas``, always ``< num_replicas``; ``repacked_bins``: the tail bins rebuilt for it
       (see :func:`_even_out_tail`);
     - ``dropped``: samples not in any bin (only with ``oversize="drop"`` or ``drop_last=True``).
+
+    10M samples on 8 ranks: about 100 MB (int32 ``items``), see ``benchmarks/bench_packing_plan.py``.
 
     >>> plan = PackedBatchSampler([4, 4, 2, 2, 3], budget=4, num_replicas=2).plan()
     >>> plan.steps, plan.schedule.shape, int(plan.rank_tokens.sum())
@@ -113,13 +117,40 @@ class EpochPlan:
 
     epoch: int
     budget: int
-    bins: list[list[int]]
+    items: np.ndarray
+    offsets: np.ndarray
     bin_tokens: np.ndarray
     schedule: np.ndarray
     rank_tokens: np.ndarray
     added_bins: int
     repacked_bins: int
     dropped: tuple[int, ...]
+
+    @property
+    def n_bins(self) -> int:
+        """Number of bins (all ranks).
+
+        >>> PackedBatchSampler([3, 3, 3], budget=4).plan().n_bins
+        3
+        """
+        return int(self.offsets.size - 1)
+
+    def bin(self, b: int) -> list[int]:
+        """The sample indices of bin ``b``.
+
+        >>> PackedBatchSampler([3, 1], budget=4).plan().bin(0)
+        [0, 1]
+        """
+        return self.items[self.offsets[b] : self.offsets[b + 1]].tolist()
+
+    @property
+    def bins(self) -> list[list[int]]:
+        """All bins as lists of sample indices (built on demand: prefer :meth:`bin` / ``items`` at scale).
+
+        >>> PackedBatchSampler([3, 1, 4], budget=4, shuffle=False).plan().bins
+        [[2], [0, 1]]
+        """
+        return _csr_to_lists(self.items, self.offsets)
 
     @property
     def steps(self) -> int:
@@ -149,7 +180,7 @@ class EpochPlan:
         return _stats_from_bin_tokens(
             self.bin_tokens,
             self.budget,
-            n_samples=sum(len(b) for b in self.bins),
+            n_samples=int(self.items.size),
             n_dropped=len(self.dropped),
         )
 
@@ -181,7 +212,7 @@ class EpochPlan:
         >>> PackedBatchSampler([4, 4, 2, 2], budget=4, num_replicas=2, shuffle=False).plan().rank_bins(1)
         [[1], [3]]
         """
-        return [list(self.bins[b]) for b in self.schedule[:, rank].tolist()]
+        return [self.bin(b) for b in self.schedule[:, rank].tolist()]
 
 
 class PackedBatchSampler(Sampler[list[int]]):
@@ -264,6 +295,8 @@ class PackedBatchSampler(Sampler[list[int]]):
         self.oversize = oversize
         self.backend: Backend = backend
         self.lengths = as_lengths(lengths)
+        if self.lengths.size and int(self.lengths.max()) < 2**31:
+            self.lengths = self.lengths.astype(np.int32)  # half the memory of int64 at 10M+ samples
         over = np.flatnonzero(self.lengths > self.budget)
         if over.size and oversize == "error":
             raise oversize_error(  # type: ignore[misc]
@@ -340,10 +373,11 @@ class PackedBatchSampler(Sampler[list[int]]):
         sched = plan.schedule[:, cols].reshape(-1).tolist()  # this stream's bins, in order
         self._yielded_epoch = epoch
         self._yielded = min(start, len(sched))
-        bins = plan.bins
+        items, offsets = plan.items, plan.offsets
         for p in range(self._yielded, len(sched)):
             self._yielded = p + 1
-            yield list(bins[sched[p]])
+            b = sched[p]
+            yield items[offsets[b] : offsets[b + 1]].tolist()
 
     # ------------------------------------------------------------------ state
 
@@ -433,7 +467,7 @@ class PackedBatchSampler(Sampler[list[int]]):
         the last epoch asked for.
 
         >>> p = PackedBatchSampler([3, 2, 2, 1], budget=4, num_replicas=2).plan()
-        >>> sorted(i for b in p.bins for i in b), p.steps
+        >>> sorted(p.items.tolist()), p.steps
         ([0, 1, 2, 3], 1)
         """
         epoch = self._epoch if epoch is None else int(epoch)
@@ -448,69 +482,62 @@ class PackedBatchSampler(Sampler[list[int]]):
         lengths = self.lengths
         rng = np.random.default_rng([self.seed, epoch])
         n = lengths.size
-        order = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
+        index_dtype = np.int32 if n < 2**31 else np.int64
+        order = rng.permutation(n).astype(index_dtype) if self.shuffle else np.arange(n, dtype=index_dtype)
         dropped: list[int] = []
         if self._oversize_dropped.size:
             order = order[lengths[order] <= self.budget]
             dropped.extend(self._oversize_dropped.tolist())
-        # 1-2. pack (globally or per group of shuffled samples)
+        # 1-2. pack (globally or per group of shuffled samples), kept as CSR arrays (items, offsets)
         g = order.size if self.group_size is None else self.group_size
-        bins: list[list[int]] = []
+        parts_items, parts_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
         for start in range(0, order.size, max(g, 1)):
             part = order[start : start + g]
             items, offsets = pack_arrays(lengths[part], self.budget, backend=self.backend)
-            bins.extend(_csr_to_lists(part[items], offsets))
-        tokens = [int(t) for t in _bin_tokens(bins, lengths)]
+            parts_items.append(part[items])
+            parts_offsets.append(offsets[1:] + base)
+            base += int(offsets[-1])
+            del items, offsets
+        del order
+        items = parts_items[0] if len(parts_items) == 1 else np.concatenate([np.zeros(0, dtype=index_dtype), *parts_items])
+        offsets = np.concatenate(parts_offsets)
+        del parts_items, parts_offsets
+        tokens = _csr_tokens(items, offsets, lengths)
         # 3. bin count -> multiple of W, without losing or repeating a sample
         added = repacked = 0
-        rem = len(bins) % W
+        rem = (offsets.size - 1) % W
         if rem and self.drop_last:
-            by_tokens = sorted(range(len(bins)), key=lambda b: (tokens[b], b))
-            gone = set(by_tokens[:rem])
-            for b in sorted(gone):
-                dropped.extend(bins[b])
-            bins = [x for b, x in enumerate(bins) if b not in gone]
-            tokens = [t for b, t in enumerate(tokens) if b not in gone]
-        if W > 1 and bins:
-            before = len(bins)
-            bins, tokens, repacked = _even_out_tail(bins, tokens, lengths, W, self.budget)
-            added = len(bins) - before
-            if len(bins) % W:
+            by_tokens = np.lexsort((np.arange(tokens.size), tokens))
+            gone = np.sort(by_tokens[:rem])
+            for b in gone.tolist():
+                dropped.extend(items[offsets[b] : offsets[b + 1]].tolist())
+            items, offsets, tokens = _csr_replace(items, offsets, tokens, gone, [], lengths)
+        if W > 1 and offsets.size > 1:
+            before = offsets.size - 1
+            items, offsets, tokens, repacked = _even_out_tail(items, offsets, tokens, lengths, W, self.budget)
+            added = offsets.size - 1 - before
+            if (offsets.size - 1) % W:
                 raise ValueError(
                     f"epoch {epoch}: {before} bins cannot be dealt evenly to {W} ranks without dropping or "
-                    f"repeating a sample: there are not enough samples ({sum(len(b) for b in bins)}) to make "
+                    f"repeating a sample: there are not enough samples ({items.size}) to make "
                     f"{-(-before // W) * W} bins. "
                     "Use drop_last=True to leave the least-filled bins out of each epoch, fewer ranks, "
                     "or a smaller budget"
                 )
         # 4. deal: steps of W bins of similar size; biggest bin to the lightest rank
-        K = len(bins) // W
-        tok = np.asarray(tokens, dtype=np.int64)
-        by_size = np.lexsort((np.arange(tok.size), -tok)).tolist()  # tokens descending, ties by id
-        schedule = np.empty((K, W), dtype=np.int64)
-        loads = [0] * W
-        if W == 1:
-            schedule[:, 0] = by_size
-            loads[0] = sum(tokens)
-        else:
-            ranks = list(range(W))
-            for step in range(K):
-                chunk = by_size[step * W : (step + 1) * W]
-                ranks.sort(key=loads.__getitem__)  # stable: ties keep the previous order
-                row = schedule[step]
-                for b, r in zip(chunk, ranks):
-                    row[r] = b
-                    loads[r] += tokens[b]
+        schedule, loads = _deal(tokens, W)
+        K = schedule.shape[0]
         # 5. step order
         if self.shuffle and K:
             schedule = schedule[rng.permutation(K)]
         return EpochPlan(
             epoch=epoch,
             budget=self.budget,
-            bins=bins,
-            bin_tokens=tok,
+            items=items,
+            offsets=offsets,
+            bin_tokens=tokens,
             schedule=schedule,
-            rank_tokens=np.asarray(loads, dtype=np.int64),
+            rank_tokens=loads,
             added_bins=added,
             repacked_bins=repacked,
             dropped=tuple(sorted(dropped)),
@@ -523,13 +550,62 @@ class PackedBatchSampler(Sampler[list[int]]):
         )
 
 
-def _bin_tokens(bins: list[list[int]], lengths: np.ndarray) -> np.ndarray:
-    if not bins:
+def _csr_tokens(items: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Tokens per bin of a CSR packing (int64)."""
+    if offsets.size <= 1:
         return np.zeros(0, dtype=np.int64)
-    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-    flat = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
-    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    return np.add.reduceat(lengths[flat], starts)
+    return np.add.reduceat(lengths[items].astype(np.int64, copy=False), offsets[:-1])
+
+
+def _csr_replace(
+    items: np.ndarray,
+    offsets: np.ndarray,
+    tokens: np.ndarray,
+    remove: np.ndarray,
+    new_bins: list[list[int]],
+    lengths: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Remove the bins ``remove`` (few) and append ``new_bins``; the other bins keep their order."""
+    sizes = np.diff(offsets)
+    keep_bin = np.ones(sizes.size, dtype=bool)
+    keep_bin[remove] = False
+    keep_item = np.ones(items.size, dtype=bool)
+    for b in np.asarray(remove).tolist():
+        keep_item[offsets[b] : offsets[b + 1]] = False
+    new_sizes = np.array([len(x) for x in new_bins], dtype=np.int64)
+    flat = np.fromiter((i for x in new_bins for i in x), dtype=items.dtype, count=int(new_sizes.sum()))
+    items = np.concatenate((items[keep_item], flat))
+    sizes = np.concatenate((sizes[keep_bin], new_sizes))
+    offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    new_tokens = np.array([int(lengths[x].sum()) for x in new_bins], dtype=np.int64)
+    return items, offsets, np.concatenate((tokens[keep_bin], new_tokens))
+
+
+def _deal(tokens: np.ndarray, W: int) -> tuple[np.ndarray, np.ndarray]:
+    """Steps of ``W`` bins sorted by tokens (descending); within a step the largest bin goes to the rank with the
+    fewest tokens so far. Returns ``(schedule[K, W], loads[W])``."""
+    K = tokens.size // W
+    by_size = np.lexsort((np.arange(tokens.size), -tokens))  # tokens descending, ties by id
+    if W == 1:
+        return by_size.reshape(K, 1).astype(np.int64), np.array([int(tokens.sum())], dtype=np.int64)
+    chunks = by_size.reshape(K, W)
+    # Sequential over steps (each step depends on the loads so far), but only the rank ORDER is computed in
+    # Python; the bins are then placed with one vectorized scatter.
+    chunk_tokens = tokens[chunks].tolist()
+    perms: list[tuple[int, ...]] = [()] * K
+    loads = [0] * W
+    ranks = list(range(W))
+    key = loads.__getitem__
+    for step in range(K):
+        ranks.sort(key=key)  # stable: ties keep the previous order
+        for t, r in zip(chunk_tokens[step], ranks):
+            loads[r] += t
+        perms[step] = tuple(ranks)
+    schedule = np.empty((K, W), dtype=np.int64)
+    if K:
+        np.put_along_axis(schedule, np.array(perms, dtype=np.int64), chunks, axis=1)
+    return schedule, np.asarray(loads, dtype=np.int64)
 
 
 def _lpt(items: list[int], lengths: np.ndarray, n_bins: int, budget: int) -> list[list[int]] | None:
@@ -549,19 +625,19 @@ def _lpt(items: list[int], lengths: np.ndarray, n_bins: int, budget: int) -> lis
     return out
 
 
-def _max_step_spread(tokens: np.ndarray, W: int) -> int:
-    """Widest step if bins sorted by tokens are dealt in consecutive groups of ``W``."""
-    t = np.sort(tokens)[::-1].reshape(-1, W)
+def _max_step_spread(sorted_tokens: np.ndarray, W: int) -> int:
+    """Widest step if bins sorted by tokens (``sorted_tokens``: ascending) are dealt in consecutive groups of ``W``."""
+    t = sorted_tokens[::-1].reshape(-1, W)
     return int((t[:, 0] - t[:, -1]).max()) if t.size else 0
 
 
 def _even_out_tail(
-    bins: list[list[int]], tokens: list[int], lengths: np.ndarray, W: int, budget: int
-) -> tuple[list[list[int]], list[int], int]:
+    items: np.ndarray, offsets: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, W: int, budget: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Make the bin count a multiple of ``W`` without dropping or repeating a sample, and keep
     the steps balanced.
 
-    Candidates: pool the ``k`` least-filled bins, ``k = len(bins) % W + j * W`` for
+    Candidates: pool the ``k`` least-filled bins, ``k = n_bins % W + j * W`` for
     ``j = 0..7`` (``j >= 1`` when the count already divides), and re-deal their samples,
     longest first to the lightest bin, into the next multiple of ``W`` bins. A candidate is
     valid if no bin overflows or stays empty; the one whose widest step (bins sorted by
@@ -569,46 +645,42 @@ def _even_out_tail(
     already divides, leaving the bins as they are is a candidate too. If no candidate is
     valid (too few samples in the pools), the least-filled bins holding two or more samples
     are split in two until the count divides; the caller raises if even that fails (fewer
-    samples than bins needed). Returns ``(bins, tokens, repacked)`` with ``repacked`` the
-    number of bins pooled.
+    samples than bins needed). Works on the CSR arrays (only the pooled bins become lists).
+    Returns ``(items, offsets, tokens, repacked)`` with ``repacked`` the number of bins pooled.
     """
-    B = len(bins)
+    B = tokens.size
     rem = B % W
-    tok = np.asarray(tokens, dtype=np.int64)
-    by_fill = np.lexsort((np.arange(B), tok)).tolist()  # least-filled first, ties by id
-    best: tuple[int, int, list[int], list[list[int]]] | None = None  # (spread, k, pool, new bins)
+    by_fill = np.lexsort((np.arange(B), tokens))  # least-filled first, ties by id
+    sorted_tokens = tokens[by_fill]  # ascending
+    best: tuple[int, int, np.ndarray, list[list[int]]] | None = None  # (spread, k, pool bins, new bins)
     if not rem:
-        best = (_max_step_spread(tok, W), 0, [], [])
+        best = (_max_step_spread(sorted_tokens, W), 0, by_fill[:0], [])
     pooled_samples = 0
     for j in range(0 if rem else 1, 8):
         k = rem + j * W
         if k > B or pooled_samples > 200_000:
             break
         pool_bins = by_fill[:k]
-        pool = [i for b in pool_bins for i in bins[b]]
+        pool = [i for b in pool_bins.tolist() for i in items[offsets[b] : offsets[b + 1]].tolist()]
         pooled_samples = len(pool)
         new = _lpt(pool, lengths, -(-k // W) * W, budget)
         if new is None:
             continue
         new_tok = np.fromiter((int(lengths[x].sum()) for x in new), dtype=np.int64, count=len(new))
-        spread = _max_step_spread(np.concatenate((tok[by_fill[k:]], new_tok)), W)
+        # the kept bins are already sorted: a stable (run-merging) sort of the concatenation is linear
+        spread = _max_step_spread(np.sort(np.concatenate((sorted_tokens[k:], np.sort(new_tok))), kind="stable"), W)
         if best is None or spread < best[0]:
             best = (spread, k, pool_bins, new)
     if best is not None:
         _, k, pool_bins, new = best
         if not k:
-            return bins, tokens, 0
-        gone = set(pool_bins)
-        kept = [b for b in range(B) if b not in gone]
-        return (
-            [bins[b] for b in kept] + new,
-            [tokens[b] for b in kept] + [int(lengths[x].sum()) for x in new],
-            k,
-        )
-    # last resort: split the least-filled multi-sample bins (ties: lowest bin id)
-    bins = list(bins)
-    tokens = list(tokens)
-    heap = [(t, b) for b, t in enumerate(tokens) if len(bins[b]) >= 2]
+            return items, offsets, tokens, 0
+        items, offsets, tokens = _csr_replace(items, offsets, tokens, np.sort(pool_bins), new, lengths)
+        return items, offsets, tokens, k
+    # last resort (few samples): split the least-filled multi-sample bins (ties: lowest bin id)
+    bins = _csr_to_lists(items, offsets)
+    tok = tokens.tolist()
+    heap = [(t, b) for b, t in enumerate(tok) if len(bins[b]) >= 2]
     heapq.heapify(heap)
     for _ in range(W - rem):
         if not heap:
@@ -617,10 +689,14 @@ def _even_out_tail(
         halves = _lpt(bins[b], lengths, 2, budget)
         assert halves is not None  # two halves of a bin within budget always fit
         bins[b], second = halves
-        tokens[b] = int(lengths[bins[b]].sum())
+        tok[b] = int(lengths[bins[b]].sum())
         bins.append(second)
-        tokens.append(int(lengths[second].sum()))
+        tok.append(int(lengths[second].sum()))
         for x in (b, len(bins) - 1):
             if len(bins[x]) >= 2:
-                heapq.heappush(heap, (tokens[x], x))
-    return bins, tokens, 0
+                heapq.heappush(heap, (tok[x], x))
+    sizes = np.array([len(x) for x in bins], dtype=np.int64)
+    offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    flat = np.fromiter((i for x in bins for i in x), dtype=items.dtype, count=int(offsets[-1]))
+    return flat, offsets, np.asarray(tok, dtype=np.int64), 0

@@ -1,0 +1,192 @@
+"""The packing guard against an independent ground truth, on more architectures and on its two former blind spots.
+
+Ground truth: the gradient of the token-mean loss with every sequence run ALONE the way unpacked training runs it
+(``input_ids`` only: the model's own default positions), plain PyTorch, versus the same loss on the packed row that
+:class:`PackedCollator` builds (with the first position the guard reports). The guard's verdict must agree with it:
+passed <=> relative gradient error <= 1e-5.
+
+Former blind spots (the old guard passed both, compared like with like at 0-based positions on 25 tokens):
+- RoBERTa-family causal LMs start positions at ``padding_idx + 1``: the guard now detects the model's own first
+  position by behaviour and the packed rows use it (exact), instead of 0 (0.4-0.85 gradient error);
+- dynamic RoPE scaling follows the largest position in the row: with a budget past the position table a short
+  sequence packed beside a long one is rotated differently; the probe now fills the real budget and refuses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from packaging.version import Version
+
+import harness as H
+import hf_gradfix
+from hf_gradfix.packing.attention import register_reference_varlen_attention, set_attention_implementation
+from hf_gradfix.packing.collator import PackedCollator
+from hf_gradfix.packing.guard import PackingCheckError, check_model_packs_correctly, probe_lengths
+from test_exactness import GRAD_TOL, LOSS_TOL
+
+TF5 = Version(transformers.__version__) >= Version("5.0.0")
+REF = register_reference_varlen_attention()
+VOCAB = 64
+BUDGET = 64
+TABLE = 48  # position table: shorter than the budget, longer than every ground-truth sequence below
+TRUTH_LENGTHS = (7, 40, 11, 6)  # one packed row of 64 tokens
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+    max_position_embeddings=TABLE, initializer_range=0.2, pad_token_id=1,
+)
+
+
+def _dynamic_rope(table):
+    if TF5:
+        return dict(max_position_embeddings=table, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    return dict(max_position_embeddings=table, rope_scaling={"type": "dynamic", "factor": 2.0})
+
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=8)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=2, head_dim=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=2)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_positions=TABLE)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "roberta_causal": ("RobertaConfig", "RobertaForCausalLM", dict(is_decoder=True)),
+    "xlm_roberta_causal": ("XLMRobertaConfig", "XLMRobertaForCausalLM", dict(is_decoder=True)),
+    "bert_causal": ("BertConfig", "BertLMHeadModel", dict(is_decoder=True)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=32, init_std=0.2)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", {}),
+    # dynamic RoPE with a table of 32 < the 40-token ground-truth sequence: the scaling bites in the packed row
+    "llama_dynamic_rope": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, **_dynamic_rope(32))),
+}
+
+
+def _model(arch, impl, **overrides):
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    model = getattr(transformers, model_cls)._from_config(config, attn_implementation="eager" if impl == REF else impl)
+    if impl == REF:
+        set_attention_implementation(model, REF)
+    return model.eval()
+
+
+def _sequences(lengths, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=g) for n in lengths]  # never the pad id 1
+
+
+def packed_gradient_error(model, position_ids_start, lengths=TRUTH_LENGTHS):
+    """Relative gradient error of one packed row vs every sequence alone (default positions), fp32."""
+    seqs = _sequences(lengths)
+    n_targets = sum(len(s) - 1 for s in seqs)
+    model.zero_grad(set_to_none=True)
+    for s in seqs:
+        logits = model(input_ids=s.unsqueeze(0), use_cache=False).logits[0]
+        (F.cross_entropy(logits[:-1], s[1:], reduction="sum") / n_targets).backward()
+    truth = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    batch = PackedCollator(position_ids_start=position_ids_start)([{"input_ids": s} for s in seqs])
+    labels = batch.pop("labels")[0]
+    logits = model(**batch, use_cache=False).logits[0]
+    (F.cross_entropy(logits[:-1], labels[1:], reduction="sum") / n_targets).backward()
+    packed = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return H.rel_err(packed, truth)
+
+
+CASES = [(a, i) for a in ARCHS for i in ("sdpa", REF)]
+
+
+@pytest.mark.parametrize("arch,impl", CASES, ids=[f"{a}-{'ref' if i == REF else i}" for a, i in CASES])
+def test_guard_verdict_agrees_with_the_gradient_ground_truth(arch, impl):
+    try:
+        model = _model(arch, impl)
+    except (ValueError, ImportError) as e:  # e.g. transformers refuses this attention implementation for the class
+        pytest.skip(f"{arch} cannot be built with {impl}: {str(e)[:100]}")
+    report = check_model_packs_correctly(model, token_budget=BUDGET, raise_on_failure=False)
+    try:
+        err = packed_gradient_error(model, report.position_ids_start)
+    except Exception as e:  # the model cannot even run packed (or alone) on this path: the guard must refuse
+        assert not report.passed and "raised" in report.reason, (report, repr(e))
+        return
+    print(f"{arch} {impl}: guard {'passed' if report.passed else 'refused'} (start {report.position_ids_start}), "
+          f"gradient error {err:.2e}; {report.reason}")
+    assert report.passed == (err <= GRAD_TOL), (err, report)
+    if not report.passed:
+        assert err > 1e-3  # a refusal is for a real error, not numerics
+        assert type(model).__name__ in str(pytest.raises(PackingCheckError, check_model_packs_correctly, model, token_budget=BUDGET).value)
+
+
+@pytest.mark.parametrize("arch", ["roberta_causal", "xlm_roberta_causal"])
+def test_offset_positions_are_detected_and_used(arch):
+    # a table longer than the row: on transformers 4.57 RoBERTa cannot run a row longer than its table at all
+    model = _model(arch, REF, max_position_embeddings=80)
+    report = check_model_packs_correctly(model, token_budget=BUDGET, raise_on_failure=False)
+    if not TF5:  # transformers 4.57: RoBERTa's own attention classes ignore packing on every path; refused, rightly
+        assert not report.passed and "attend to each other" in report.reason
+        assert packed_gradient_error(model, COMMON["pad_token_id"] + 1) > 1e-3
+        return
+    assert report.passed and report.position_ids_start == COMMON["pad_token_id"] + 1
+    assert packed_gradient_error(model, report.position_ids_start) <= GRAD_TOL
+    # the old blind spot: 0-based packed positions train something else than the model unpacked
+    assert packed_gradient_error(model, 0) > 0.1
+    # an explicit wrong start is refused (the guard compares against the model's own default positions)
+    with pytest.raises(PackingCheckError, match=f"^{type(model).__name__} cannot .*sequence"):
+        check_model_packs_correctly(model, token_budget=BUDGET, position_ids_start=0)
+
+
+def test_dynamic_rope_scaling_is_refused_past_the_position_table_and_accepted_within_it():
+    model = _model("llama_dynamic_rope", "sdpa")  # table 32
+    with pytest.raises(PackingCheckError, match=r"^LlamaForCausalLM cannot .*first sequence of the packed row.*dynamic RoPE"):
+        check_model_packs_correctly(model, token_budget=BUDGET)
+    assert packed_gradient_error(model, 0) > 1e-3  # ground truth: wrong when a sequence passes the table
+    # when no sample is longer than the table, the scaling never triggers: packing is exact and the guard says so
+    report = check_model_packs_correctly(model, token_budget=BUDGET, max_sequence_length=30)
+    assert report.passed and max(report.lengths) == 30
+    assert packed_gradient_error(model, 0, lengths=(7, 30, 11, 9)) <= GRAD_TOL
+
+
+def test_a_position_table_shorter_than_the_budget_is_probed_at_the_longest_length_that_runs():
+    model = _model("gpt2", "sdpa")  # 48 learned positions, budget 128
+    report = check_model_packs_correctly(model, token_budget=128)
+    assert report.passed and report.details["longest_sequence_run_alone"] <= TABLE < 128 - 27
+
+
+def test_probe_layout():
+    assert probe_lengths(4096) == (7, 4069, 11, 9) and sum(probe_lengths(4096)) == 4096
+    assert probe_lengths(100, max_sequence_length=20) == (7, 20, 11, 9)
+    assert sum(probe_lengths(10)) <= 10 and min(probe_lengths(10)) >= 1
+    with pytest.raises(ValueError, match="token_budget must be an int >= 4"):
+        probe_lengths(2)
+
+
+def test_the_trainer_packs_an_offset_position_model_exactly():
+    """RobertaForCausalLM through Trainer + packing (varlen, reference attention): every step equals the unpacked
+    ground truth (each sample alone, its own default positions), which needs positions restarted at 2."""
+    if not TF5:
+        pytest.skip("transformers 4.57: RoBERTa's attention ignores packing on every path (the guard refuses it)")
+    samples = H.make_samples("causal", n=12, seed=0, prompt_mask_frac=0.3)
+    config = transformers.RobertaConfig(
+        vocab_size=H.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=80, is_decoder=True, initializer_range=0.2, pad_token_id=H.PAD_ID,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.RobertaForCausalLM._from_config(config, attn_implementation="sdpa")
+    from test_packing_trainer import _train, _windows
+
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": 64}})
+    try:
+        trainer, grads = _train(model, samples, ga=2)
+    finally:
+        hf_gradfix.unpatch()
+    windows = _windows(samples, 2)
+    assert len(windows) == len(grads) >= 2
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    for k, (window, g) in enumerate(zip(windows, grads)):
+        gt_loss, gt = H.ground_truth(model, [samples[i] for b in window for i in b], "causal")
+        assert H.rel_err(g, gt) <= GRAD_TOL, f"step {k}: {H.rel_err(g, gt):.3e}"
+        assert abs(logged[k] - gt_loss) / gt_loss <= LOSS_TOL

@@ -1,0 +1,191 @@
+"""Streaming packing: torch and ``datasets`` IterableDatasets packed online in a bounded buffer, rows dealt evenly to
+ranks, exact resume, and the Trainer end to end (exact against the unpacked ground truth, and resumed = straight)."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import Trainer
+
+import harness as H
+import hf_gradfix
+from hf_gradfix.packing.collator import PackedBatchError
+from hf_gradfix.packing.stream import StreamingPacker
+from test_exactness import GRAD_TOL, LOSS_TOL
+
+BUDGET = 64
+
+
+class TorchStream(torch.utils.data.IterableDataset):
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        for s in self.samples:
+            yield {"input_ids": list(s["input_ids"]), "labels": list(s["labels"])}
+
+
+def _samples(n, seed=0, hi=60):
+    return H.make_samples("causal", n=n, seed=seed, lo=2, hi=hi, prompt_mask_frac=0.3)
+
+
+def _streams(samples):
+    rows = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+    return {
+        "torch": TorchStream(samples),
+        "datasets_streaming": datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=3),
+    }
+
+
+def _key(sample):
+    return tuple(sample["input_ids"])
+
+
+@pytest.mark.parametrize("kind", ["torch", "datasets_streaming"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("buffer_size", [4, 16, 1000])
+def test_every_sample_once_rows_within_budget_and_equal_rows_per_rank(kind, world, buffer_size):
+    samples = _samples(50, seed=world + buffer_size)
+    stream = _streams(samples)[kind]
+    per_rank = [list(StreamingPacker(stream, BUDGET, buffer_size=buffer_size, num_replicas=world, rank=r)) for r in range(world)]
+    assert len({len(rows) for rows in per_rank}) == 1  # every rank the same number of rows: nobody waits
+    seen = sorted(_key(s) for rows in per_rank for row in rows for s in row)
+    assert seen == sorted(_key(s) for s in samples)  # every sample exactly once, over all ranks
+    assert all(sum(len(s["input_ids"]) for s in row) <= BUDGET for rows in per_rank for row in rows)
+    everything = list(StreamingPacker(stream, BUDGET, buffer_size=buffer_size, num_replicas=world, rank="all"))
+    assert [everything[i::world] for i in range(world)] == per_rank  # "all" interleaves the ranks' rows
+
+
+@pytest.mark.parametrize("kind", ["torch", "datasets_streaming"])
+@pytest.mark.parametrize("stop", [0, 1, 5, 11])
+def test_resume_from_state_yields_exactly_the_remaining_rows(kind, stop):
+    samples = _samples(60, seed=stop)
+    stream = _streams(samples)[kind]
+    straight = list(StreamingPacker(stream, BUDGET, buffer_size=8, num_replicas=2, rank=1))
+    first = StreamingPacker(stream, BUDGET, buffer_size=8, num_replicas=2, rank=1)
+    it = iter(first)
+    head = [next(it) for _ in range(stop)]
+    state = first.state_dict()
+    assert len(state["buffer"]) + sum(len(r) for r in state["pending"]) <= 8  # bounded by the buffer
+    resumed = StreamingPacker(stream, BUDGET, buffer_size=8, num_replicas=2, rank=1)
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == straight
+    with pytest.raises(ValueError, match="cannot resume: the state was saved with buffer_size=8"):
+        StreamingPacker(stream, BUDGET, buffer_size=9).load_state_dict(state)
+
+
+def test_bad_stream_rows_are_named_by_their_stream_index():
+    rows = [{"input_ids": [5] * 4}, {"input_ids": [5] * 70}]
+    with pytest.raises(PackedBatchError, match=r"^stream sample 1, column 'input_ids': has 70 tokens, more than packing.token_budget=64"):
+        list(StreamingPacker(rows, BUDGET))
+    with pytest.raises(PackedBatchError, match=r"^stream sample 0, column 'input_ids': is empty"):
+        list(StreamingPacker([{"input_ids": []}], BUDGET))
+    # with the model's vocabulary (as the Trainer passes it): ids, label lengths and padding are checked on read
+    rows = [{"input_ids": [5] * 4}, {"input_ids": [5, 6], "labels": [5]}, {"input_ids": [5, 99]}]
+    with pytest.raises(PackedBatchError, match=r"^stream sample 1, column 'labels': has 1 entries but input_ids has 2\. Fix: labels must be unshifted"):
+        list(StreamingPacker(rows, BUDGET, vocab_size=50))
+    with pytest.raises(PackedBatchError, match=r"^stream sample 1, column 'input_ids': token id 99 is outside the vocabulary \[0, 50\)"):
+        list(StreamingPacker([rows[0], rows[2]], BUDGET, vocab_size=50))
+
+
+def test_fill_grows_with_the_buffer():
+    rng = np.random.default_rng(0)
+    rows = [{"input_ids": [4] * int(n)} for n in np.clip(rng.lognormal(np.log(12), 0.8, 2000), 1, BUDGET).astype(int)]
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    fills = {}
+    for size in (2, 16, 256):
+        n_rows = sum(1 for _ in StreamingPacker(rows, BUDGET, buffer_size=size))
+        fills[size] = tokens / (n_rows * BUDGET)
+    assert fills[2] < fills[16] < fills[256] and fills[256] > 0.97, fills
+
+
+# ---------------------------------------------------------------------------------------------- Trainer
+def _args(out, **kw):
+    base = dict(
+        output_dir=str(out), optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=2,
+        per_device_train_batch_size=1, max_steps=4, logging_steps=1, report_to="none", use_cpu=True,
+        save_strategy="no", disable_tqdm=True, seed=3, remove_unused_columns=False,
+    )
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+@pytest.mark.parametrize("kind", ["torch", "datasets_streaming"])
+def test_streamed_packed_training_is_exact_against_the_unpacked_ground_truth(kind, tmp_path):
+    samples = _samples(40, seed=1, hi=40)
+    stream = _streams(samples)[kind]
+    model = H.build_model("llama", attn_implementation="sdpa")
+    capture = H.GradCapture()
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 16}})
+    try:
+        trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=stream, callbacks=[capture])
+        init = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer.train()
+    finally:
+        hf_gradfix.unpatch()
+    model.load_state_dict(init)
+    rows = list(StreamingPacker(stream, BUDGET, buffer_size=16))
+    windows = [rows[k : k + 2] for k in range(0, 8, 2)]
+    assert len(capture.grads) == 4
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    for k, (window, g) in enumerate(zip(windows, capture.grads)):
+        gt_loss, gt = H.ground_truth(model, [s for row in window for s in row], "causal")
+        assert H.rel_err(g, gt) <= GRAD_TOL, f"step {k}: {H.rel_err(g, gt):.3e}"
+        assert abs(logged[k] - gt_loss) / gt_loss <= LOSS_TOL
+
+
+def test_streamed_training_resumed_from_a_checkpoint_equals_the_straight_run(tmp_path):
+    samples = _samples(40, seed=2, hi=40)
+    stream = _streams(samples)["datasets_streaming"]
+
+    def train(out, max_steps, resume=None):
+        model = H.build_model("llama", attn_implementation="sdpa")
+        args = _args(out, learning_rate=0.5, lr_scheduler_type="constant", max_steps=max_steps, save_strategy="steps", save_steps=3)
+        trainer = Trainer(model=model, args=args, train_dataset=stream)
+        trainer.train(resume_from_checkpoint=resume)
+        return model
+
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 16}})
+    try:
+        straight = train(tmp_path / "a", 6)
+        train(tmp_path / "b", 3)
+        resumed = train(tmp_path / "b", 6, resume=str(tmp_path / "b" / "checkpoint-3"))
+    finally:
+        hf_gradfix.unpatch()
+    moved = H.build_model("llama", attn_implementation="sdpa").state_dict()
+    for name, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+    assert any(not torch.equal(v, moved[k]) for k, v in straight.state_dict().items())
+
+
+@pytest.mark.distributed
+def test_streamed_packed_training_under_ddp_is_exact(tmp_path):
+    """2 processes (gloo): each gets its own rows of the one global row sequence, equal in number; every step's
+    all-reduced gradient equals the ground truth over the rows BOTH ranks trained in that window."""
+    import os
+    import subprocess
+    import sys
+
+    import ddp_packing_worker as W
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path), "stream"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    rows = list(StreamingPacker(W.stream(), W.BUDGET, buffer_size=W.STREAM_BUFFER, num_replicas=2, rank="all"))
+    per_window = W.GA * 2
+    assert len(rows) >= per_window * W.STREAM_STEPS
+    model = H.build_model("llama", attn_implementation="sdpa")
+    model.load_state_dict(ranks[0]["init"])
+    assert len(ranks[0]["grads"]) == len(ranks[1]["grads"]) == W.STREAM_STEPS
+    for k in range(W.STREAM_STEPS):
+        window = [s for row in rows[k * per_window : (k + 1) * per_window] for s in row]
+        gt_loss, gt = H.ground_truth(model, window, "causal")
+        for r in (0, 1):
+            assert H.rel_err(ranks[r]["grads"][k], gt) <= GRAD_TOL, f"rank {r} step {k}: {H.rel_err(ranks[r]['grads'][k], gt):.3e}"
+        assert abs(ranks[0]["logged"][k] - gt_loss) / gt_loss <= LOSS_TOL
