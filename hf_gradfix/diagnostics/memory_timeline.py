@@ -40,8 +40,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["CATEGORIES", "TRACKER_CATEGORIES", "MemoryTimeline", "MemoryTimelineRecorder", "timeline_tracker_class",
-           "plot_memory_timeline"]
+__all__ = ["CATEGORIES", "TRACKER_CATEGORIES", "MemoryTimeline", "MemoryTimelineRecorder", "decoder_layer_modules",
+           "peak_log_values", "plot_memory_timeline", "timeline_tracker_class"]
 
 #: the timeline's categories, bottom to top of the stacked plot
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "comm_buffers", "other")
@@ -229,7 +229,8 @@ def timeline_tracker_class(base: type) -> type:
                 self.timeline_sample()
 
         def timeline(self, **kw: Any) -> MemoryTimeline:
-            return MemoryTimeline(labels=_merge_between_layers(self._tl_labels, self._tl_phases), phases=list(self._tl_phases),
+            return MemoryTimeline(labels=_merge_between_layers(self._tl_labels, self._tl_phases),
+                                  phases=list(self._tl_phases),
                                   series={c: list(v) for c, v in self._tl_series.items()},
                                   totals=list(self._tl_totals),
                                   allocated=list(self._tl_alloc) if self._tl_alloc is not None else None, **kw)
@@ -332,6 +333,12 @@ class MemoryTimelineRecorder:
         self.timelines.append(tl)
         return tl
 
+    def mark(self, label: str = "mark", phase: str = "other") -> None:
+        """Take a sample now, under ``label`` (between ops: e.g. right after the forward, before ``backward()``)."""
+        if self._tracker is None:
+            raise RuntimeError("MemoryTimelineRecorder.mark() outside a recorded step")
+        self._tracker.timeline_sample((phase, label))
+
     def abort(self) -> None:
         """Stop recording without keeping the step (an exception inside the step)."""
         if self._tracker is not None:
@@ -347,6 +354,17 @@ class MemoryTimelineRecorder:
             self.abort()
             raise
         self.end()
+
+
+def peak_log_values(tl: MemoryTimeline, prefix: str = "memory/") -> dict[str, float]:
+    """The step's peak and what is live there, in MiB, as training-log scalars
+    (``memory/peak_MiB``, ``memory/peak_activations_MiB``, ...; ``memory/cuda_max_allocated_MiB`` on CUDA)."""
+    mib = 1024.0**2
+    out = {f"{prefix}peak_MiB": round(tl.peak / mib, 4)}
+    out.update({f"{prefix}peak_{c}_MiB": round(v / mib, 4) for c, v in tl.at_peak.items() if v or c != "other"})
+    if tl.allocated:
+        out[f"{prefix}cuda_max_allocated_MiB"] = round(max(tl.allocated) / mib, 4)
+    return out
 
 
 def _opt_reftype():
@@ -381,6 +399,34 @@ def _event_x(tl: MemoryTimeline) -> tuple[list[float], list[dict[str, Any]]]:
         ev["x0"], ev["x1"] = x0, x0 + w
         x0 += w
     return xs, events
+
+
+def _aligned(other: MemoryTimeline, events: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """``other``'s samples placed on ``events``' x: each of its events on the event with the same label, matched
+    from the end (so a one-micro-batch prediction lines up with the last micro-batch and the optimizer step of a
+    step with gradient accumulation); events without a match are left out."""
+    xs, ys = [], []
+    oev = other.events()
+    k = len(events) - 1
+    placed = []
+    for ev in reversed(oev):
+        while k >= 0 and events[k]["label"] != ev["label"]:
+            k -= 1
+        if k < 0:
+            break
+        placed.append((ev, events[k]))
+        k -= 1
+    prev_x1 = None
+    for ev, target in reversed(placed):
+        if prev_x1 is not None and abs(target["x0"] - prev_x1) > 1e-9:
+            xs.append(float("nan"))  # not adjacent in this timeline: break the line
+            ys.append(float("nan"))
+        prev_x1 = target["x1"]
+        n = ev["last"] - ev["first"] + 1
+        w = target["x1"] - target["x0"]
+        xs.extend(target["x0"] + w * (j + 0.5) / n for j in range(n))
+        ys.extend(other.totals[ev["first"]:ev["last"] + 1])
+    return xs, ys
 
 
 _SHORT = {"forward: embeddings": "emb", "forward: head + loss": "head\n+loss", "backward: loss + head": "loss\n+head",
@@ -425,10 +471,8 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
         lines += ax.plot(xs, [v / div for v in tl.allocated], color="k", lw=0.8, ls=":",
                          label="cuda memory_allocated")
     if compare is not None:
-        cxs, cev = _event_x(compare)
-        if [e["label"] for e in cev] != [e["label"] for e in events] and len(cev):
-            cxs = [x * x_end / cev[-1]["x1"] for x in cxs]  # different event sequences: stretch to the same width
-        lines += ax.plot(cxs, [v / div for v in compare.totals], color="k", lw=1.2, label=compare_label)
+        cx, cy = _aligned(compare, events)
+        lines += ax.plot(cx, [v / div for v in cy], color="k", lw=1.2, label=compare_label)
     ymax = top / div * 1.42
     ax.set_ylim(0, ymax)
     ax.set_xlim(0, x_end)
@@ -443,8 +487,8 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
         a, b = events[k]["x0"], events[j]["x1"]
         ax.axvspan(a, b, ymin=0.93, ymax=1.0, color=band[ph], lw=0)
         if ph != "other":
-            ax.text((a + b) / 2, ymax * 0.965, ("opt." if b - a < x_end * 0.03 else "optim.") if ph == "optimizer" and b - a < x_end * 0.08 else ph,
-                    ha="center", va="center", fontsize=8)
+            name = ph if b - a >= x_end * 0.08 else "opt." if b - a < x_end * 0.03 else ph[:6] + "."
+            ax.text((a + b) / 2, ymax * 0.965, name, ha="center", va="center", fontsize=8)
             ax.axvline(a, color="#999999", lw=0.5)
             ax.axvline(b, color="#999999", lw=0.5)
         k = j + 1
@@ -471,7 +515,7 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
         f"  {c.replace('_', ' ')} {v / div:.3g}" for v, c in live[:6])
     right = px > x_end * 0.55
     ax.annotate(text, (px, py), xytext=(px + (-0.04 if right else 0.04) * x_end, ymax * 0.9),
-                fontsize=7.5, ha="right" if right else "left", va="top",
+                fontsize=7.5, ha="right" if right else "left", va="top", multialignment="left",
                 arrowprops=dict(arrowstyle="->", color="k", lw=0.8),
                 bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="#666666"))
     ax.plot([px], [py], marker="o", color="k", ms=4)

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--simulate", action="store_true", help="also trace one step under fake tensors (rank 0)")
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit, best expected throughput first")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--plot", metavar="FILE.png", help="the closed form's components, one stacked bar (all ranks alike)")
+    ap.add_argument("--plot", metavar="FILE.png", help="the closed form's components: one stacked bar (ranks alike)")
     ap.add_argument("--timeline", metavar="FILE.png",
                     help="memory over the simulated step's events by category, the peak and the closed form beside "
                          "it (implies --simulate)")

@@ -277,6 +277,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     at_peak = by_component(snap)
     after_step = by_component(next(iter(after_snap.values()))) if after_snap else {}
     timeline = tracker.timeline(source="fake-tensor trace", title=f"rank 0 of {mesh.world_size}")
-    return {"peak": snap["Total"], "at_peak": at_peak, "timeline": timeline, "after_step": after_step, "max": dict(comp_max),
+    return {"peak": snap["Total"], "at_peak": at_peak, "timeline": timeline, "after_step": after_step,
+            "max": dict(comp_max),
             "phase": phase["peak"],
             "seconds": time.perf_counter() - t0, "raw_max": cat_max}
