@@ -254,6 +254,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                     with autocast:
                         out = model(input_ids=ids, labels=ids)
                     out.loss.backward()
+                    del out  # the logits would otherwise live on into the next step's forward
                     opt.step()
                     opt.zero_grad()
                 tracker.timeline_on(False)
