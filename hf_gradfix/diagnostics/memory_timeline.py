@@ -430,7 +430,7 @@ def _aligned(other: MemoryTimeline, events: list[dict[str, Any]]) -> tuple[list[
 
 
 _SHORT = {"forward: embeddings": "emb", "forward: head + loss": "head\n+loss", "backward: loss + head": "loss\n+head",
-          "backward: embeddings + grad reduction": "emb\n+RS"}
+          "backward: embeddings + grad reduction": "emb\n+reduce"}
 
 
 def _short(label: str) -> str:
@@ -487,7 +487,7 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
         a, b = events[k]["x0"], events[j]["x1"]
         ax.axvspan(a, b, ymin=0.93, ymax=1.0, color=band[ph], lw=0)
         if ph != "other":
-            name = ph if b - a >= x_end * 0.08 else "opt." if b - a < x_end * 0.03 else ph[:6] + "."
+            name = ph if b - a >= x_end * 0.1 else {"forward": "fw", "backward": "bw", "optimizer": "opt."}[ph]
             ax.text((a + b) / 2, ymax * 0.965, name, ha="center", va="center", fontsize=8)
             ax.axvline(a, color="#999999", lw=0.5)
             ax.axvline(b, color="#999999", lw=0.5)
