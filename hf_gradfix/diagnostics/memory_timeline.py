@@ -444,7 +444,10 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
     closed-form estimate as a stacked bar beside it (``estimate``: component -> bytes, e.g. ``Plan.components``),
     another timeline's total as a line (``compare``, e.g. the planner's trace beside a measured step) and the
     GPU's size.  Writes a PNG; returns ``path``."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plotting the memory timeline needs matplotlib: pip install matplotlib") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -182,6 +182,10 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}
             out["simulated"]["timeline"] = sim["timeline"].to_dict()
             if ns.timeline:
+                import importlib.util
+
+                if importlib.util.find_spec("matplotlib") is None:
+                    raise PlanError("--timeline needs matplotlib: pip install matplotlib (or drop --timeline)")
                 sim["timeline"].plot(ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
                     f"{ns.model}: one training step, rank 0 of {mesh.world_size}"
                     + (" (every rank alike)" if mesh.world_size > 1 else "")
