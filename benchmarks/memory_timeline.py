@@ -17,7 +17,8 @@ total is the step's peak.  The closed form's activations include the backward's 
 measured temporaries), so they are compared with the measured maximum of activations + temporaries.  Packing: one
 row of concatenated documents (``position_ids`` restart per document), the plugin's reference varlen attention
 on CPU (what CI runs; FlashAttention 2 needs CUDA); the planner plans it as one sequence of the row's length.
-One process only (the multi-rank meshes are compared trace-vs-closed-form in ``benchmarks/plan_accuracy.py``).
+FSDP2 rows: two gloo processes, ``fully_shard`` per decoder layer and at the root (as the planner shards), rank 0
+recorded with ``FSDPMemTracker`` (all-gather / reduce-scatter buffers are the comm buffers).
 """
 
 from __future__ import annotations
@@ -43,6 +44,66 @@ CASES = [
     ("tiny-llama", 512, 1, "adamw", True),
     ("tiny-mistral", 512, 1, "galore_adamw", True),
 ]
+# FSDP2 over 2 gloo processes (rank 0 recorded): (model, seq_len, micro_batch, optimizer)
+FSDP_CASES = [("tiny-llama", 128, 2, "adamw"), ("tiny-qwen2", 128, 2, "galore_adamw")]
+
+
+def _fsdp_worker(rank: int, world: int, case: tuple, path: str, port: int) -> None:
+    """One rank of a 2-process FSDP2 (``fully_shard`` per decoder layer + root, as the planner shards) step."""
+    import os
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from hf_gradfix.diagnostics.memory_timeline import MemoryTimelineRecorder
+    from hf_gradfix.plan import Settings, load_model_config
+    from hf_gradfix.plan.activations import decoder_layers
+    from hf_gradfix.plan.simulate import _make_optimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    name, seq, micro, opt_name = case
+    cfg = load_model_config(name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
+    mesh = init_device_mesh("cpu", (world,))
+    for _, layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = _make_optimizer(model, Settings(seq_len=seq, micro_batch=micro, dtype="fp32", optimizer=opt_name, rank=16))
+    rec = MemoryTimelineRecorder(model, opt)
+    for step in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (micro, seq))
+        if step:
+            rec.begin()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        del out
+        opt.step()
+        opt.zero_grad()
+    tl = rec.end(step=2)
+    if rank == 0:
+        with open(path, "wb") as f:
+            pickle.dump(tl, f)
+    dist.destroy_process_group()
+
+
+def measure_fsdp(case: tuple, port: int):
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/timeline.pkl"
+        mp.spawn(_fsdp_worker, args=(2, case, path, port), nprocs=2)
+        with open(path, "rb") as f:
+            return pickle.load(f)
 
 
 def _optimizer(model, name: str, rank: int):
@@ -107,27 +168,32 @@ def main(argv=None) -> int:
     from hf_gradfix.plan.simulate import simulate
 
     torch.set_num_threads(1)
-    head = ("| model | batch | optimizer | measured peak MiB | traced: parameters | gradients | optimizer state | "
-            "activations | temporaries | peak | closed form: activations (+temp.) | peak | measure / trace s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| model | mesh | batch | optimizer | measured peak MiB | traced: parameters | gradients | optimizer state "
+            "| activations | temporaries | comm buffers | peak | closed form: activations (+temp.) | peak "
+            "| measure / trace s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for name, seq, micro, opt_name, packed in CASES:
+    cases = [(c, None) for c in CASES] + [((n, sq, mb, o, False), ParallelDims(2, dp_shard=2))
+                                          for n, sq, mb, o in FSDP_CASES]
+    for k, ((name, seq, micro, opt_name, packed), mesh) in enumerate(cases):
         cfg = load_model_config(name)
         rank = 16
         s = Settings(seq_len=seq, micro_batch=micro, dtype="fp32", optimizer=opt_name, rank=rank)
         t0 = time.perf_counter()
-        meas = measure(cfg, seq, micro, opt_name, packed, rank)
+        meas = (measure(cfg, seq, micro, opt_name, packed, rank) if mesh is None
+                else measure_fsdp((name, seq, micro, opt_name), 29600 + k))
         t1 = time.perf_counter()
-        sim = simulate(cfg, ParallelDims(1), s)
+        mesh = mesh or ParallelDims(1)
+        sim = simulate(cfg, mesh, s)
         t2 = time.perf_counter()
-        plan = estimate(cfg, ParallelDims(1), s)
+        plan = estimate(cfg, mesh, s)
         pred = sim["timeline"]
         mmax, pmax = meas.category_max(), pred.category_max()
-        cells = [_err(pmax[c], mmax[c]) for c in CATS] + [_err(pred.peak, meas.peak)]
+        cells = [_err(pmax[c], mmax[c]) for c in CATS + ("comm_buffers",)] + [_err(pred.peak, meas.peak)]
         act_temp = max(a + t for a, t in zip(meas.series["activations"], meas.series["temporaries"]))
         cells += [_err(plan.components["activations"], act_temp), _err(plan.peak, meas.peak)]
         batch = f"{micro} x {seq}" + (" packed (3 docs)" if packed else "")
-        rows.append(f"| {name} | {batch} | {opt_name} | {meas.peak / MiB:.2f} | " + " | ".join(cells)
+        where = "1 process" if mesh.world_size == 1 else f"FSDP2 dp_shard {mesh.dp_shard} (gloo, rank 0)"
+        rows.append(f"| {name} | {where} | {batch} | {opt_name} | {meas.peak / MiB:.2f} | " + " | ".join(cells)
                     + f" | {t1 - t0:.1f} / {t2 - t1:.1f} |")
         print(rows[-1], flush=True)
         if ns.plot and len(rows) == 1:
@@ -135,7 +201,8 @@ def main(argv=None) -> int:
                       title=f"{name}, {batch}, {opt_name}: measured step (CPU storages), the planner beside it")
     text = (f"# Memory of one training step: predicted vs measured\n\n`python benchmarks/memory_timeline.py` "
             f"(torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()}, CPU, one "
-            "process, fp32). Error = (predicted - measured) / measured of each category's maximum over the "
+            "process unless stated, fp32). Error = (predicted - measured) / measured of each category's maximum "
+            "over the "
             "step (the peak column: the step's peak). Traced: `plan --simulate` (fake tensors); closed form: "
             "`plan` (its peak adds a 10 % margin by design).\n\n" + head + "\n" + "\n".join(rows) + "\n")
     Path(ns.out).write_text(text, encoding="utf-8")

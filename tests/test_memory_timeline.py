@@ -136,7 +136,8 @@ def test_recorder_equals_an_independent_count_of_live_storages():
                     out = model(**batch)
                 rec.mark("after forward", "forward")
                 live = _storage_bytes([*model.parameters(), *model.buffers(), *_opt_tensors(opt), *saved,
-                                       *(p.grad for p in model.parameters()), *batch.values(), out.loss, out.logits, *held])
+                                       *(p.grad for p in model.parameters()), *batch.values(), out.loss, out.logits,
+                                       *held])
                 checks.append((rec._tracker._tl_totals[-1], live))
                 del saved, held
                 micro.model_loss(out.loss).backward()
@@ -182,7 +183,8 @@ def trainer_run(tmp_path_factory):
     model = H.build_model("llama", attn_implementation="sdpa")
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     cb = MemoryTimelineCallback(steps=(2,), plot_path=tmp / "measured.png" if has_mpl else None, predict=True)
-    args = transformers.TrainingArguments(str(tmp / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+    args = transformers.TrainingArguments(str(tmp / "out"), per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=2,
                                           max_steps=3, logging_steps=1, report_to="none", save_strategy="no",
                                           use_cpu=True, disable_tqdm=True, seed=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb],

@@ -310,9 +310,14 @@ class MemoryTimelineRecorder:
 
         if self._tracker is not None:
             raise RuntimeError("MemoryTimelineRecorder.begin(): a step is already being recorded; call end() first")
-        tracker = timeline_tracker_class(MemTracker)()
+        if _is_fsdp2(self.model):  # FSDP2: sharded / unsharded parameters, all-gather and reduce-scatter buffers
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            tracker = timeline_tracker_class(FSDPMemTracker)(self.model, _inner_optimizer(self.optimizer))
+        else:
+            tracker = timeline_tracker_class(MemTracker)()
+            tracker.track_external(*(x for x in (self.model, _inner_optimizer(self.optimizer)) if x is not None))
         tracker.timeline_setup(self.layers, self.device)
-        tracker.track_external(*(x for x in (self.model, _inner_optimizer(self.optimizer)) if x is not None))
         tracker.__enter__()
         self._tracker = tracker
         tracker.timeline_sample(("other", "step start"))
@@ -324,7 +329,7 @@ class MemoryTimelineRecorder:
             raise RuntimeError("MemoryTimelineRecorder.end() without begin()")
         tracker.timeline_on(False)
         if self.optimizer is not None:  # state the optimizer created lazily in this step, under its final category
-            tracker._track_optimizer_states(_opt_reftype(), _inner_optimizer(self.optimizer))
+            tracker._track_optimizer_states(tracker._ref_class.OPT, _inner_optimizer(self.optimizer))
         tracker.timeline_sample(("other", "after step"))
         self._tracker = None
         tracker.__exit__(None, None, None)
@@ -367,10 +372,12 @@ def peak_log_values(tl: MemoryTimeline, prefix: str = "memory/") -> dict[str, fl
     return out
 
 
-def _opt_reftype():
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
-    return _MemRefType.OPT
+def _is_fsdp2(model: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, FSDPModule)
 
 
 def _inner_optimizer(opt: Any) -> Any:

@@ -84,7 +84,8 @@ class MemoryTimelineCallback(TrainerCallback):
         backend = str(getattr(trainer.accelerator, "distributed_type", ""))
         if any(b in backend for b in ("DEEPSPEED", "XLA", "MEGATRON")):
             raise MemoryTimelineError(f"MemoryTimelineCallback: distributed_type {backend} allocates outside "
-                                      "PyTorch's dispatcher; the timeline cannot see it (use DDP, FSDP2 or one process)")
+                                      "PyTorch's dispatcher; the timeline cannot see it (use DDP, FSDP2 or one "
+                                      "process)")
         self._trainer = trainer
         self.recorder = MemoryTimelineRecorder(trainer.model, trainer.optimizer,
                                                title=f"{type(trainer.model).__name__}: optimizer step")
@@ -171,7 +172,8 @@ class MemoryTimelineCallback(TrainerCallback):
         optim = str(getattr(optim, "value", optim))
         name = "sgd" if "sgd" in optim else "adamw" if optim.startswith("adamw_torch") else None
         if name is None:
-            logger.warning("hf_gradfix: no memory prediction for optim=%s (the planner traces adamw and sgd here)", optim)
+            logger.warning("hf_gradfix: no memory prediction for optim=%s (the planner traces adamw and sgd here)",
+                           optim)
             return
         dtype = "amp-bf16" if trainer.args.bf16 else "fp32"
         micro, seq = self._shape
