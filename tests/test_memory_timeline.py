@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -96,6 +97,67 @@ def test_simulated_step_equals_the_measured_step_per_category(optimizer):
     for c, v in meas.category_max().items():
         assert pred.category_max()[c] == pytest.approx(v, rel=1e-3, abs=64), c
     assert pred.peak == pytest.approx(meas.peak, rel=1e-3) and pred.peak_label == meas.peak_label
+
+
+def _fsdp2_worker(rank: int, world: int, path: str, port: int) -> None:
+    import os
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from hf_gradfix.plan.activations import decoder_layers
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = load_model_config("tiny-llama")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
+        mesh = init_device_mesh("cpu", (world,))
+        for _, layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rec = MemoryTimelineRecorder(model, opt)
+        for micro_batches in (1, 1, 2):  # the second step as the planner traces it, then gradient accumulation
+            batches = [torch.randint(0, cfg.vocab_size, (2, 64)) for _ in range(micro_batches)]  # made outside
+            with rec.step():                                                                    # as the trace's
+                for ids in batches:
+                    out = model(input_ids=ids, labels=ids)
+                    out.loss.backward()
+                    del out
+                opt.step()
+                opt.zero_grad()
+        if rank == 0:
+            with open(path, "wb") as f:
+                pickle.dump(rec.timelines[1:], f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_recorder_on_fsdp2_equals_the_trace(tmp_path):
+    """Two gloo processes, FSDP2 per layer + root: rank 0's measured step equals the planner's trace of the same
+    mesh in every category (all-gather / reduce-scatter buffers included); a step with two micro-batches records
+    (torch's FSDPMemTracker alone refuses a second forward)."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    from hf_gradfix.plan.simulate import simulate
+
+    path = str(tmp_path / "timelines.pkl")
+    mp.spawn(_fsdp2_worker, args=(2, path, 29000 + (os.getpid() % 500)), nprocs=2)
+    with open(path, "rb") as f:
+        steady, accumulated = pickle.load(f)
+    pred = simulate(load_model_config("tiny-llama"), ParallelDims(2, dp_shard=2),
+                    Settings(seq_len=64, micro_batch=2, dtype="fp32", optimizer="sgd"))["timeline"]
+    assert steady.category_max()["comm_buffers"] > 0
+    assert steady.category_max() == pred.category_max() and steady.peak == pred.peak
+    _assert_sums(accumulated)
+    assert [e["label"] for e in accumulated.events()].count("backward layer 0") == 2
 
 
 def test_cli_timeline_png_and_json(tmp_path, capsys):

@@ -223,6 +223,19 @@ def timeline_tracker_class(base: type) -> type:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
 
+        if hasattr(base, "_fsdp_state_pre_forward"):  # FSDPMemTracker: the same, at FSDP2's pre-forward
+            def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+                inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+                def pre_forward(*args, **kwargs):
+                    name = self._mod_tracker.get_known_fqn(fsdp_mod)
+                    if (fsdp_mod in self.memory_tracking and not self._mod_tracker.is_bw
+                            and set(self._mod_tracker.parents) - {name} == {"Global"}):
+                        self.reset_mod_stats()
+                    return inner(*args, **kwargs)
+
+                return pre_forward
+
         def _update_peak_stats(self, peak_state):  # noqa: D401
             super()._update_peak_stats(peak_state)
             if self._tl_on:
