@@ -57,6 +57,14 @@ def __getattr__(name: str):
         from .integration.gns import GradientNoiseScaleCallback
 
         return GradientNoiseScaleCallback
+    if name == "MemoryTimelineCallback":
+        from .integration.memory_timeline import MemoryTimelineCallback
+
+        return MemoryTimelineCallback
+    if name == "MemoryTimelineRecorder":
+        from .diagnostics.memory_timeline import MemoryTimelineRecorder
+
+        return MemoryTimelineRecorder
     if name in ("NoiseScaleMonitor", "NoiseScaleEstimator"):
         from .diagnostics import noise_scale
 
@@ -71,6 +79,8 @@ __all__ = [
     "GradFixError",
     "GradientNoiseScaleCallback",
     "LossConfig",
+    "MemoryTimelineCallback",
+    "MemoryTimelineRecorder",
     "is_patched",
     "load_config",
     "NoiseScaleEstimator",

@@ -1,10 +1,12 @@
-"""Training diagnostics that need only torch: the gradient noise scale (:mod:`.noise_scale`).
+"""Training diagnostics that need only torch: the gradient noise scale (:mod:`.noise_scale`) and the memory
+timeline of a training step (:mod:`.memory_timeline`).
 
 >>> from hf_gradfix.diagnostics import NoiseScaleEstimator
 >>> NoiseScaleEstimator(beta=0.9).update(small_sq=13.6, b_small=8, big_sq=1.79, b_big=128).b_simple > 0
 True
 """
 
+from .memory_timeline import MemoryTimeline, MemoryTimelineRecorder, plot_memory_timeline
 from .noise_scale import (
     NoiseScaleEstimate,
     NoiseScaleEstimator,
@@ -15,6 +17,9 @@ from .noise_scale import (
 )
 
 __all__ = [
+    "MemoryTimeline",
+    "MemoryTimelineRecorder",
+    "plot_memory_timeline",
     "NoiseScaleEstimate",
     "NoiseScaleEstimator",
     "NoiseScaleMonitor",

@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--simulate", action="store_true", help="also trace one step under fake tensors (rank 0)")
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit, best expected throughput first")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--plot", metavar="FILE.png")
+    ap.add_argument("--plot", metavar="FILE.png", help="the closed form's components: one stacked bar (ranks alike)")
+    ap.add_argument("--timeline", metavar="FILE.png",
+                    help="memory over the simulated step's events by category, the peak and the closed form beside "
+                         "it (implies --simulate)")
     return ap
 
 
@@ -172,11 +175,21 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         plan = estimate(config, mesh, s, gpu_memory=gpu, model_name=ns.model, params=params)
         out: dict = {"plan": plan.to_dict()}
         sim = None
-        if ns.simulate:
+        if ns.simulate or ns.timeline:
             from .simulate import simulate
 
             sim = simulate(config, mesh, s)
-            out["simulated"] = {k: v for k, v in sim.items() if k != "raw_max"}
+            out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}
+            out["simulated"]["timeline"] = sim["timeline"].to_dict()
+            if ns.timeline:
+                import importlib.util
+
+                if importlib.util.find_spec("matplotlib") is None:
+                    raise PlanError("--timeline needs matplotlib: pip install matplotlib (or drop --timeline)")
+                sim["timeline"].plot(ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
+                    f"{ns.model}: one training step, rank 0 of {mesh.world_size}"
+                    + (" (every rank alike)" if mesh.world_size > 1 else "")
+                    + f", traced under fake tensors; closed form beside it"))
         rows = None
         if ns.suggest:
             if gpu is None:
@@ -184,7 +197,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             rows = suggest(config, ns.num_gpus or mesh.world_size, gpu, s, params=params, gpu=ns.gpu)
             out["suggest"] = rows
         if ns.plot:
-            plot_plan([plan] * min(mesh.world_size, 8), ns.plot, gpu_memory=gpu)
+            # every rank holds the same shard sizes: one bar, not world_size identical ones
+            plot_plan([plan], ns.plot, gpu_memory=gpu,
+                      labels=[f"each of {mesh.world_size} ranks" if mesh.world_size > 1 else "rank 0"])
     except (PlanError, ConfigError, ParallelDimsError, OptimizerConfigError) as exc:
         print(f"hf-gradfix plan: error: {exc}", file=sys.stderr)
         return 2
@@ -219,6 +234,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             print("  none: more GPUs, a bigger GPU, or a smaller sequence")
     if ns.plot:
         print(f"\nplot written to {ns.plot}")
+    if ns.timeline:
+        print(f"timeline written to {ns.timeline} (peak {sim['timeline'].peak / 1024**2:,.1f} MiB: "
+              f"{sim['timeline'].peak_label})")
     return 0 if plan.fits in (None, True) else 1
 
 

@@ -11,7 +11,8 @@ optimizer state, temporaries, FSDP all-gather / reduce-scatter buffers); this mo
 component's own maximum over the step (categories summed at every instant) and where the total peak happens.
 Not traced: context parallelism (torch's ring attention has no sharding rule for the CPU SDPA kernel) and DDP
 buckets (one replica is traced).  Private torch APIs (torch.distributed._tools, the fake process group,
-``DeviceMesh._concatenate``): tested with torch 2.13.
+``DeviceMesh._concatenate``): tested with torch 2.13.  ``timeline``: the last step sample by sample
+(:class:`hf_gradfix.diagnostics.memory_timeline.MemoryTimeline`, the picture of ``--timeline``).
 """
 
 from __future__ import annotations
@@ -163,8 +164,10 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     comp_max: dict[str, int] = {}
     phase = {"now": "forward", "peak": None}
 
+    from ..diagnostics.memory_timeline import timeline_tracker_class
+
     def mixin(base):
-        class _Tracker(base):
+        class _Tracker(timeline_tracker_class(base)):
             def _update_peak_stats(self, peak_state):  # noqa: D401
                 before = dict(self._peak_mem)
                 super()._update_peak_stats(peak_state)
@@ -235,6 +238,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
             tokens = settings.seq_len // mesh.cp
             ids = torch.randint(0, config.vocab_size, (settings.micro_batch, tokens))
             tracker = (mixin(FSDPMemTracker)(model, opt) if sharded else mixin(MemTracker)())
+            tracker.timeline_setup([m for _, m in decoder_layers(model)], torch.device("cpu"))
             if not sharded:
                 tracker.track_external(model, opt)
             with tracker, fake_kernel_mode():
@@ -243,13 +247,18 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                         tracker.reset_mod_stats()
                         cat_max.clear(); comp_max.clear()
                         tracker._peak_mem.clear(); tracker._peak_mem_snap.clear()
+                        tracker.timeline_sample(("other", "step start"))  # the timeline: the last step only
+                        tracker.timeline_on()
                     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if (amp and not sharded) else \
                         contextlib.nullcontext()
                     with autocast:
                         out = model(input_ids=ids, labels=ids)
                     out.loss.backward()
+                    del out  # the logits would otherwise live on into the next step's forward
                     opt.step()
                     opt.zero_grad()
+                tracker.timeline_on(False)
+                tracker.timeline_sample(("other", "after step"))
                 after_snap = tracker.get_tracker_snapshot()  # steady state, after the step
             peak_snap = tracker.get_tracker_snapshot("peak")
     finally:
@@ -268,6 +277,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
 
     at_peak = by_component(snap)
     after_step = by_component(next(iter(after_snap.values()))) if after_snap else {}
-    return {"peak": snap["Total"], "at_peak": at_peak, "after_step": after_step, "max": dict(comp_max),
+    timeline = tracker.timeline(source="fake-tensor trace", title=f"rank 0 of {mesh.world_size}")
+    return {"peak": snap["Total"], "at_peak": at_peak, "timeline": timeline, "after_step": after_step,
+            "max": dict(comp_max),
             "phase": phase["peak"],
             "seconds": time.perf_counter() - t0, "raw_max": cat_max}

@@ -1,0 +1,293 @@
+"""Memory timeline of one training step: the planner's trace (``plan --timeline``), a hand-written / TokenWindow loop
+(``MemoryTimelineRecorder``) and a live Trainer (``MemoryTimelineCallback``).
+
+Ground truths: torch's own tracker peak snapshot (kept by ``MemTracker`` independently of our sampling), and an
+independent count of the live storages: the model's parameters and buffers, the optimizer's state, the gradients,
+every tensor autograd saved for backward (a ``saved_tensors_hooks`` pack hook) and the tensors the loop holds,
+deduplicated by storage."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+import harness as H
+from hf_gradfix.diagnostics.memory_timeline import CATEGORIES, MemoryTimeline, MemoryTimelineRecorder
+from hf_gradfix.parallel import ParallelDims
+from hf_gradfix.plan import Settings, load_model_config, plan_main
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _opt_tensors(opt):
+    return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def _assert_sums(tl: MemoryTimeline):
+    for i, total in enumerate(tl.totals):
+        assert sum(tl.series[c][i] for c in CATEGORIES) == total, (i, tl.labels[i])
+
+
+# -- the planner's trace -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh_kw", [dict(world_size=1), dict(world_size=2, dp_shard=2)])
+def test_simulated_timeline_sums_and_peaks_where_the_tracker_says(mesh_kw):
+    from hf_gradfix.plan.simulate import simulate
+
+    sim = simulate(load_model_config("tiny-llama"), ParallelDims(**mesh_kw), Settings(seq_len=64, micro_batch=2,
+                                                                                      dtype="fp32"))
+    tl = sim["timeline"]
+    _assert_sums(tl)
+    # torch's tracker keeps its own peak snapshot (a deep copy at the instant the total rose): same total, same
+    # split, same phase as our sample-by-sample record
+    assert tl.peak == sim["peak"]
+    assert {c: v for c, v in tl.at_peak.items() if v} == {c: v for c, v in sim["at_peak"].items() if v}
+    assert tl.peak_phase == sim["phase"]
+    # the step's shape: both layers forward then backward in reverse, then the optimizer; the state that
+    # stays between steps is where it started
+    order = [e["label"] for e in tl.events() if "layer" in e["label"] or e["label"] == "optimizer step"]
+    assert order == ["forward layer 0", "forward layer 1", "backward layer 1", "backward layer 0", "optimizer step"]
+    assert tl.totals[0] == tl.totals[-1] == sum(sim["after_step"].values())
+    if mesh_kw["world_size"] > 1:
+        assert tl.category_max()["comm_buffers"] > 0
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "galore_adamw"])
+def test_simulated_step_equals_the_measured_step_per_category(optimizer):
+    """The planner's fake-tensor step against the same step on real tensors, recorded by the recorder: each
+    category's maximum over the step and the peak (a stale output of the previous step, for one, shows here)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_gradfix.optim import GaLoreAdamW
+    from hf_gradfix.plan.simulate import simulate
+
+    cfg = load_model_config("tiny-llama")
+    s = Settings(seq_len=64, micro_batch=2, dtype="fp32", optimizer=optimizer, rank=8)
+    pred = simulate(cfg, ParallelDims(1), s)["timeline"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if optimizer == "adamw"
+           else GaLoreAdamW(model, lr=1e-4, rank=8))
+    rec = MemoryTimelineRecorder(model, opt)
+    for step in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (2, 64))
+        with rec.step() if step else contextlib.nullcontext():
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            del out
+            opt.step()
+            opt.zero_grad()
+    meas = rec.last
+    for c, v in meas.category_max().items():
+        assert pred.category_max()[c] == pytest.approx(v, rel=1e-3, abs=64), c
+    assert pred.peak == pytest.approx(meas.peak, rel=1e-3) and pred.peak_label == meas.peak_label
+
+
+def _fsdp2_worker(rank: int, world: int, path: str, port: int) -> None:
+    import os
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from hf_gradfix.plan.activations import decoder_layers
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = load_model_config("tiny-llama")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
+        mesh = init_device_mesh("cpu", (world,))
+        for _, layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rec = MemoryTimelineRecorder(model, opt)
+        for micro_batches in (1, 1, 2):  # the second step as the planner traces it, then gradient accumulation
+            batches = [torch.randint(0, cfg.vocab_size, (2, 64)) for _ in range(micro_batches)]  # made outside
+            with rec.step():                                                                    # as the trace's
+                for ids in batches:
+                    out = model(input_ids=ids, labels=ids)
+                    out.loss.backward()
+                    del out
+                opt.step()
+                opt.zero_grad()
+        if rank == 0:
+            with open(path, "wb") as f:
+                pickle.dump(rec.timelines[1:], f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_recorder_on_fsdp2_equals_the_trace(tmp_path):
+    """Two gloo processes, FSDP2 per layer + root: rank 0's measured step equals the planner's trace of the same
+    mesh in every category (all-gather / reduce-scatter buffers included); a step with two micro-batches records
+    (torch's FSDPMemTracker alone refuses a second forward)."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    from hf_gradfix.plan.simulate import simulate
+
+    path = str(tmp_path / "timelines.pkl")
+    mp.spawn(_fsdp2_worker, args=(2, path, 29000 + (os.getpid() % 500)), nprocs=2)
+    with open(path, "rb") as f:
+        steady, accumulated = pickle.load(f)
+    pred = simulate(load_model_config("tiny-llama"), ParallelDims(2, dp_shard=2),
+                    Settings(seq_len=64, micro_batch=2, dtype="fp32", optimizer="sgd"))["timeline"]
+    assert steady.category_max()["comm_buffers"] > 0
+    assert steady.category_max() == pred.category_max() and steady.peak == pred.peak
+    _assert_sums(accumulated)
+    assert [e["label"] for e in accumulated.events()].count("backward layer 0") == 2
+
+
+def test_cli_timeline_png_and_json(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "timeline.png"
+    assert plan_main(["--model", "tiny-llama", "--seq-len", "64", "--micro-batch", "2", "--dtype", "fp32",
+                      "--timeline", str(png), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    tl = out["simulated"]["timeline"]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert tl["peak"] == out["simulated"]["peak"]
+    for ev in tl["events"]:  # every event's split sums to its total
+        assert sum(ev["max"].values()) == ev["max_total"]
+    assert any(ev["label"] == "backward layer 0" for ev in tl["events"])
+
+
+# -- measured: a TokenWindow loop ------------------------------------------------------------------------------------
+
+def test_recorder_equals_an_independent_count_of_live_storages():
+    from hf_gradfix import TokenWindow
+
+    model = H.build_model("llama", attn_implementation="sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": (ids := torch.randint(4, H.VOCAB, (2, 24), generator=g)), "labels": ids.clone()}
+               for _ in range(6)]
+    rec = MemoryTimelineRecorder(model, opt)
+    checks = []
+    for window in TokenWindow(None, batches, grad_accum_steps=2, model=model):
+        with rec.step():
+            for m, (batch, micro) in enumerate(window):
+                batch = {k: v.clone() for k, v in batch.items()}  # made inside the recorded step
+                # the window's loss statistics were made before the step began: the tracker counts them from
+                # the first op that writes them (the first micro-batch's loss), as it does any outside tensor
+                held = [v for v in vars(window).values() if torch.is_tensor(v)] if m else []
+                saved: list[torch.Tensor] = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                    out = model(**batch)
+                rec.mark("after forward", "forward")
+                live = _storage_bytes([*model.parameters(), *model.buffers(), *_opt_tensors(opt), *saved,
+                                       *(p.grad for p in model.parameters()), *batch.values(), out.loss, out.logits,
+                                       *held])
+                checks.append((rec._tracker._tl_totals[-1], live))
+                del saved, held
+                micro.model_loss(out.loss).backward()
+                del out, batch, micro
+            opt.step()
+            opt.zero_grad()
+        tl = rec.last
+        _assert_sums(tl)
+        # after the step: the weights, the optimizer state and what the window holds (its loss statistics)
+        end = tl.at(len(tl.totals) - 1)
+        assert end["parameters"] == _storage_bytes([*model.parameters(), *model.buffers()])
+        assert end["optimizer_state"] == _storage_bytes(_opt_tensors(opt)) > 0
+        held = [v for v in vars(window).values() if torch.is_tensor(v)]
+        assert tl.totals[-1] == _storage_bytes([*model.parameters(), *model.buffers(), *_opt_tensors(opt), *held])
+    assert len(rec.timelines) == 3 and len(checks) == 6
+    for recorded, live in checks:  # right after each forward: everything alive, counted independently
+        assert recorded == live
+    tl = rec.timelines[1]
+    assert tl.peak == max(tl.totals) and tl.peak_phase == "backward"
+    assert [e["label"] for e in tl.events()].count("forward layer 1") == 2  # two micro-batches per step
+
+
+# -- measured: a Trainer run -----------------------------------------------------------------------------------------
+
+def _offline_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(H.VOCAB)}, unk_token="3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="0", bos_token="1", eos_token="2")
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory):
+    datasets = pytest.importorskip("datasets")
+    from hf_gradfix import MemoryTimelineCallback
+
+    tmp = tmp_path_factory.mktemp("memtl")
+    tk = _offline_tokenizer()
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(str(int(t)) for t in torch.randint(4, H.VOCAB, (40,), generator=g)) for _ in range(12)]
+    ds = datasets.Dataset.from_dict({"text": texts}).map(lambda b: tk(b["text"]), batched=True, remove_columns=["text"])
+    model = H.build_model("llama", attn_implementation="sdpa")
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    cb = MemoryTimelineCallback(steps=(2,), plot_path=tmp / "measured.png" if has_mpl else None, predict=True)
+    args = transformers.TrainingArguments(str(tmp / "out"), per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=2,
+                                          max_steps=3, logging_steps=1, report_to="none", save_strategy="no",
+                                          use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb],
+                                   data_collator=transformers.DataCollatorForLanguageModeling(tk, mlm=False))
+    trainer.train()
+    return trainer, cb, tmp
+
+
+def test_callback_logs_the_recorded_step_and_counts_what_is_live(trainer_run):
+    trainer, cb, tmp = trainer_run
+    assert [tl.step for tl in cb.timelines] == [2]
+    tl = cb.timelines[0]
+    _assert_sums(tl)
+    logged = [h for h in trainer.state.log_history if "memory/peak_MiB" in h]
+    assert len(logged) == 1 and logged[0]["memory/step"] == 2 and logged[0]["step"] == 2
+    assert logged[0]["memory/peak_MiB"] == round(max(tl.totals) / 2**20, 4)
+    for c, v in tl.at_peak.items():
+        if v:
+            assert logged[0][f"memory/peak_{c}_MiB"] == round(v / 2**20, 4)
+    # after the step: the model's weights and the optimizer's state, counted from the objects themselves
+    model, opt = trainer.model, trainer.optimizer.optimizer
+    end = tl.at(len(tl.totals) - 1)
+    assert end["parameters"] == _storage_bytes([*model.parameters(), *model.buffers()])
+    assert end["optimizer_state"] == _storage_bytes(_opt_tensors(opt)) > 0
+    assert end["gradients"] == 0
+    # at the optimizer step: one gradient per parameter (during accumulation a new gradient and the running sum
+    # briefly coexist, so the category's maximum is higher)
+    first_opt = next(e["first"] for e in tl.events() if e["label"] == "optimizer step")
+    assert tl.at(first_opt)["gradients"] == _storage_bytes([*model.parameters()])
+    assert tl.peak_phase == "backward"
+    if cb.plot_path is not None:
+        assert (tmp / "measured.png").stat().st_size > 10_000
+
+
+def test_callback_puts_the_prediction_beside_it(trainer_run):
+    _, cb, _ = trainer_run
+    pred, meas = cb.predicted, cb.timelines[0]
+    assert pred is not None and pred.source == "fake-tensor trace"
+    # the same model state: weights and AdamW state after the step, byte for byte
+    assert pred.at(len(pred.totals) - 1)["parameters"] == meas.at(len(meas.totals) - 1)["parameters"]
+    assert pred.at(len(pred.totals) - 1)["optimizer_state"] == meas.at(len(meas.totals) - 1)["optimizer_state"]
+    # the whole peak within 25 % (the trace has one micro-batch of the same padded shape; see
+    # benchmarks/memory_timeline.py for the per-category errors)
+    assert abs(pred.peak / meas.peak - 1) < 0.25
