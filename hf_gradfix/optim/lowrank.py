@@ -151,10 +151,17 @@ class LowRankAdamW(torch.optim.Optimizer):
         items = list(params)
         if not items:
             raise ValueError(f"{self._name}: got an empty parameter list")
-        raw_groups = items if isinstance(items[0], dict) else [{"params": items}]
+        dict_groups = isinstance(items[0], dict)
+        raw_groups = items if dict_groups else [{"params": items}]
+        # galore-torch's / apollo-torch's rule: in a list of groups, a group is projected exactly when it has a
+        # ``rank``.  So when any group names one (their documented recipe), groups without it stay plain AdamW;
+        # when none does, every group is projected at the constructor's rank.  An explicit ``project`` wins.
+        rank_marks_projection = dict_groups and any("rank" in g for g in raw_groups)
         groups, names = [], {}
         for g in raw_groups:
-            g = dict(g)
+            g = self._translate_group_keys(dict(g))
+            if "project" not in g and rank_marks_projection:
+                g["project"] = "rank" in g
             plist = g["params"]
             plist = [plist] if isinstance(plist, torch.Tensor) else list(plist)
             tensors = []
@@ -192,6 +199,30 @@ class LowRankAdamW(torch.optim.Optimizer):
                     split.append({**g, "params": no, "project": False})
             groups = split
         return groups, names
+
+    def _translate_group_keys(self, g: dict) -> dict:
+        """Accept galore-torch's / apollo-torch's group keys: ``proj_type`` is our ``proj_side``; apollo-torch's
+        ``proj="random"`` is what APOLLO does anyway."""
+        if "proj_type" in g:
+            value = g.pop("proj_type")
+            if value not in _SIDES[1:]:
+                raise OptimizerConfigError(
+                    f"{self._name}: proj_type={value!r} (galore-torch's name for proj_side) is not one of "
+                    f"{', '.join(map(repr, _SIDES[1:]))}; galore-torch's 'full' (full-rank two-sided) is not supported"
+                )
+            if "proj_side" in g and g["proj_side"] != value:
+                raise OptimizerConfigError(
+                    f"{self._name}: a group sets both proj_type={value!r} and proj_side={g['proj_side']!r}; keep one"
+                )
+            g["proj_side"] = value
+        if "proj" in g:
+            value = g.pop("proj")
+            if self._name != "ApolloAdamW" or value != "random":
+                raise OptimizerConfigError(
+                    f"{self._name}: group key proj={value!r} is not supported (apollo-torch's projection type); "
+                    "ApolloAdamW always uses a random projection, GaLoreAdamW sets proj_method"
+                )
+        return g
 
     def _validate_group(self, g: dict) -> None:
         n = self._name
