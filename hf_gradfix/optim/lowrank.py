@@ -89,7 +89,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         proj_method: str = "auto",
         on_switch: str = "keep",
         min_size: int = 0,
-        stagger: bool = False,
+        stagger: bool | None = None,
         targets: str | list[str] | None = None,
         exclude: list[str] | tuple[str, ...] = (),
         no_decay: Iterable[str] | None = None,
@@ -98,8 +98,12 @@ class LowRankAdamW(torch.optim.Optimizer):
         seed: int = 0,
         compat: str = "torch",
         sync_basis: bool = True,
+        lowrank_grads: bool = False,
+        initial_basis: str = "accumulated",
         **extra: Any,
     ) -> None:
+        if stagger is None:  # low-rank accumulation only saves memory when few matrices refresh per step
+            stagger = bool(lowrank_grads)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -133,6 +137,19 @@ class LowRankAdamW(torch.optim.Optimizer):
         self._warned: set[str] = set()
         self._make_plans(explicit=targets not in (None, "all-linear") or not names)
         self._deepspeed_check()
+        # Low-rank gradient accumulation (GaLore): per-parameter rank-r accumulators filled by backward hooks.
+        self._lowrank_acc: dict[torch.Tensor, torch.Tensor] = {}
+        self._lowrank_hooks: list = []
+        self._lowrank_reduced = False
+        self.lowrank_grads = bool(lowrank_grads)
+        self.initial_basis = initial_basis
+        self.bytes_all_reduced = 0  # by this optimizer (low-rank accumulators, refreshing full gradients)
+        if initial_basis not in ("accumulated", "first_microbatch"):
+            raise OptimizerConfigError(
+                f"{self._name}: initial_basis={initial_basis!r} is not one of 'accumulated', 'first_microbatch'"
+            )
+        if self.lowrank_grads:
+            self._setup_lowrank_grads(params if isinstance(params, nn.Module) else None)
 
     # ------------------------------------------------------------------ construction
 
@@ -322,6 +339,170 @@ class LowRankAdamW(torch.optim.Optimizer):
                         "gradient exists to project). Use FSDP2 (accelerate fsdp_version: 2) or DDP"
                     )
 
+    # ------------------------------------------------------------------ low-rank gradient accumulation
+
+    def _setup_lowrank_grads(self, model: nn.Module | None) -> None:
+        """Register the post-accumulate-grad hooks that fold each micro-batch's gradient into a rank-r accumulator."""
+        for p, plan in self._plans.items():
+            if _is_dtensor(p):
+                raise OptimizerConfigError(
+                    f"{self._name}: lowrank_grads=True with FSDP2 / DTensor parameters ({plan.name}) is not supported: "
+                    "FSDP2 reduce-scatters each full gradient inside its own backward hooks, before any per-parameter "
+                    "hook sees it, so the projection cannot replace that communication, and the gradient it keeps "
+                    "is already 1/world of the matrix. Use lowrank_grads with DDP or one process, or keep FSDP2 "
+                    "with lowrank_grads=False"
+                )
+        self._plan_group = {p: self._group_of(p) for p in self._plans}
+        self._window_basis: set = set()  # matrices whose first basis came from this window's first micro-batch
+        for p in self._plans:
+            self._lowrank_hooks.append(p.register_post_accumulate_grad_hook(self._lowrank_hook))
+        if model is not None:
+            self.exclude_from_ddp(model)
+        if _world() > 1:
+            # DDP broadcasts rank 0's weights at construction, except the ones it ignores: do it for those.
+            for p in self._plans:
+                torch.distributed.broadcast(p.data, src=0)
+
+    def exclude_from_ddp(self, model: nn.Module) -> None:
+        """Tell DDP not to all-reduce the projected weights' full gradients (this optimizer all-reduces their
+        rank-r accumulators instead).  Call before wrapping ``model`` in ``DistributedDataParallel``; done
+        automatically when the optimizer is built from the model."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise OptimizerConfigError(
+                f"{self._name}: lowrank_grads=True needs the model before it is wrapped in DistributedDataParallel "
+                "(DDP would all-reduce the full gradients the optimizer projects away); build the optimizer from "
+                "the bare model, then wrap it (the Trainer and accelerate.prepare do it in that order)"
+            )
+        ids = {id(p) for p in self._plans}
+        names = [n for n, p in model.named_parameters() if id(p) in ids]
+        existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, existing + [n for n in names if n not in existing]
+        )
+
+    def remove_lowrank_hooks(self) -> None:
+        """Remove the backward hooks (the optimizer then steps on full gradients, like ``lowrank_grads=False``)."""
+        for h in self._lowrank_hooks:
+            h.remove()
+        self._lowrank_hooks.clear()
+        self.lowrank_grads = False
+
+    def _needs_full_grad(self, p: torch.Tensor, state: dict, group: dict, plan: _Plan) -> bool:
+        if p in self._window_basis:
+            return False
+        return self._refresh_due(state, group, plan) if state else True
+
+    def _lowrank_hook(self, p: torch.Tensor) -> None:
+        if p.grad is None or not self.lowrank_grads:
+            return
+        plan, group = self._plans[p], self._plan_group[p]
+        state = self.state[p]
+        if self._needs_full_grad(p, state, group, plan):
+            if self._has_basis(state) or self.initial_basis == "accumulated":
+                return  # this matrix refreshes its basis at the coming step: keep its full gradient
+            self._first_basis_from(p, group, plan)  # initial_basis="first_microbatch"
+            self._window_basis.add(p)
+        r = self._project_for_accumulation(p, state, group)
+        acc = self._lowrank_acc.get(p)
+        if acc is None:
+            self._lowrank_acc[p] = r
+        else:
+            acc.add_(r)
+        p.grad = None  # the full gradient is freed here: only the rank-r accumulator lives on
+
+    def _first_basis_from(self, p: torch.Tensor, group: dict, plan: _Plan) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _project_for_accumulation(self, p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def _reduce_lowrank_grads(self) -> None:
+        """Average the accumulators (and refreshing matrices' full gradients) over the processes, once per step."""
+        if self._lowrank_reduced:
+            return
+        self._lowrank_reduced = True
+        if _world() == 1:
+            return
+        tensors = []
+        for p, plan in self._plans.items():
+            if not getattr(p, "_ddp_ignored", False):
+                raise OptimizerConfigError(
+                    f"{self._name}: lowrank_grads=True under torch.distributed needs DDP to leave the projected "
+                    f"weights to it ({plan.name} is not excluded): build the optimizer from the model before "
+                    "wrapping it in DDP, or call optimizer.exclude_from_ddp(model) first"
+                )
+            if p in self._lowrank_acc:
+                tensors.append(self._lowrank_acc[p])
+            elif p.grad is not None:
+                tensors.append(p.grad)
+            else:  # unused on this rank this window: contribute zeros of the kind the other ranks hold
+                state, group = self.state[p], self._plan_group[p]
+                if self._needs_full_grad(p, state, group, plan):
+                    p.grad = torch.zeros_like(p)
+                    tensors.append(p.grad)
+                else:
+                    acc = torch.zeros_like(self._project_for_accumulation_shape(p, state))
+                    self._lowrank_acc[p] = acc
+                    tensors.append(acc)
+        world = _world()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group_tensors in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(group_tensors)
+            torch.distributed.all_reduce(flat)
+            flat.div_(world)
+            self.bytes_all_reduced += flat.numel() * flat.element_size()
+            for t, reduced in zip(group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors)):
+                t.copy_(reduced)
+
+    def _project_for_accumulation_shape(self, p: torch.Tensor, state: dict) -> torch.Tensor:
+        return state["exp_avg"]
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, parameters: Iterable[torch.Tensor] | torch.Tensor | None = None, norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip what this optimizer will step on; returns the total norm before clipping.
+
+        With ``lowrank_grads=True`` that is: the full gradients of plain parameters and of the matrices refreshing
+        their basis this step, and the rank-r accumulators ``P^T G`` / ``G P`` of the other projected matrices.
+        Projection is linear, so scaling an accumulator is scaling the full gradient it stands for; only the norm
+        differs from the full-gradient norm (``||G P|| <= ||G||``: the norm of what Adam consumes).  Without
+        ``lowrank_grads`` it is ``torch.nn.utils.clip_grad_norm_``.  Under DDP the accumulators are all-reduced
+        first.
+
+        >>> import torch
+        >>> from hf_gradfix.optim import GaLoreAdamW
+        >>> m = torch.nn.Linear(16, 16, bias=False); opt = GaLoreAdamW([m.weight], rank=4, lowrank_grads=True)
+        >>> m(torch.randn(2, 16)).sum().backward()   # first step: the full gradient is kept for the first basis
+        >>> bool(opt.clip_grad_norm_(1.0) > 0)
+        True
+        """
+        if self.lowrank_grads:
+            self._reduce_lowrank_grads()
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        params = list(parameters) if parameters is not None else [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        grads += [self._lowrank_acc[p] for p in params if p in self._lowrank_acc]
+        if not grads:
+            return torch.tensor(0.0)
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
+        if max_norm != float("inf"):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.device))
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._lowrank_acc.clear()
+        self._lowrank_reduced = False
+        if hasattr(self, "_window_basis"):
+            self._window_basis.clear()
+        super().zero_grad(set_to_none=set_to_none)
+
     # ------------------------------------------------------------------ introspection
 
     @property
@@ -385,9 +566,14 @@ class LowRankAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.lowrank_grads:
+            self._reduce_lowrank_grads()
         for group in self.param_groups:
             plain = []
             for p in group["params"]:
+                if p in self._lowrank_acc:
+                    self._step_projected(p, group, self._plans[p])
+                    continue
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -398,6 +584,10 @@ class LowRankAdamW(torch.optim.Optimizer):
                     plain.append(p)
             if plain:
                 self._step_plain(plain, group)
+        self._lowrank_acc.clear()  # consumed: the next window starts from zero (Trainer calls model.zero_grad())
+        self._lowrank_reduced = False
+        if self.lowrank_grads:
+            self._window_basis.clear()
         return loss
 
     def _step_plain(self, params: list[torch.Tensor], group: dict) -> None:
