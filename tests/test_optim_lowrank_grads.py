@@ -196,3 +196,32 @@ def test_ddp_wrapped_model_is_refused():
 def test_bad_initial_basis_names_the_key():
     with pytest.raises(OptimizerConfigError, match="initial_basis='first'"):
         GaLoreAdamW(W.build_model(), lowrank_grads=True, initial_basis="first", **KW)
+
+
+def test_token_window_loop_equals_full_gradient_galore():
+    """A hand-written TokenWindow loop (GA 4, padded micro-batches of unequal token counts): low-rank accumulation
+    steps like full-gradient GaLore on the same windows."""
+    import harness as H
+    from hf_gradfix import TokenWindow
+
+    model0 = H.build_model("llama")
+    samples = H.make_samples("causal", n=24, seed=0)
+    collate = H.RecordingCollator("causal", H.pad_id_of(model0)).collate
+    batches = [dict(collate(samples[i:i + 2])) for i in range(0, len(samples), 2)]
+
+    def run(lowrank: bool):
+        model = copy.deepcopy(model0)
+        opt = GaLoreAdamW(model, lr=3e-3, rank=4, update_proj_gap=2, proj_method="svd", stagger=True,
+                          lowrank_grads=lowrank)
+        for window in TokenWindow(None, batches, 4, model=model, count_rule="shifted"):
+            for batch, micro in window:
+                out = model(**batch, num_items_in_batch=micro.num_items_in_batch)
+                micro.model_loss(out.loss).backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    ours, ref = run(True), run(False)
+    diffs = _weight_rel(ours, ref)
+    assert max(diffs.values()) <= TOL, diffs
+    assert min(_weight_rel(ref, model0).values()) > 100 * TOL
