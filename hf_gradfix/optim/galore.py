@@ -181,7 +181,7 @@ class GaLoreAdamW(LowRankAdamW):
         basis = state["proj"]
         m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
         # with low-rank accumulation R was summed micro-batch by micro-batch (projection is linear)
-        r = acc if acc is not None else self._projected_grad(_local(p.grad), state, group)
+        r = acc.to(m.dtype) if acc is not None else self._projected_grad(_local(p.grad), state, group)
         state["step"] += 1
         t = float(state["step"]) - (float(state["refresh_step"]) if "refresh_step" in state else 0.0)
         direction, step_size = self._adam_direction(r, m, v, group, t)

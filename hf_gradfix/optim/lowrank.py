@@ -33,6 +33,7 @@ _METHODS = ("auto", "svd", "randomized", "identity")
 _ON_SWITCH = ("keep", "reset", "reproject")
 _SIDES = ("auto", "right", "left", "std", "reverse_std")
 _COMPAT = ("torch", "galore_torch", "apollo_torch")
+_BUCKET_BYTES = 25 * 1024**2  # all-reduce bucket of the low-rank accumulators
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -73,6 +74,7 @@ class LowRankAdamW(torch.optim.Optimizer):
 
     _name = "LowRankAdamW"
     _extra_defaults: dict[str, Any] = {}
+    _keeps_state_dtype = False  # also the unprojected parameters' state keeps its saved dtype on load (8-bit)
 
     def __init__(
         self,
@@ -402,7 +404,8 @@ class LowRankAdamW(torch.optim.Optimizer):
                 return  # this matrix refreshes its basis at the coming step: keep its full gradient
             self._first_basis_from(p, group, plan)  # initial_basis="first_microbatch"
             self._window_basis.add(p)
-        r = self._project_for_accumulation(p, state, group)
+        # accumulated in the gradient's dtype, as autograd accumulates a full gradient (fp32 stays fp32)
+        r = self._project_for_accumulation(p, state, group).to(p.grad.dtype)
         acc = self._lowrank_acc.get(p)
         if acc is None:
             self._lowrank_acc[p] = r
@@ -441,23 +444,28 @@ class LowRankAdamW(torch.optim.Optimizer):
                     p.grad = torch.zeros_like(p)
                     tensors.append(p.grad)
                 else:
-                    acc = torch.zeros_like(self._project_for_accumulation_shape(p, state))
+                    acc = torch.zeros(state["exp_avg"].shape, dtype=p.dtype, device=p.device)
                     self._lowrank_acc[p] = acc
                     tensors.append(acc)
         world = _world()
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        # buckets of at most 25 MiB per dtype (DDP's bucket size): the flat copy never doubles the accumulators
+        buckets: list[list[torch.Tensor]] = []
+        open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
         for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group_tensors in by_dtype.values():
-            flat = torch._utils._flatten_dense_tensors(group_tensors)
+            bucket, size = open_bucket.setdefault(t.dtype, ([], [0]))
+            if bucket and size[0] + t.numel() * t.element_size() > _BUCKET_BYTES:
+                buckets.append(bucket)
+                bucket, size = open_bucket[t.dtype] = ([], [0])
+            bucket.append(t)
+            size[0] += t.numel() * t.element_size()
+        buckets += [b for b, _ in open_bucket.values() if b]
+        for bucket in buckets:
+            flat = torch._utils._flatten_dense_tensors(bucket)
             torch.distributed.all_reduce(flat)
             flat.div_(world)
             self.bytes_all_reduced += flat.numel() * flat.element_size()
-            for t, reduced in zip(group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors)):
+            for t, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
                 t.copy_(reduced)
-
-    def _project_for_accumulation_shape(self, p: torch.Tensor, state: dict) -> torch.Tensor:
-        return state["exp_avg"]
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -549,7 +557,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         # torch casts floating state to the parameter's dtype on load; the low-rank state keeps its own dtype.
         saved = state_dict["state"]
         for i, p in enumerate(pp for g in self.param_groups for pp in g["params"]):
-            if p in self._plans and i in saved:
+            if (p in self._plans or self._keeps_state_dtype) and i in saved:
                 for key, value in saved[i].items():
                     cur = self.state[p].get(key)
                     if isinstance(value, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.dtype != value.dtype:
