@@ -139,7 +139,7 @@ class PackingConfig:
     )
 
 
-OptimizerName = Literal["none", "galore_adamw", "apollo_adamw", "apollo_mini"]
+OptimizerName = Literal["none", "galore_adamw", "galore_adamw8bit", "apollo_adamw", "apollo_mini"]
 ProjSide = Literal["auto", "right", "left", "std", "reverse_std"]
 ProjMethod = Literal["auto", "svd", "randomized"]
 OnSwitch = Literal["keep", "reset", "reproject"]
@@ -158,7 +158,8 @@ class OptimizerConfig:
     name: OptimizerName = field(
         default="none",
         metadata={
-            "help": "'none': keep the Trainer's optimizer; 'galore_adamw': GaLore (SVD subspace); "
+            "help": "'none': keep the Trainer's optimizer; 'galore_adamw': GaLore (SVD subspace); 'galore_adamw8bit': GaLore "
+            "with bitsandbytes' 8-bit moments; "
             "'apollo_adamw': APOLLO (random projection, channel-wise scaling); 'apollo_mini': APOLLO-Mini (rank 1)"
         },
     )

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from ..config.schema import OptimizerConfig
-from ..optim import ApolloAdamW, GaLoreAdamW, LowRankAdamW, apollo_mini
+from ..optim import ApolloAdamW, GaLoreAdamW, GaLoreAdamW8bit, LowRankAdamW, apollo_mini
 
 __all__ = ["build_low_rank_optimizer", "optimizer_requested", "check_optimizer_setup"]
 
-_CLASSES = {"galore_adamw": GaLoreAdamW, "apollo_adamw": ApolloAdamW, "apollo_mini": apollo_mini}
+_CLASSES = {"galore_adamw": GaLoreAdamW, "galore_adamw8bit": GaLoreAdamW8bit, "apollo_adamw": ApolloAdamW, "apollo_mini": apollo_mini}
 
 
 def _is_ours(cls: Any) -> bool:
@@ -93,7 +93,7 @@ def _kwargs_from_config(cfg: OptimizerConfig) -> dict:
         kw["rank"] = cfg.rank
     if cfg.scale is not None:
         kw["scale"] = cfg.scale
-    if cfg.name == "galore_adamw":
+    if cfg.name in ("galore_adamw", "galore_adamw8bit"):
         kw["proj_method"] = cfg.proj_method
         if cfg.lowrank_grads:
             kw.update(lowrank_grads=True, initial_basis=cfg.initial_basis, stagger=True)
@@ -122,7 +122,7 @@ def check_optimizer_setup(trainer: Any, cfg: OptimizerConfig) -> None:
     requested = optimizer_requested(trainer, cfg)
     wants = cfg.name != "none" or requested is not None
     lowrank = requested is not None and bool(requested[1].get("lowrank_grads", False))
-    if cfg.lowrank_grads and cfg.name != "galore_adamw":
+    if cfg.lowrank_grads and cfg.name not in ("galore_adamw", "galore_adamw8bit"):
         raise GradFixError(
             f"hf_gradfix.optimizer.lowrank_grads=true needs optimizer.name: galore_adamw (got {cfg.name!r}): APOLLO "
             "scales the raw full gradient, so its step cannot use projected gradients; set lowrank_grads: false"
@@ -201,7 +201,7 @@ def describe(optimizer: LowRankAdamW, trainer: Any = None) -> str:
     g = next((g for g in optimizer.param_groups if g.get("project")), optimizer.param_groups[0])
     n = len(optimizer.projected_names)
     kind = type(optimizer).__name__
-    extra = f", method {g['proj_method']}" if kind == "GaLoreAdamW" else f", {g.get('scale_type')}-wise"
+    extra = f", method {g['proj_method']}" if kind.startswith("GaLore") else f", {g.get('scale_type')}-wise"
     skipped = getattr(optimizer, "skipped_small", [])
     tail = f"; {len(skipped)} matrices too small for the rank stay AdamW" if skipped else ""
     if getattr(optimizer, "lowrank_grads", False):
