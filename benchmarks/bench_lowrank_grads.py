@@ -180,7 +180,7 @@ def measure(arm: str, preset: str, seq: int, vocab: int) -> dict:
 # ------------------------------------------------------------------------------------------------------ quality
 
 
-def quality(steps: int, seeds: int, log) -> dict[str, list[float]]:
+def quality(steps: int, seeds: int, log, only: list[str] = ()) -> dict[str, list[float]]:
     from bench_optim import markov_source, sample_rows, schedule
 
     vocab, seq = 512, 64
@@ -196,6 +196,8 @@ def quality(steps: int, seeds: int, log) -> dict[str, list[float]]:
         "lowrank 8-bit": lambda m: hopt.GaLoreAdamW8bit(m, lowrank_grads=True, initial_basis="first_microbatch",
                                                         min_8bit_size=0, **kw),
     }
+    if only:
+        arms = {a: f for a, f in arms.items() if a in only}
     res: dict[str, list[float]] = {a: [] for a in arms}
     for seed in range(seeds):
         torch.manual_seed(seed)
@@ -229,6 +231,8 @@ def main() -> None:
     ap.add_argument("--quality-steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny model, 20 quality steps, 1 seed")
+    ap.add_argument("--skip-memory", action="store_true", help="only the quality run")
+    ap.add_argument("--quality-arms", default="", help="comma-separated subset of the quality arms (default: all)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lowrank_grads.md"))
     args = ap.parse_args()
@@ -252,20 +256,22 @@ def main() -> None:
     log(f"Llama preset `{args.preset}`: {n / 1e6:.1f}M parameters, fp32, micro-batch 1 x {args.seq} tokens, GaLore rank "
         f"{RANK} on attention/MLP matrices.\n")
     results = []
-    for arm in [a for a in args.arms.split(",") if a]:
+    for arm in ([] if args.skip_memory else [a for a in args.arms.split(",") if a]):
         r = measure(arm, args.preset, args.seq, args.vocab)
         results.append(r)
         print(f"  {arm}: peak {r['peak'] / MiB:.1f} MiB ({r['seconds']:.0f} s)", flush=True)
-    ref = next((r["peak"] for r in results if r["arm"] == "adamw"), results[0]["peak"])
-    log("| arm | GA | peak MiB | vs AdamW | gradients MiB | optimizer state MiB | activations+temp MiB | planner MiB | measured / planner |")
-    log("|---|---|---|---|---|---|---|---|---|")
+    ref = next((r["peak"] for r in results if r["arm"] == "adamw"), results[0]["peak"] if results else 1)
+    if results:
+        log("| arm | GA | peak MiB | vs AdamW | gradients MiB | optimizer state MiB | activations+temp MiB | planner MiB | measured / planner |")
+        log("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         by = r["by"]
         planned = r.get("planned")
         log(f"| {r['arm']} | {r['ga']} | {r['peak'] / MiB:.1f} | {r['peak'] / ref:.3f} | {by.get('Gradient', 0) / MiB:.1f} | "
             f"{by.get('Optstate', 0) / MiB:.1f} | {(by.get('Activation', 0) + by.get('Temp', 0)) / MiB:.1f} | "
             + (f"{planned / MiB:.1f} | {r['peak'] / planned:.3f} |" if planned else "- | - |"))
-    log("\nColumns other than the peak are the categories at the moment of the peak (MemTracker's classification; the "
+    if results:
+        log("\nColumns other than the peak are the categories at the moment of the peak (MemTracker's classification; the "
         "low-rank accumulators are created inside backward hooks and land in 'Temp'). The planner column is its "
         "closed-form sum without the 10 % fragmentation margin (a bound: every component live at once).\n")
     tr = {r["arm"]: r["traffic"] for r in results if r["traffic"]}
@@ -280,7 +286,8 @@ def main() -> None:
         log(f"| lowrank_grads | {low['ddp'] / MiB:.2f} | {low['optimizer'] / MiB:.2f} | {tot / MiB:.2f} | {tot / full:.3f} |\n")
     log(f"## Quality: validation loss, tiny Llama, synthetic bigram task, GA 4, {args.quality_steps} steps, "
         f"{args.seeds} seed(s)\n")
-    q = quality(args.quality_steps, args.seeds, lambda m: print(m, flush=True))
+    q = quality(args.quality_steps, args.seeds, lambda m: print(m, flush=True),
+                [a for a in args.quality_arms.split(",") if a])
     log("| arm | val loss per seed | mean | minus full grads (mean) |")
     log("|---|---|---|---|")
     base = statistics.mean(q["full grads"])
