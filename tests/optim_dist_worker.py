@@ -61,6 +61,10 @@ MODEL_CONFIG = dict(harness.TINY_GQA_LLAMA, max_position_embeddings=64)
 #: FSDP2 APOLLO uses tensor-wise scaling, whose norms (and the norm-growth limiter's) span every shard.
 CASES: dict[str, tuple[str, str, dict]] = {
     "ddp_galore": ("ddp", "galore", dict(rank=8, update_proj_gap=3, proj_method="svd")),
+    # low-rank gradient accumulation: the optimizer all-reduces rank-8 accumulators, DDP only the rest; the
+    # reference is full-gradient GaLore with the same (staggered) refresh schedule
+    "ddp_galore_lowrank": ("ddp", "galore", dict(rank=8, update_proj_gap=3, proj_method="svd", stagger=True, lowrank_grads=True)),
+    "ddp_galore_stagger": ("ddp", "galore", dict(rank=8, update_proj_gap=3, proj_method="svd", stagger=True)),
     "ddp_galore_randomized": ("ddp", "galore", dict(rank=8, update_proj_gap=3, proj_method="randomized")),
     "ddp_apollo": ("ddp", "apollo", dict(rank=8, update_proj_gap=3)),
     "fsdp_galore": ("fsdp", "galore", dict(rank=8, update_proj_gap=3, proj_method="svd", on_switch="reproject")),
@@ -117,7 +121,7 @@ def train_reference(case: str, initial_state: dict, spectra: list | None = None)
     """
     model = build_model()
     model.load_state_dict(initial_state)
-    opt = make_optimizer(case, model)
+    opt = make_optimizer(case, model, lowrank_grads=False)  # the reference always holds full gradients
     mats = projected(opt)
     gap = CASES[case][2]["update_proj_gap"]
     losses = []
@@ -163,9 +167,23 @@ def run_case(case: str, rank: int, world: int, mesh) -> dict:
     parallel = CASES[case][0]
     model = build_model()
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    lowrank = CASES[case][2].get("lowrank_grads", False)
+    if lowrank:  # built before DDP wraps the model, so DDP leaves the projected weights to the optimizer
+        opt = make_optimizer(case, model)
     wrapped = _wrap(case, model, mesh)
-    opt = make_optimizer(case, model)  # DDP: the inner model (names without "module."); FSDP2: DTensor parameters
+    if not lowrank:
+        opt = make_optimizer(case, model)  # DDP: the inner model (names without "module."); FSDP2: DTensor parameters
     mats = projected(opt)
+    ddp_bytes = [0]
+    if parallel == "ddp":  # count what DDP all-reduces (its gradient buckets)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(state, bucket):
+            ddp_bytes[0] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return allreduce_hook(state, bucket)
+
+        wrapped.register_comm_hook(None, counting_hook)
+    full_grads_at_step = []
     losses = []
     for step in range(STEPS):
         step_loss = 0.0
@@ -185,6 +203,7 @@ def run_case(case: str, rank: int, world: int, mesh) -> dict:
                 loss = mean_ce(wrapped, ids) / GA
                 loss.backward()
             step_loss += float(loss.detach())
+        full_grads_at_step.append(sum(p.grad is not None for p in mats.values()))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(step_loss)
@@ -232,6 +251,9 @@ def run_case(case: str, rank: int, world: int, mesh) -> dict:
         projected_moment_bytes=moment_bytes,
         projected_names=list(mats),
         losses=losses,
+        ddp_bytes=ddp_bytes[0],
+        optimizer_bytes=getattr(opt, "bytes_all_reduced", 0),
+        full_grads_at_step=full_grads_at_step,
     )
 
 

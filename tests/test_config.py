@@ -332,7 +332,7 @@ def test_round_trip():
         "optimizer": {
             "name": "none", "targets": None, "exclude": [], "rank": None, "update_proj_gap": 200, "scale": None,
             "proj_side": "auto", "proj_method": "auto", "on_switch": "keep", "min_size": 0, "stagger": False,
-            "scale_type": None, "seed": 0,
+            "scale_type": None, "seed": 0, "lowrank_grads": False, "initial_basis": "accumulated",
         },
         "parallel": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1},
         "log_fixes": False,

@@ -275,3 +275,91 @@ def test_stock_trainer_with_our_optimizer_resumes_exactly(tmp_path):
     (bare / "optimizer.pt").unlink()
     restarted = run(tmp_path / "c", resume=str(bare))
     assert _rel(restarted, straight) > 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ low-rank gradients
+
+LOWRANK = {**OPT, "lowrank_grads": True}
+
+
+def test_lowrank_grads_trainer_ga_equals_full_gradient_galore(tmp_path, monkeypatch):
+    """optimizer.lowrank_grads: the Trainer's GA-2 run equals full-gradient GaLore (same staggered refreshes) in a
+    hand-written loop; no projected weight keeps a full gradient outside its refresh steps; grad_norm is logged."""
+    model0, model, samples, coll, trainer = _run("patch", tmp_path, monkeypatch, opt_cfg=LOWRANK)
+    opt = trainer.optimizer.optimizer
+    assert opt.lowrank_grads and opt.param_groups[0]["stagger"]
+    ref = _reference(model0, samples, coll.batches, ga=2, rank=4, update_proj_gap=2, proj_method="svd", stagger=True)
+    assert _rel(model, ref) <= 1e-5
+    other = _reference(model0, samples, coll.batches, ga=2, rank=4, update_proj_gap=2, proj_method="svd", stagger=False)
+    assert _rel(other, ref) > 1e-4  # the staggered schedule matters: the comparison can fail
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    if hasattr(trainer, "_get_grad_norm"):  # transformers 5.x logs grad_norm also without clipping (4.57 does not)
+        assert len(norms) == 4 and all(n > 0 for n in norms)
+
+
+def test_lowrank_grads_trainer_clips_the_accumulators(tmp_path, monkeypatch):
+    """max_grad_norm with lowrank_grads clips what the optimizer steps on (GaLoreAdamW.clip_grad_norm_): the Trainer's
+    run equals a hand-written loop calling it, and differs from clipping only the remaining full gradients."""
+    model0, model, samples, coll, trainer = _run("patch", tmp_path, monkeypatch, opt_cfg=LOWRANK, max_grad_norm=0.05)
+
+    def loop(route: bool):
+        m = copy.deepcopy(model0)
+        opt = GaLoreAdamW(m, lr=HP["learning_rate"], betas=(HP["adam_beta1"], HP["adam_beta2"]), eps=HP["adam_epsilon"],
+                          weight_decay=HP["weight_decay"], no_decay=_no_decay(m), rank=4, update_proj_gap=2,
+                          proj_method="svd", lowrank_grads=True)
+        norms = []
+        for w in range(len(coll.batches) // 2):
+            window = [samples[i] for b in coll.batches[w * 2:(w + 1) * 2] for i in b]
+            count = sum(H.sample_loss_sum(m, s, TASK)[1] for s in window)
+            for b in coll.batches[w * 2:(w + 1) * 2]:  # per micro-batch backward: the hooks see each one
+                total = sum(H.sample_loss_sum(m, samples[i], TASK)[0] for i in b)
+                (total / count).backward()
+            if route:
+                norms.append(float(opt.clip_grad_norm_(0.05)))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return m, norms
+
+    ref, ref_norms = loop(True)
+    assert _rel(model, ref) <= 1e-5
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert all(abs(a - b) <= 1e-4 * b for a, b in zip(logged, ref_norms)) and min(ref_norms) > 0.05
+    wrong, _ = loop(False)
+    assert _rel(wrong, ref) > 1e-4
+
+
+@pytest.mark.parametrize("resume_at", [2, 3])
+def test_lowrank_grads_trainer_resume_is_exact(resume_at, tmp_path):
+    model0 = H.build_model("llama")
+    samples = _samples(24)
+    hf_gradfix.patch({"optimizer": LOWRANK})
+    straight = copy.deepcopy(model0)
+    t1, _ = _trainer(straight, samples, tmp_path / "a", max_steps=6, max_grad_norm=1.0)
+    t1.train()
+    resumed = copy.deepcopy(model0)
+    t2, _ = _trainer(resumed, samples, tmp_path / "b", max_steps=6, max_grad_norm=1.0, save_strategy="steps",
+                     save_steps=resume_at)
+    t2.train()
+    ckpt = tmp_path / "b" / f"checkpoint-{resume_at}"
+    torch.load(ckpt / "optimizer.pt", weights_only=True)
+    again = copy.deepcopy(model0)
+    t3, _ = _trainer(again, samples, tmp_path / "b", max_steps=6, max_grad_norm=1.0)
+    t3.train(resume_from_checkpoint=str(ckpt))
+    assert _rel(again, straight) <= 1e-6
+
+
+def test_lowrank_grads_refusals_name_the_reason(tmp_path):
+    from hf_gradfix.config import load_config
+    from hf_gradfix.integration.optim_trainer import check_optimizer_setup
+
+    trainer, _ = _trainer(H.build_model("llama"), _samples(), tmp_path)
+    cfg = load_config({"optimizer": LOWRANK}).optimizer
+    check_optimizer_setup(trainer, cfg)  # DDP / one process: fine
+    trainer.is_fsdp_enabled = True
+    with pytest.raises(GradFixError, match="lowrank_grads=true under FSDP"):
+        check_optimizer_setup(trainer, cfg)
+    trainer.is_fsdp_enabled = False
+    with pytest.raises(GradFixError, match="needs optimizer.name: galore_adamw"):
+        check_optimizer_setup(trainer, load_config({"optimizer": {"name": "apollo_adamw", "lowrank_grads": True}}).optimizer)

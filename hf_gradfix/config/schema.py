@@ -143,10 +143,11 @@ class PackingConfig:
     )
 
 
-OptimizerName = Literal["none", "galore_adamw", "apollo_adamw", "apollo_mini"]
+OptimizerName = Literal["none", "galore_adamw", "galore_adamw8bit", "apollo_adamw", "apollo_mini"]
 ProjSide = Literal["auto", "right", "left", "std", "reverse_std"]
 ProjMethod = Literal["auto", "svd", "randomized"]
 OnSwitch = Literal["keep", "reset", "reproject"]
+InitialBasis = Literal["accumulated", "first_microbatch"]
 ScaleType = Literal["channel", "tensor"]
 
 
@@ -161,7 +162,8 @@ class OptimizerConfig:
     name: OptimizerName = field(
         default="none",
         metadata={
-            "help": "'none': keep the Trainer's optimizer; 'galore_adamw': GaLore (SVD subspace); "
+            "help": "'none': keep the Trainer's optimizer; 'galore_adamw': GaLore (SVD subspace); 'galore_adamw8bit': GaLore "
+            "with bitsandbytes' 8-bit moments; "
             "'apollo_adamw': APOLLO (random projection, channel-wise scaling); 'apollo_mini': APOLLO-Mini (rank 1)"
         },
     )
@@ -197,6 +199,21 @@ class OptimizerConfig:
         default=None, metadata={"help": "APOLLO scaling: 'channel' or 'tensor' (null: channel; tensor for apollo_mini)"}
     )
     seed: int = field(default=0, metadata={"help": "seed of randomized sketches / random projections"})
+    lowrank_grads: bool = field(
+        default=False,
+        metadata={
+            "help": "GaLore only: project each micro-batch's gradient into a rank-r accumulator as backward produces "
+            "it and free the full gradient (gradient accumulation and DDP keep working; refreshes are staggered; "
+            "max_grad_norm clips the accumulators)"
+        },
+    )
+    initial_basis: InitialBasis = field(
+        default="accumulated",
+        metadata={
+            "help": "with lowrank_grads: the first basis from the accumulated gradient (exact; the first step holds "
+            "full gradients) or from each matrix's first micro-batch (no step holds them all)"
+        },
+    )
 
 
 @dataclass

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from ..config.schema import OptimizerConfig
-from ..optim import ApolloAdamW, GaLoreAdamW, LowRankAdamW, apollo_mini
+from ..optim import ApolloAdamW, GaLoreAdamW, GaLoreAdamW8bit, LowRankAdamW, apollo_mini
 
 __all__ = ["build_low_rank_optimizer", "optimizer_requested", "check_optimizer_setup"]
 
-_CLASSES = {"galore_adamw": GaLoreAdamW, "apollo_adamw": ApolloAdamW, "apollo_mini": apollo_mini}
+_CLASSES = {"galore_adamw": GaLoreAdamW, "galore_adamw8bit": GaLoreAdamW8bit, "apollo_adamw": ApolloAdamW, "apollo_mini": apollo_mini}
 
 
 def _is_ours(cls: Any) -> bool:
@@ -93,8 +93,10 @@ def _kwargs_from_config(cfg: OptimizerConfig) -> dict:
         kw["rank"] = cfg.rank
     if cfg.scale is not None:
         kw["scale"] = cfg.scale
-    if cfg.name == "galore_adamw":
+    if cfg.name in ("galore_adamw", "galore_adamw8bit"):
         kw["proj_method"] = cfg.proj_method
+        if cfg.lowrank_grads:
+            kw.update(lowrank_grads=True, initial_basis=cfg.initial_basis, stagger=True)
     elif cfg.scale_type is not None:
         kw["scale_type"] = cfg.scale_type
     return kw
@@ -114,9 +116,28 @@ def check_optimizer_setup(trainer: Any, cfg: OptimizerConfig) -> None:
                 f"TrainingArguments.optim={optim_name!r} steps each weight inside backward on its un-reduced, "
                 f"un-accumulated gradient, so it is wrong with {world} processes and gradient_accumulation_steps={ga} "
                 "(transformers refuses or silently mis-steps). Use the hf_gradfix optimizer section instead, e.g. "
-                "optimizer: {name: galore_adamw, rank: 128}, which steps once on the reduced, accumulated gradient"
+                "optimizer: {name: galore_adamw, rank: 128, lowrank_grads: true}, which steps once on the reduced, accumulated "
+                "gradient and, like layer-wise mode, keeps no full gradient of the projected weights"
             )
-    wants = cfg.name != "none" or optimizer_requested(trainer, cfg) is not None
+    requested = optimizer_requested(trainer, cfg)
+    wants = cfg.name != "none" or requested is not None
+    lowrank = requested is not None and bool(requested[1].get("lowrank_grads", False))
+    if cfg.lowrank_grads and cfg.name not in ("galore_adamw", "galore_adamw8bit"):
+        raise GradFixError(
+            f"hf_gradfix.optimizer.lowrank_grads=true needs optimizer.name: galore_adamw (got {cfg.name!r}): APOLLO "
+            "scales the raw full gradient, so its step cannot use projected gradients; set lowrank_grads: false"
+        )
+    if lowrank and getattr(trainer, "is_fsdp_enabled", False):
+        raise GradFixError(
+            "hf_gradfix.optimizer.lowrank_grads=true under FSDP: FSDP2 reduce-scatters each full gradient inside its "
+            "own backward hooks, before a per-parameter hook could project it, and the shard it keeps is already "
+            "1/world of the gradient. Set lowrank_grads: false under FSDP, or train with DDP / one process"
+        )
+    if lowrank and getattr(args, "fp16", False):
+        raise GradFixError(
+            "hf_gradfix.optimizer.lowrank_grads=true with fp16=True: the fp16 GradScaler unscales and checks only the "
+            "full .grad tensors, not the low-rank accumulators. Use bf16=True (or fp32), or set lowrank_grads: false"
+        )
     if wants and getattr(trainer, "is_deepspeed_enabled", False):
         raise GradFixError(
             f"hf_gradfix.optimizer.name={cfg.name!r}: low-rank optimizers need each weight's 2-D gradient, which "
@@ -138,7 +159,38 @@ def build_low_rank_optimizer(trainer: Any, model: torch.nn.Module, factory: Any,
         "no_decay": no_decay,
     }
     merged.update(kwargs)
-    return factory(model, **merged)
+    optimizer = factory(model, **merged)
+    if getattr(optimizer, "lowrank_grads", False):
+        _route_clipping(trainer, optimizer)
+    return optimizer
+
+
+def _route_clipping(trainer: Any, optimizer: LowRankAdamW) -> None:
+    """Make the Trainer's ``accelerator.clip_grad_norm_`` clip what a ``lowrank_grads`` optimizer steps on.
+
+    The Trainer (4.57 and 5.x) clips, and logs ``grad_norm``, through ``self.accelerator.clip_grad_norm_(
+    model.parameters(), max_grad_norm)``, which sees only ``.grad``; the projected weights' gradients live in the
+    optimizer's rank-r accumulators instead.  An instance attribute on this trainer's accelerator (its class is
+    untouched) sends the call to :meth:`LowRankAdamW.clip_grad_norm_` (plain gradients + accumulators, all-reduced
+    first under DDP); once the optimizer no longer accumulates low-rank gradients, calls pass through.
+    """
+    accelerator = trainer.accelerator
+    current = accelerator.__dict__.get("clip_grad_norm_")
+    if current is not None and getattr(current, "_gradfix_lowrank_clip", False):
+        current._gradfix_optimizer[0] = optimizer  # a re-created optimizer: same wrapper, new target
+        return
+    original = accelerator.clip_grad_norm_
+    target = [optimizer]
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        opt = target[0]
+        if not getattr(opt, "lowrank_grads", False):
+            return original(parameters, max_norm, norm_type=norm_type)
+        return opt.clip_grad_norm_(max_norm, parameters, norm_type=norm_type)
+
+    clip_grad_norm_._gradfix_lowrank_clip = True
+    clip_grad_norm_._gradfix_optimizer = target
+    accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
 def describe(optimizer: LowRankAdamW, trainer: Any = None) -> str:
@@ -149,9 +201,12 @@ def describe(optimizer: LowRankAdamW, trainer: Any = None) -> str:
     g = next((g for g in optimizer.param_groups if g.get("project")), optimizer.param_groups[0])
     n = len(optimizer.projected_names)
     kind = type(optimizer).__name__
-    extra = f", method {g['proj_method']}" if kind == "GaLoreAdamW" else f", {g.get('scale_type')}-wise"
+    extra = f", method {g['proj_method']}" if kind.startswith("GaLore") else f", {g.get('scale_type')}-wise"
     skipped = getattr(optimizer, "skipped_small", [])
     tail = f"; {len(skipped)} matrices too small for the rank stay AdamW" if skipped else ""
+    if getattr(optimizer, "lowrank_grads", False):
+        tail += (f"; low-rank gradient accumulation (rank-{g['rank']} accumulators, staggered refreshes, "
+                 "max_grad_norm clips the accumulators)")
     return (
         f"{via}optimizer {kind}: {n} matrices at rank {g['rank']}, refresh every {g['update_proj_gap']} steps{extra}, "
         f"lr/weight_decay/betas/eps from TrainingArguments{tail}"

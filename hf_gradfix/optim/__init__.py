@@ -1,5 +1,6 @@
 """Low-rank optimizers for full-parameter training: GaLore and APOLLO on one projection machinery.
 
+* :class:`GaLoreAdamW8bit`: the same with bitsandbytes' blockwise 8-bit moments (imported when built).
 * :class:`GaLoreAdamW`: Adam moments in the top-``rank`` singular subspace of each selected weight's
   gradient, refreshed every ``update_proj_gap`` steps (exact or randomized SVD).
 * :class:`ApolloAdamW` / :func:`apollo_mini`: a random projection only sets channel-wise (or tensor-wise)
@@ -19,12 +20,14 @@ True
 
 from .apollo import ApolloAdamW, apollo_mini
 from .galore import GaLoreAdamW
+from .galore8bit import GaLoreAdamW8bit
 from .groups import OptimizerConfigError, low_rank_param_groups, no_decay_names, select_targets
 from .lowrank import LowRankAdamW
 from .memory import expected_state_bytes, state_bytes
 
 __all__ = [
     "GaLoreAdamW",
+    "GaLoreAdamW8bit",
     "ApolloAdamW",
     "apollo_mini",
     "LowRankAdamW",

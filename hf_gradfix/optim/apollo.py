@@ -78,6 +78,15 @@ class ApolloAdamW(LowRankAdamW):
             if lim is not None and not lim >= 1.0:
                 raise OptimizerConfigError(f"{self._name}: norm_growth_limit={lim!r} must be >= 1 (or None to disable)")
 
+    def _setup_lowrank_grads(self, model) -> None:
+        raise OptimizerConfigError(
+            f"{self._name}: lowrank_grads=True is GaLore-only. APOLLO scales the raw full gradient G by factors "
+            "from its projected moments, so its step needs G itself, not G's projection: accumulating rank-r "
+            "projections cannot serve it. What would apply is the layer-wise form (one process, gradient "
+            "accumulation 1, the update applied inside the backward hook), which gives up gradient accumulation, "
+            "DDP and clipping, so it is not offered. Use GaLoreAdamW(lowrank_grads=True), or APOLLO with full gradients"
+        )
+
     def _has_basis(self, state: dict) -> bool:
         return "proj_seed" in state
 

@@ -46,6 +46,20 @@ class GaLoreAdamW(LowRankAdamW):
             prove parity with it).
         sync_basis: under torch.distributed, broadcast every refreshed basis from rank 0 so all ranks agree.
 
+        lowrank_grads: low-rank gradient accumulation.  A post-accumulate-grad hook projects each micro-batch's
+            gradient of a projected matrix into a rank-``rank`` accumulator and frees the full gradient at once
+            (projection is linear: the sum of projections is the projection of the sum), so no full gradient of
+            a projected matrix outlives its backward, with gradient accumulation and under DDP (the optimizer
+            all-reduces the accumulators, ``rank / d`` of the traffic; DDP is told to leave those weights
+            alone).  Only a matrix whose basis refreshes at the coming step keeps its full gradient for the
+            SVD; ``stagger`` defaults to True with it, so that is a few matrices at a time.  Clip with
+            :meth:`clip_grad_norm_` (it clips the accumulators).  Not with FSDP2 (refused, with the reason).
+        initial_basis: with ``lowrank_grads``, where the first basis comes from: ``accumulated`` (the first
+            step holds every projected matrix's full gradient, exactly as full-gradient GaLore) or
+            ``first_microbatch`` (each matrix's first basis from its first micro-batch's gradient, rank 0's
+            under DDP: no step ever holds more than the refreshing matrices' gradients; the first basis is
+            then not the accumulated gradient's, every later refresh is).
+
     A non-finite gradient or a failed SVD at a refresh keeps the previous basis (with a warning).
 
     Example:
@@ -111,43 +125,66 @@ class GaLoreAdamW(LowRankAdamW):
             return basis.to(p.dtype)
         return proj.canonicalize_signs(basis)
 
-    def _step_projected(self, p: torch.Tensor, group: dict, plan: _Plan) -> None:
+    def _ensure_state(self, p: torch.Tensor, group: dict, plan: _Plan) -> dict:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["side"] = torch.tensor(plan.side, dtype=torch.int8)
             if group["on_switch"] == "reset":
                 state["refresh_step"] = torch.tensor(0.0, dtype=torch.float32)
-        side = int(state["side"])
-        plan.side = side
-        if self._refresh_due(state, group, plan):
-            new = self._new_basis(p, state, group, plan)
-            if new is not None:
-                new = self._broadcast(new.contiguous() if group["compat"] == "torch" else new)
-                old = state.get("proj")
-                state["proj"] = new
-                if "exp_avg" not in state:
-                    dtype = p.dtype if group["compat"] == "galore_torch" else torch.float32
-                    self._init_moments(p, state, side, group["rank"], dtype)
-                elif old is not None and group["on_switch"] == "reproject":
-                    t = float(state["step"])
-                    b1, b2 = group["betas"]
-                    proj.transfer_moments(
-                        _local(state["exp_avg"]), _local(state["exp_avg_sq"]), old.float(), new.float(), side, 1 - b1**t, 1 - b2**t
-                    )
-                elif old is not None and group["on_switch"] == "reset":
-                    _local(state["exp_avg"]).zero_()
-                    _local(state["exp_avg_sq"]).zero_()
-                    state["refresh_step"] = state["step"].clone()
+        plan.side = int(state["side"])
+        return state
+
+    def _refresh(self, p: torch.Tensor, state: dict, group: dict, plan: _Plan) -> None:
+        """A new basis from ``p.grad`` (all ranks get rank 0's), and the moments' rule for the switch."""
+        side = plan.side
+        new = self._new_basis(p, state, group, plan)
+        if new is None:
+            return
+        new = self._broadcast(new.contiguous() if group["compat"] == "torch" else new)
+        old = state.get("proj")
+        state["proj"] = new
+        if "exp_avg" not in state:
+            dtype = p.dtype if group["compat"] == "galore_torch" else torch.float32
+            self._init_moments(p, state, side, group["rank"], dtype)
+        elif old is not None and group["on_switch"] == "reproject":
+            t = float(state["step"])
+            b1, b2 = group["betas"]
+            proj.transfer_moments(
+                _local(state["exp_avg"]), _local(state["exp_avg_sq"]), old.float(), new.float(), side, 1 - b1**t, 1 - b2**t
+            )
+        elif old is not None and group["on_switch"] == "reset":
+            _local(state["exp_avg"]).zero_()
+            _local(state["exp_avg_sq"]).zero_()
+            state["refresh_step"] = state["step"].clone()
+
+    def _projected_grad(self, g: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        """``R``: the local gradient in the current basis, in the moments' dtype."""
+        m = _local(state["exp_avg"])
+        g = g.to(m.dtype) if group["compat"] == "torch" else g
+        return proj.project(g, state["proj"].to(g.dtype), int(state["side"])).to(m.dtype)
+
+    # low-rank gradient accumulation (see LowRankAdamW._lowrank_hook)
+    def _project_for_accumulation(self, p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        return self._projected_grad(_local(p.grad), state, group)
+
+    def _first_basis_from(self, p: torch.Tensor, group: dict, plan: _Plan) -> None:
+        state = self._ensure_state(p, group, plan)
+        self._refresh(p, state, group, plan)
+
+    def _step_projected(self, p: torch.Tensor, group: dict, plan: _Plan) -> None:
+        state = self._ensure_state(p, group, plan)
+        side = plan.side
+        acc = self._lowrank_acc.get(p)
+        if acc is None and self._refresh_due(state, group, plan):
+            self._refresh(p, state, group, plan)
         basis = state["proj"]
         m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        g = _local(p.grad)
-        g = g.to(m.dtype) if group["compat"] == "torch" else g
-        r = proj.project(g, basis.to(g.dtype), side)
+        # with low-rank accumulation R was summed micro-batch by micro-batch (projection is linear)
+        r = acc.to(m.dtype) if acc is not None else self._projected_grad(_local(p.grad), state, group)
         state["step"] += 1
         t = float(state["step"]) - (float(state["refresh_step"]) if "refresh_step" in state else 0.0)
         direction, step_size = self._adam_direction(r, m, v, group, t)
         update = proj.project_back(direction, basis.to(direction.dtype), side)
         update.mul_(group["scale"])
         self._apply(_local(p), update, step_size, group)
-

@@ -33,6 +33,7 @@ _METHODS = ("auto", "svd", "randomized", "identity")
 _ON_SWITCH = ("keep", "reset", "reproject")
 _SIDES = ("auto", "right", "left", "std", "reverse_std")
 _COMPAT = ("torch", "galore_torch", "apollo_torch")
+_BUCKET_BYTES = 25 * 1024**2  # all-reduce bucket of the low-rank accumulators
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -73,6 +74,7 @@ class LowRankAdamW(torch.optim.Optimizer):
 
     _name = "LowRankAdamW"
     _extra_defaults: dict[str, Any] = {}
+    _keeps_state_dtype = False  # also the unprojected parameters' state keeps its saved dtype on load (8-bit)
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         proj_method: str = "auto",
         on_switch: str = "keep",
         min_size: int = 0,
-        stagger: bool = False,
+        stagger: bool | None = None,
         targets: str | list[str] | None = None,
         exclude: list[str] | tuple[str, ...] = (),
         no_decay: Iterable[str] | None = None,
@@ -98,8 +100,12 @@ class LowRankAdamW(torch.optim.Optimizer):
         seed: int = 0,
         compat: str = "torch",
         sync_basis: bool = True,
+        lowrank_grads: bool = False,
+        initial_basis: str = "accumulated",
         **extra: Any,
     ) -> None:
+        if stagger is None:  # low-rank accumulation only saves memory when few matrices refresh per step
+            stagger = bool(lowrank_grads)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -133,6 +139,19 @@ class LowRankAdamW(torch.optim.Optimizer):
         self._warned: set[str] = set()
         self._make_plans(explicit=targets not in (None, "all-linear") or not names)
         self._deepspeed_check()
+        # Low-rank gradient accumulation (GaLore): per-parameter rank-r accumulators filled by backward hooks.
+        self._lowrank_acc: dict[torch.Tensor, torch.Tensor] = {}
+        self._lowrank_hooks: list = []
+        self._lowrank_reduced = False
+        self.lowrank_grads = bool(lowrank_grads)
+        self.initial_basis = initial_basis
+        self.bytes_all_reduced = 0  # by this optimizer (low-rank accumulators, refreshing full gradients)
+        if initial_basis not in ("accumulated", "first_microbatch"):
+            raise OptimizerConfigError(
+                f"{self._name}: initial_basis={initial_basis!r} is not one of 'accumulated', 'first_microbatch'"
+            )
+        if self.lowrank_grads:
+            self._setup_lowrank_grads(params if isinstance(params, nn.Module) else None)
 
     # ------------------------------------------------------------------ construction
 
@@ -151,10 +170,17 @@ class LowRankAdamW(torch.optim.Optimizer):
         items = list(params)
         if not items:
             raise ValueError(f"{self._name}: got an empty parameter list")
-        raw_groups = items if isinstance(items[0], dict) else [{"params": items}]
+        dict_groups = isinstance(items[0], dict)
+        raw_groups = items if dict_groups else [{"params": items}]
+        # galore-torch's / apollo-torch's rule: in a list of groups, a group is projected exactly when it has a
+        # ``rank``.  So when any group names one (their documented recipe), groups without it stay plain AdamW;
+        # when none does, every group is projected at the constructor's rank.  An explicit ``project`` wins.
+        rank_marks_projection = dict_groups and any("rank" in g for g in raw_groups)
         groups, names = [], {}
         for g in raw_groups:
-            g = dict(g)
+            g = self._translate_group_keys(dict(g))
+            if "project" not in g and rank_marks_projection:
+                g["project"] = "rank" in g
             plist = g["params"]
             plist = [plist] if isinstance(plist, torch.Tensor) else list(plist)
             tensors = []
@@ -192,6 +218,30 @@ class LowRankAdamW(torch.optim.Optimizer):
                     split.append({**g, "params": no, "project": False})
             groups = split
         return groups, names
+
+    def _translate_group_keys(self, g: dict) -> dict:
+        """Accept galore-torch's / apollo-torch's group keys: ``proj_type`` is our ``proj_side``; apollo-torch's
+        ``proj="random"`` is what APOLLO does anyway."""
+        if "proj_type" in g:
+            value = g.pop("proj_type")
+            if value not in _SIDES[1:]:
+                raise OptimizerConfigError(
+                    f"{self._name}: proj_type={value!r} (galore-torch's name for proj_side) is not one of "
+                    f"{', '.join(map(repr, _SIDES[1:]))}; galore-torch's 'full' (full-rank two-sided) is not supported"
+                )
+            if "proj_side" in g and g["proj_side"] != value:
+                raise OptimizerConfigError(
+                    f"{self._name}: a group sets both proj_type={value!r} and proj_side={g['proj_side']!r}; keep one"
+                )
+            g["proj_side"] = value
+        if "proj" in g:
+            value = g.pop("proj")
+            if self._name != "ApolloAdamW" or value != "random":
+                raise OptimizerConfigError(
+                    f"{self._name}: group key proj={value!r} is not supported (apollo-torch's projection type); "
+                    "ApolloAdamW always uses a random projection, GaLoreAdamW sets proj_method"
+                )
+        return g
 
     def _validate_group(self, g: dict) -> None:
         n = self._name
@@ -291,6 +341,176 @@ class LowRankAdamW(torch.optim.Optimizer):
                         "gradient exists to project). Use FSDP2 (accelerate fsdp_version: 2) or DDP"
                     )
 
+    # ------------------------------------------------------------------ low-rank gradient accumulation
+
+    def _setup_lowrank_grads(self, model: nn.Module | None) -> None:
+        """Register the post-accumulate-grad hooks that fold each micro-batch's gradient into a rank-r accumulator."""
+        for p, plan in self._plans.items():
+            if _is_dtensor(p):
+                raise OptimizerConfigError(
+                    f"{self._name}: lowrank_grads=True with FSDP2 / DTensor parameters ({plan.name}) is not supported: "
+                    "FSDP2 reduce-scatters each full gradient inside its own backward hooks, before any per-parameter "
+                    "hook sees it, so the projection cannot replace that communication, and the gradient it keeps "
+                    "is already 1/world of the matrix. Use lowrank_grads with DDP or one process, or keep FSDP2 "
+                    "with lowrank_grads=False"
+                )
+        self._plan_group = {p: self._group_of(p) for p in self._plans}
+        self._window_basis: set = set()  # matrices whose first basis came from this window's first micro-batch
+        for p in self._plans:
+            self._lowrank_hooks.append(p.register_post_accumulate_grad_hook(self._lowrank_hook))
+        if model is not None:
+            self.exclude_from_ddp(model)
+        if _world() > 1:
+            # DDP broadcasts rank 0's weights at construction, except the ones it ignores: do it for those.
+            for p in self._plans:
+                torch.distributed.broadcast(p.data, src=0)
+
+    def exclude_from_ddp(self, model: nn.Module) -> None:
+        """Tell DDP not to all-reduce the projected weights' full gradients (this optimizer all-reduces their
+        rank-r accumulators instead).  Call before wrapping ``model`` in ``DistributedDataParallel``; done
+        automatically when the optimizer is built from the model."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise OptimizerConfigError(
+                f"{self._name}: lowrank_grads=True needs the model before it is wrapped in DistributedDataParallel "
+                "(DDP would all-reduce the full gradients the optimizer projects away); build the optimizer from "
+                "the bare model, then wrap it (the Trainer and accelerate.prepare do it in that order)"
+            )
+        ids = {id(p) for p in self._plans}
+        names = [n for n, p in model.named_parameters() if id(p) in ids]
+        existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, existing + [n for n in names if n not in existing]
+        )
+
+    def remove_lowrank_hooks(self) -> None:
+        """Remove the backward hooks (the optimizer then steps on full gradients, like ``lowrank_grads=False``)."""
+        for h in self._lowrank_hooks:
+            h.remove()
+        self._lowrank_hooks.clear()
+        self.lowrank_grads = False
+
+    def _needs_full_grad(self, p: torch.Tensor, state: dict, group: dict, plan: _Plan) -> bool:
+        if p in self._window_basis:
+            return False
+        return self._refresh_due(state, group, plan) if state else True
+
+    def _lowrank_hook(self, p: torch.Tensor) -> None:
+        if p.grad is None or not self.lowrank_grads:
+            return
+        plan, group = self._plans[p], self._plan_group[p]
+        state = self.state[p]
+        if self._needs_full_grad(p, state, group, plan):
+            if self._has_basis(state) or self.initial_basis == "accumulated":
+                return  # this matrix refreshes its basis at the coming step: keep its full gradient
+            self._first_basis_from(p, group, plan)  # initial_basis="first_microbatch"
+            self._window_basis.add(p)
+        # accumulated in the gradient's dtype, as autograd accumulates a full gradient (fp32 stays fp32)
+        r = self._project_for_accumulation(p, state, group).to(p.grad.dtype)
+        acc = self._lowrank_acc.get(p)
+        if acc is None:
+            self._lowrank_acc[p] = r
+        else:
+            acc.add_(r)
+        p.grad = None  # the full gradient is freed here: only the rank-r accumulator lives on
+
+    def _first_basis_from(self, p: torch.Tensor, group: dict, plan: _Plan) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _project_for_accumulation(self, p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def _reduce_lowrank_grads(self) -> None:
+        """Average the accumulators (and refreshing matrices' full gradients) over the processes, once per step."""
+        if self._lowrank_reduced:
+            return
+        self._lowrank_reduced = True
+        if _world() == 1:
+            return
+        tensors = []
+        for p, plan in self._plans.items():
+            if not getattr(p, "_ddp_ignored", False):
+                raise OptimizerConfigError(
+                    f"{self._name}: lowrank_grads=True under torch.distributed needs DDP to leave the projected "
+                    f"weights to it ({plan.name} is not excluded): build the optimizer from the model before "
+                    "wrapping it in DDP, or call optimizer.exclude_from_ddp(model) first"
+                )
+            if p in self._lowrank_acc:
+                tensors.append(self._lowrank_acc[p])
+            elif p.grad is not None:
+                tensors.append(p.grad)
+            else:  # unused on this rank this window: contribute zeros of the kind the other ranks hold
+                state, group = self.state[p], self._plan_group[p]
+                if self._needs_full_grad(p, state, group, plan):
+                    p.grad = torch.zeros_like(p)
+                    tensors.append(p.grad)
+                else:
+                    acc = torch.zeros(state["exp_avg"].shape, dtype=p.dtype, device=p.device)
+                    self._lowrank_acc[p] = acc
+                    tensors.append(acc)
+        world = _world()
+        # buckets of at most 25 MiB per dtype (DDP's bucket size): the flat copy never doubles the accumulators
+        buckets: list[list[torch.Tensor]] = []
+        open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
+        for t in tensors:
+            bucket, size = open_bucket.setdefault(t.dtype, ([], [0]))
+            if bucket and size[0] + t.numel() * t.element_size() > _BUCKET_BYTES:
+                buckets.append(bucket)
+                bucket, size = open_bucket[t.dtype] = ([], [0])
+            bucket.append(t)
+            size[0] += t.numel() * t.element_size()
+        buckets += [b for b, _ in open_bucket.values() if b]
+        for bucket in buckets:
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            torch.distributed.all_reduce(flat)
+            flat.div_(world)
+            self.bytes_all_reduced += flat.numel() * flat.element_size()
+            for t, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                t.copy_(reduced)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, parameters: Iterable[torch.Tensor] | torch.Tensor | None = None, norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip what this optimizer will step on; returns the total norm before clipping.
+
+        With ``lowrank_grads=True`` that is: the full gradients of plain parameters and of the matrices refreshing
+        their basis this step, and the rank-r accumulators ``P^T G`` / ``G P`` of the other projected matrices.
+        Projection is linear, so scaling an accumulator is scaling the full gradient it stands for; only the norm
+        differs from the full-gradient norm (``||G P|| <= ||G||``: the norm of what Adam consumes).  Without
+        ``lowrank_grads`` it is ``torch.nn.utils.clip_grad_norm_``.  Under DDP the accumulators are all-reduced
+        first.
+
+        >>> import torch
+        >>> from hf_gradfix.optim import GaLoreAdamW
+        >>> m = torch.nn.Linear(16, 16, bias=False); opt = GaLoreAdamW([m.weight], rank=4, lowrank_grads=True)
+        >>> m(torch.randn(2, 16)).sum().backward()   # first step: the full gradient is kept for the first basis
+        >>> bool(opt.clip_grad_norm_(1.0) > 0)
+        True
+        """
+        if self.lowrank_grads:
+            self._reduce_lowrank_grads()
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        params = list(parameters) if parameters is not None else [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        grads += [self._lowrank_acc[p] for p in params if p in self._lowrank_acc]
+        if not grads:
+            return torch.tensor(0.0)
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
+        if max_norm != float("inf"):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.device))
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._lowrank_acc.clear()
+        self._lowrank_reduced = False
+        if hasattr(self, "_window_basis"):
+            self._window_basis.clear()
+        super().zero_grad(set_to_none=set_to_none)
+
     # ------------------------------------------------------------------ introspection
 
     @property
@@ -337,7 +557,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         # torch casts floating state to the parameter's dtype on load; the low-rank state keeps its own dtype.
         saved = state_dict["state"]
         for i, p in enumerate(pp for g in self.param_groups for pp in g["params"]):
-            if p in self._plans and i in saved:
+            if (p in self._plans or self._keeps_state_dtype) and i in saved:
                 for key, value in saved[i].items():
                     cur = self.state[p].get(key)
                     if isinstance(value, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.dtype != value.dtype:
@@ -354,9 +574,14 @@ class LowRankAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.lowrank_grads:
+            self._reduce_lowrank_grads()
         for group in self.param_groups:
             plain = []
             for p in group["params"]:
+                if p in self._lowrank_acc:
+                    self._step_projected(p, group, self._plans[p])
+                    continue
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -367,6 +592,10 @@ class LowRankAdamW(torch.optim.Optimizer):
                     plain.append(p)
             if plain:
                 self._step_plain(plain, group)
+        self._lowrank_acc.clear()  # consumed: the next window starts from zero (Trainer calls model.zero_grad())
+        self._lowrank_reduced = False
+        if self.lowrank_grads:
+            self._window_basis.clear()
         return loss
 
     def _step_plain(self, params: list[torch.Tensor], group: dict) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from . import projection as proj
 
-__all__ = ["state_bytes", "expected_state_bytes", "adamw_state_elements", "galore_state_elements"]
+__all__ = ["state_bytes", "expected_state_bytes", "adamw_state_elements", "galore_state_elements", "eight_bit_moment_bytes"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -84,10 +84,24 @@ def galore_state_elements(shape: tuple[int, int], rank: int, side: int) -> tuple
     return 2 * k * rank, d * rank
 
 
+def eight_bit_moment_bytes(numel: int, min_8bit_size: int = 4096, blocksize: int = 256) -> int:
+    """Bytes of two Adam moments of ``numel`` elements in bitsandbytes' blockwise 8-bit state: uint8 codes plus one fp32
+    absmax per block of 256 (fp32 moments below ``min_8bit_size`` elements, as bitsandbytes does).
+
+    >>> eight_bit_moment_bytes(4096), eight_bit_moment_bytes(100)
+    (8320, 800)
+    """
+    if numel < min_8bit_size:
+        return 2 * numel * 4
+    blocks = numel // blocksize + bool(numel % blocksize)
+    return 2 * numel + 2 * blocks * 4
+
+
 def expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """What the math needs for every parameter that has optimizer state, from shapes and settings only.
 
-    Works for :class:`~hf_gradfix.optim.GaLoreAdamW`, :class:`~hf_gradfix.optim.ApolloAdamW` and
+    Works for :class:`~hf_gradfix.optim.GaLoreAdamW`, :class:`~hf_gradfix.optim.GaLoreAdamW8bit`,
+    :class:`~hf_gradfix.optim.ApolloAdamW` and
     ``torch.optim.AdamW`` (non-fused, non-amsgrad).
     """
     plans = getattr(optimizer, "_plans", {})
@@ -99,11 +113,17 @@ def expected_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                 continue
             lp = _local(p)
             if p not in plans:
+                if "8bit" in kind:
+                    total += 4 + eight_bit_moment_bytes(lp.numel(), group["min_8bit_size"])
+                    continue
                 total += adamw_state_elements(tuple(lp.shape)) * lp.element_size() + 4  # moments + fp32 step
                 continue
             side = plans[p].side
             local_shape = tuple(lp.shape)
             moments, basis = galore_state_elements(local_shape, group["rank"], side)
+            if "8bit" in kind:
+                total += 4 + 1 + basis * lp.element_size() + eight_bit_moment_bytes(moments // 2, group["min_8bit_size"])
+                continue
             moment_size = lp.element_size() if group["compat"] != "torch" else 4
             total += 4 + 1  # step (fp32), side (int8)
             if "Apollo" in kind:

@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grad-fp32", action="store_true", help="fp32 gradient accumulation buffer (the Playbook's 20N)")
     ap.add_argument("--optimizer", help="adamw | adamw8bit | galore_adamw | galore_adamw8bit | apollo_adamw | apollo_mini | sgd")
     ap.add_argument("--rank", type=int, help="GaLore/APOLLO rank (default: the YAML's, else 128)")
+    ap.add_argument("--lowrank-grads", action="store_true",
+                    help="GaLore low-rank gradient accumulation (optimizer.lowrank_grads): rank-r accumulators instead "
+                         "of the projected weights' gradients")
+    ap.add_argument("--update-proj-gap", type=int, help="GaLore refresh gap (default: the YAML's, else 200)")
     ap.add_argument("--recompute", default="none", choices=["none", "full"])
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default: 3 with FSDP sharding, else 0)")
     g = ap.add_mutually_exclusive_group()
@@ -48,6 +52,7 @@ def _mesh_and_settings(ns, config):
     from ..parallel import ParallelDims
 
     opt_name, rank, side, targets, exclude, min_size = "adamw", 128, "auto", None, (), 0
+    lowrank, gap = False, 200
     if ns.config:
         from ..cli import resolve_config
 
@@ -59,13 +64,15 @@ def _mesh_and_settings(ns, config):
             opt_name = o.name
             rank = o.rank or (1 if o.name == "apollo_mini" else 128)
             side, targets, exclude, min_size = o.proj_side, o.targets, tuple(o.exclude or ()), o.min_size
+            lowrank, gap = o.lowrank_grads, o.update_proj_gap
     else:
         mesh = ParallelDims(ns.num_gpus or 1)
         mesh.check_model(config)
     s = Settings(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum, dtype=ns.dtype,
                  grad_fp32=ns.grad_fp32, optimizer=ns.optimizer or opt_name, rank=ns.rank or rank, proj_side=side,
                  targets=targets, exclude=exclude, min_size=min_size, recompute=ns.recompute, zero=ns.zero,
-                 attention=ns.attention)
+                 attention=ns.attention, lowrank_grads=bool(ns.lowrank_grads or lowrank),
+                 update_proj_gap=ns.update_proj_gap or gap)
     return mesh, s
 
 
@@ -106,8 +113,13 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                     continue
                 for mb in (1, 2, 4, 8):
                     for rc in ("none", "full"):
-                        for opt in dict.fromkeys((base.optimizer, "adamw")):
-                            s = replace(base, micro_batch=mb, recompute=rc, optimizer=opt, zero=None)
+                        # GaLore: with and without low-rank gradient accumulation (DDP / one process only)
+                        variants = [(o, False) for o in dict.fromkeys((base.optimizer, "adamw"))]
+                        if base.optimizer.startswith("galore"):
+                            variants.insert(1, (base.optimizer, True))
+                        for opt, lowrank in variants:
+                            s = replace(base, micro_batch=mb, recompute=rc, optimizer=opt, zero=None,
+                                        lowrank_grads=lowrank)
                             try:
                                 p = estimate(config, mesh, s, gpu_memory=gpu_memory, params=params)
                             except PlanError:  # e.g. a low-rank optimizer on FSDP2 x TP row-wise weights
@@ -121,6 +133,7 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                                 optimizer_overhead=1.02 if opt.startswith(("galore", "apollo")) else 1.0)
                             rows.append({"dp_replicate": rep, "dp_shard": rest // rep, "tp": tp, "cp": cp,
                                          "micro_batch": mb, "recompute": rc, "optimizer": opt,
+                                         "lowrank_grads": lowrank,
                                          "peak_gib": round(p.peak / GiB, 2),
                                          "tokens_per_s_per_gpu": round(t["tokens_per_s_per_gpu"]),
                                          "mfu": round(t["mfu"], 3), "global_batch_tokens": p.global_batch_tokens})
@@ -224,11 +237,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     if rows is not None:
         print(f"\nlayouts that fit ({len(rows)} shown, best expected throughput/GPU first; an analytic model "
               f"for {(ns.gpu or 'h100') if (ns.gpu or 'h100').lower() in _gpu_specs() else 'h100'}, not measured):")
-        print(f"  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'mb':>3} {'recompute':>9} {'optimizer':>13} "
+        print(f"  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'mb':>3} {'recompute':>9} {'optimizer':>22} "
               f"{'peak GiB':>9} {'tok/s/GPU':>10} {'MFU':>5}")
         for r in rows:
             print(f"  {r['dp_replicate']:>6} {r['dp_shard']:>8} {r['tp']:>3} {r['cp']:>3} {r['micro_batch']:>3} "
-                  f"{r['recompute']:>9} {r['optimizer']:>13} {r['peak_gib']:>9} {r['tokens_per_s_per_gpu']:>10,} "
+                  f"{r['recompute']:>9} {r['optimizer'] + ('+lowrank_grads' if r.get('lowrank_grads') else ''):>22} {r['peak_gib']:>9} {r['tokens_per_s_per_gpu']:>10,} "
                   f"{r['mfu']:>5.2f}")
         if not rows:
             print("  none: more GPUs, a bigger GPU, or a smaller sequence")

@@ -234,6 +234,8 @@ class Settings:
     activation_model: str = "traced"
     attention: str = "fused"  # fused (FlashAttention 2 / SDPA: no s x s scores saved) | eager
     projector_bytes: int | None = None  # bytes per GaLore basis element (None: the moments' unquantized dtype)
+    lowrank_grads: bool = False  # GaLore low-rank gradient accumulation (rank-r accumulators instead of gradients)
+    update_proj_gap: int = 200  # with lowrank_grads: refreshes are staggered over this many steps
 
     def check(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -242,7 +244,7 @@ class Settings:
             raise PlanError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if self.recompute not in ("none", "full"):
             raise PlanError(f"--recompute {self.recompute!r}: none | full")
-        for key in ("seq_len", "micro_batch", "grad_accum", "rank"):
+        for key in ("seq_len", "micro_batch", "grad_accum", "rank", "update_proj_gap"):
             if int(getattr(self, key)) < 1:
                 raise PlanError(f"--{key.replace('_', '-')} must be >= 1")
         if self.zero not in (None, 0, 1, 2, 3):
@@ -394,7 +396,17 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         d_eff = d if d > 1 else mesh.dp_replicate  # ZeRO-1/2 without FSDP: over the data-parallel group
     tp = mesh.tp
     from ..optim import projection as proj
-    from ..optim.memory import adamw_state_elements, galore_state_elements
+    from ..optim.memory import adamw_state_elements, eight_bit_moment_bytes, galore_state_elements
+
+    if settings.lowrank_grads and not opt.startswith("galore"):
+        raise PlanError(f"--lowrank-grads: low-rank gradient accumulation is GaLore's (got --optimizer {opt}); "
+                        "APOLLO scales the full gradient, AdamW has no projection")
+    if settings.lowrank_grads and zero >= 2:
+        raise PlanError("--lowrank-grads works with DDP or one process, not with ZeRO-2/3 / FSDP2 (they shard the "
+                        "full gradient before a per-parameter hook could project it)")
+    lowrank_acc = 0.0  # bytes of the rank-r gradient accumulators
+    projected_grad_elems = 0.0  # full-gradient elements replaced by them
+    projected_sizes: list[float] = []
 
     n_total = sum(p.numel for p in params)
     local_elems = 0.0  # weights on this rank after TP (before ZeRO)
@@ -433,22 +445,36 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
             side = proj.resolve_side(tuple(shape), settings.proj_side, frozenset(sharded))
             moments, basis = galore_state_elements(tuple(shape), rank, side)
             mom = 1 if opt.endswith("8bit") else momb
+            # bitsandbytes' blockwise state (GaLoreAdamW8bit): uint8 codes + an fp32 absmax per 256, fp32 below 4096
+            mom_b = eight_bit_moment_bytes(moments // 2) if opt.endswith("8bit") else moments * mom
             if opt.startswith("galore"):
-                b = moments * mom + basis * (settings.projector_bytes or momb) + 5
+                b = mom_b + basis * (settings.projector_bytes or momb) + 5
             else:
-                b = moments * mom + 8 + 5 + 4
+                b = mom_b + 8 + 5 + 4
+            if settings.lowrank_grads and opt.startswith("galore"):
+                k_r = moments // 2
+                lowrank_acc += k_r * gb / div  # the rank-r accumulator, in the gradients' dtype
+                projected_grad_elems += numel
+                projected_sizes.append(numel)
             opt_bytes += b / div
         elif opt == "sgd":
             pass
         else:
-            per = 1 if opt.endswith("8bit") else momb
-            b = adamw_state_elements(tuple(shape)) * per + 4
-            if opt.endswith("8bit"):
-                b += 2 * math.ceil(numel / 256) * 4  # blockwise absmax (bitsandbytes, block 256)
+            if opt.endswith("8bit"):  # bitsandbytes: 8-bit codes + blockwise absmax (block 256); fp32 below 4096
+                b = eight_bit_moment_bytes(numel) + 4
+            else:
+                b = adamw_state_elements(tuple(shape)) * momb + 4
             opt_bytes += b / (d_eff if zero >= 1 else 1)
     params_b = local_elems * wb / (d_eff if zero >= 3 else 1) + getattr(params, "buffer_bytes", 0)
     master_b = local_elems * mb / (d_eff if zero >= 1 else 1)
     grads_b = local_elems * gb / (d_eff if zero >= 2 else 1)
+    refreshing = 0
+    if settings.lowrank_grads and projected_sizes:
+        # staggered refreshes: ceil(K / gap) matrices refresh per step and keep their full gradient (the largest,
+        # to be safe); every other projected matrix holds only its rank-r accumulator
+        refreshing = math.ceil(len(projected_sizes) / settings.update_proj_gap)
+        full_refresh = sum(sorted(projected_sizes, reverse=True)[:refreshing])
+        grads_b = (local_elems - projected_grad_elems + full_refresh) * gb + lowrank_acc
 
     # activations, per micro-batch, this rank's tokens
     amp = settings.dtype == "amp-bf16"
@@ -535,7 +561,12 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     explain = {
         "parameters": f"{wb} B x {n_total:,} params{tp_txt}{shard_txt(zero >= 3)}",
         "master_weights": (f"fp32 master copy 4 B/param{shard_txt(zero >= 1)}" if mb else "none (weights are the master)"),
-        "gradients": f"{gb} B/param{' (incl. 4 B fp32 accumulation)' if settings.grad_fp32 else ''}{shard_txt(zero >= 2)}",
+        "gradients": (f"{gb} B/param{' (incl. 4 B fp32 accumulation)' if settings.grad_fp32 else ''}{shard_txt(zero >= 2)}"
+                      if not (settings.lowrank_grads and projected_sizes) else
+                      f"low-rank accumulation: {gb} B/param of the unprojected weights + rank-{settings.rank} "
+                      f"accumulators of the {n_proj} projected matrices ({_fmt(lowrank_acc)}) + full gradients of the "
+                      f"{refreshing} largest refreshing at once (staggered over --update-proj-gap "
+                      f"{settings.update_proj_gap}; the first step needs initial_basis: first_microbatch)"),
         "optimizer_state": opt_txt,
         "activations": (f"{'full recompute: layer inputs + 1 layer' if settings.recompute == 'full' else 'all layers'}"
                         f", {int(tokens):,} tokens/rank{' (seq / cp)' if mesh.cp > 1 else ''}"
