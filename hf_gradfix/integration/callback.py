@@ -9,9 +9,10 @@ from transformers import Trainer, TrainerCallback
 from ..config import GradFixConfig, load_config
 from .trainer_fix import install, state_of
 from .versions import check_supported
+from ..errors import HfGradfixError
 
 
-class GradFixCallbackError(RuntimeError):
+class GradFixCallbackError(HfGradfixError, RuntimeError):
     """The callback cannot fix the trainer it was added to."""
 
 

@@ -42,6 +42,7 @@ from ..diagnostics.noise_scale import NoiseScaleEstimate, NoiseScaleMonitor, plo
 from ..loss.counting import CountRule, count_targets, is_token_level
 from .callback import _find_trainer
 from .trainer_fix import _dp_world, state_of
+from ..errors import HfGradfixError
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -49,7 +50,7 @@ _REFUSED_BACKENDS = ("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM")
 _MISSING = object()
 
 
-class GradientNoiseScaleError(RuntimeError):
+class GradientNoiseScaleError(HfGradfixError, RuntimeError):
     """The gradient noise scale cannot be measured on this trainer's setup; the message says why."""
 
 

@@ -11,6 +11,8 @@ import os
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ..errors import HfGradfixError
+
 SUPPORTED: dict[str, tuple[str, ...]] = {
     # transformers 4.57.x and every 5.x: the Trainer methods we extend (get_batch_samples,
     # compute_loss, training_step, prediction_step, evaluation_loop) keep their contract there.
@@ -31,7 +33,7 @@ REQUIRED_TRAINER_METHODS = (
 )
 
 
-class UnsupportedVersionError(RuntimeError):
+class UnsupportedVersionError(HfGradfixError, RuntimeError):
     """A library in the stack has a version hf_gradfix does not support."""
 
 

@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import torch
 
+from ..errors import HfGradfixError
+
 __all__ = ["PackedBatchError", "PackedCollator", "check_packed_batch"]
 
 IGNORE_INDEX = -100
@@ -35,7 +37,7 @@ IGNORE_INDEX = -100
 _SampleT = Mapping[str, Any]
 
 
-class PackedBatchError(ValueError):
+class PackedBatchError(HfGradfixError, ValueError):
     """A sample, bin or packed batch that cannot be trained on without mixing sequences or targets.
 
     >>> issubclass(PackedBatchError, ValueError)

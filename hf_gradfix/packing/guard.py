@@ -20,11 +20,12 @@ import torch
 
 from .attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention, use_attention_implementation
 from .collator import PackedCollator
+from ..errors import HfGradfixError
 
 __all__ = ["PackingCheckError", "PackingCheckReport", "check_model_packs_correctly"]
 
 
-class PackingCheckError(RuntimeError):
+class PackingCheckError(HfGradfixError, RuntimeError):
     """The model mixes packed sequences (or cannot run packed inputs); the message names the class and the reason.
 
     >>> issubclass(PackingCheckError, RuntimeError)

@@ -13,14 +13,39 @@ from .estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model
 __all__ = ["plan_main", "build_parser", "suggest"]
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's default (unless its help already names it); description wrapped, examples as written."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hf-gradfix plan", description="Per-rank training memory for a model and a mesh.")
+    ap = argparse.ArgumentParser(
+        prog="hf-gradfix plan", formatter_class=_Help,
+        description="Per-rank training memory for a model and a mesh, in closed form (parameters, gradients, "
+        "optimizer state, activations, communication buffers), optionally checked by tracing one step under fake "
+        "tensors (--simulate), or the layouts that fit a GPU (--suggest). The mesh and the optimizer come from "
+        "--config (an accelerate YAML with an hf_gradfix: section, read by the same loader as launch). Exit code 0 "
+        "when the plan fits (or no GPU memory was given), 1 when it does not, 2 for a diagnosed error.",
+        epilog="examples:\n  hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100\n"
+        "  hf-gradfix plan --model tiny-llama --num-gpus 8 --gpu-memory 80GiB --suggest\n"
+        "  hf-gradfix plan --model ./my-model/config.json --num-gpus 4 --optimizer galore_adamw --rank 256 --json",
+    )
     ap.add_argument("--model", required=True, help="tiny name (tiny-llama, llama-3.1-8b, ...), config.json, local dir or hub id")
     ap.add_argument("--config", help="accelerate YAML with an hf_gradfix: section (mesh, optimizer)")
     ap.add_argument("--num-gpus", type=int, help="world size (overrides num_processes; required for --suggest without --config)")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch and rank")
+    ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
                     help="bf16/fp16: the Playbook's mixed precision (bf16 weights + fp32 master, 16N); amp-bf16: torch "
                          "autocast / FSDP2 MixedPrecisionPolicy as the Trainer runs it; bf16-pure: no master copy")
@@ -29,15 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grad-fp32", action="store_true", help="fp32 gradient accumulation buffer (the Playbook's 20N)")
     ap.add_argument("--optimizer", help="adamw | adamw8bit | galore_adamw | galore_adamw8bit | apollo_adamw | apollo_mini | sgd")
     ap.add_argument("--rank", type=int, help="GaLore/APOLLO rank (default: the YAML's, else 128)")
-    ap.add_argument("--recompute", default="none", choices=["none", "full"])
+    ap.add_argument("--recompute", default="none", choices=["none", "full"], help="activation recomputation")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default: 3 with FSDP sharding, else 0)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--gpu-memory", help="e.g. 80GiB, 40GB")
     g.add_argument("--gpu", help="GPU name, e.g. h100, a100-40gb, rtx4090")
     ap.add_argument("--simulate", action="store_true", help="also trace one step under fake tensors (rank 0)")
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit, best expected throughput first")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--plot", metavar="FILE.png")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw the per-rank memory breakdown")
     return ap
 
 
@@ -160,9 +185,7 @@ def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memor
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(argv) if argv is not None else None)
-    from ..config import ConfigError
-    from ..optim.groups import OptimizerConfigError
-    from ..parallel import ParallelDimsError
+    from ..errors import HfGradfixError
 
     try:
         config = load_model_config(ns.model)
@@ -185,7 +208,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             out["suggest"] = rows
         if ns.plot:
             plot_plan([plan] * min(mesh.world_size, 8), ns.plot, gpu_memory=gpu)
-    except (PlanError, ConfigError, ParallelDimsError, OptimizerConfigError) as exc:
+    except HfGradfixError as exc:  # PlanError, ConfigError, ParallelDimsError, OptimizerConfigError, ...
         print(f"hf-gradfix plan: error: {exc}", file=sys.stderr)
         return 2
     if ns.json:
