@@ -571,7 +571,7 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
     ``require_section`` (the library asked for the plugin settings of a file that has none: a hint instead).
 
     >>> import os, tempfile
-    >>> fd, name = tempfile.mkstemp(suffix=".yaml"); _ = os.write(fd, b"num_processes: 2\nhf_gradfix:\n  packing: true\n"); os.close(fd)
+    >>> fd, name = tempfile.mkstemp(suffix=".yaml"); _ = os.write(fd, b"num_processes: 2\\nhf_gradfix:\\n  packing: true\\n"); os.close(fd)
     >>> cf = read_config_file(name)
     >>> cf.accelerate, cf.section, cf.gradfix.packing.enabled
     ({'num_processes': 2}, {'packing': True}, True)
