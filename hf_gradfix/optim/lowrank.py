@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import projection as proj
+from ..errors import NonFiniteError
 from .groups import OptimizerConfigError, low_rank_param_groups, select_targets
 
 __all__ = ["LowRankAdamW"]
@@ -33,6 +34,8 @@ _METHODS = ("auto", "svd", "randomized", "identity")
 _ON_SWITCH = ("keep", "reset", "reproject")
 _SIDES = ("auto", "right", "left", "std", "reverse_std")
 _COMPAT = ("torch", "galore_torch", "apollo_torch")
+_ON_NONFINITE = ("warn", "skip", "error")
+_SEED_MAX = 2**32 - 1
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -98,6 +101,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         seed: int = 0,
         compat: str = "torch",
         sync_basis: bool = True,
+        on_nonfinite: str = "warn",
         **extra: Any,
     ) -> None:
         defaults = dict(
@@ -122,8 +126,17 @@ class LowRankAdamW(torch.optim.Optimizer):
             defaults[key] = extra.pop(key, value)
         if extra:
             raise TypeError(f"{self._name}: unexpected keyword argument(s) {sorted(extra)}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
+            raise OptimizerConfigError(f"{self._name}: seed={seed!r} must be an integer in [0, 2**32 - 1]")
+        if on_nonfinite not in _ON_NONFINITE:
+            raise OptimizerConfigError(
+                f"{self._name}: on_nonfinite={on_nonfinite!r} is not one of {', '.join(map(repr, _ON_NONFINITE))}"
+            )
         self._seed = int(seed)
         self._sync_basis = bool(sync_basis)
+        self.on_nonfinite = on_nonfinite
+        # Set by hf_gradfix's Trainer guard, which then owns the non-finite check (one warning, one decision).
+        self.nonfinite_checked_by_caller = False
         groups, names = self._intake(params, targets, exclude, weight_decay, no_decay)
         super().__init__(groups, defaults)
         for group in self.param_groups:
@@ -212,8 +225,10 @@ class LowRankAdamW(torch.optim.Optimizer):
             bad("rank", "must be an integer >= 1")
         if not (isinstance(g["update_proj_gap"], int) and g["update_proj_gap"] >= 1):
             bad("update_proj_gap", "must be an integer >= 1 (optimizer steps between basis refreshes)")
-        if not g["scale"] > 0:
-            bad("scale", "must be > 0")
+        if not (isinstance(g["scale"], (int, float)) and math.isfinite(g["scale"]) and g["scale"] > 0):
+            bad("scale", "must be a finite number > 0")
+        if not (math.isfinite(float(g["lr"])) and math.isfinite(g["eps"]) and math.isfinite(g["weight_decay"])):
+            bad("lr", "lr, eps and weight_decay must be finite")
         for key, allowed in (("proj_side", _SIDES), ("proj_method", _METHODS), ("on_switch", _ON_SWITCH), ("compat", _COMPAT)):
             if g[key] not in allowed:
                 bad(key, f"is not one of {', '.join(map(repr, allowed))}")
@@ -354,6 +369,18 @@ class LowRankAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.nonfinite_checked_by_caller and not self._grads_finite():
+            message = (
+                f"{self._name}: a gradient is NaN or infinite at optimizer step {self._steps_taken() + 1}"
+            )
+            if self.on_nonfinite == "error":
+                raise NonFiniteError(f"{message}; on_nonfinite='error': no update was applied")
+            if self.on_nonfinite == "skip":
+                warnings.warn(f"{message}; update skipped (on_nonfinite='skip'): weights and optimizer state unchanged",
+                              RuntimeWarning, stacklevel=2)
+                return loss
+            warnings.warn(f"{message}; the update is applied as torch's AdamW would (weights become NaN); pass "
+                          "on_nonfinite='skip' to skip such steps or 'error' to stop", RuntimeWarning, stacklevel=2)
         for group in self.param_groups:
             plain = []
             for p in group["params"]:
@@ -368,6 +395,22 @@ class LowRankAdamW(torch.optim.Optimizer):
             if plain:
                 self._step_plain(plain, group)
         return loss
+
+    def _grads_finite(self) -> bool:
+        """Every gradient finite on every rank (one max-abs per tensor; one all-reduce under torch.distributed)."""
+        grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        ok = all(bool(torch.isfinite(n).all()) for n in torch._foreach_norm(grads, float("inf"))) if grads else True
+        if _world() > 1:
+            dist = torch.distributed
+            device = grads[0].device if grads and dist.get_backend() != "gloo" else torch.device("cpu")
+            flag = torch.tensor([0.0 if ok else 1.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            ok = bool(flag.item() == 0)
+        return ok
+
+    def _steps_taken(self) -> int:
+        steps = [int(st["step"]) for st in self.state.values() if "step" in st]
+        return max(steps) if steps else 0
 
     def _step_plain(self, params: list[torch.Tensor], group: dict) -> None:
         """AdamW, arithmetic of ``torch.optim.AdamW`` (foreach) or of galore-torch's copy of the old HF AdamW."""
