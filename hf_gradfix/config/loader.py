@@ -609,6 +609,12 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
             )
         )
     data = dict(data or {})
+    if SECTION not in data:
+        for key in data:
+            if isinstance(key, str) and difflib.get_close_matches(key, [SECTION], n=1, cutoff=0.8):
+                raise ConfigError(_env_note(
+                    f"{shown}:{lines.get((key,), '?')}: {key}: unknown key (did you mean {SECTION!r}?); the plugin's "
+                    f"settings go under one '{SECTION}:' key", via_env))
     if SECTION in data:
         section, prefix = data.pop(SECTION), (SECTION,)
         accelerate = data
