@@ -37,6 +37,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .errors import InvalidArgumentError
+
 __all__ = ["verify", "VerifyReport", "HYPOTHESES", "tiny_model", "synthetic_samples", "BUGS"]
 
 IGNORE = -100
@@ -299,7 +301,7 @@ def verify(
     if packing is not None:
         cfg.packing.enabled = bool(packing)
     if inject is not None and inject not in BUGS:
-        raise ValueError(f"inject={inject!r}; known bugs: {', '.join(BUGS)}")
+        raise InvalidArgumentError(f"--inject {inject!r}: unknown bug; known bugs: {', '.join(BUGS)}")
     if inject == "cross_attention":
         cfg.packing.enabled = True
         cfg.packing.guard = False
@@ -318,7 +320,7 @@ def verify(
     vocab = int(getattr(model.config, "vocab_size", 128))
     launched = max(1, int(os.environ.get("WORLD_SIZE", "1")))  # the process group starts with the Trainer
     if inject == "world_scaled" and launched == 1:
-        raise ValueError("inject='world_scaled' needs several ranks (launch with hf-gradfix launch)")
+        raise InvalidArgumentError("--inject world_scaled needs several ranks (run it under hf-gradfix launch)")
     samples = list(samples) if samples is not None else synthetic_samples(batch_size * grad_accum * launched * steps * 2, vocab)
     if inject == "cross_attention":
         # a model that ignores the boundaries: position_ids restarts are dropped before the forward

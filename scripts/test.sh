@@ -14,4 +14,4 @@ echo "== transformers 5.x: full suite =="
 .venv/bin/python -m pytest -q -p no:cacheprovider --doctest-modules hf_gradfix tests "$@"
 
 echo "== transformers 4.57.x: loss, packing, optimizer-integration, ND, TokenWindow and noise-scale tests =="
-.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py tests/test_packing_attention.py tests/test_optim_trainer.py tests/test_nd_parallel.py tests/test_token_window.py tests/test_noise_scale.py tests/test_plan.py -k "not trl" "$@"
+.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py tests/test_packing_attention.py tests/test_optim_trainer.py tests/test_nd_parallel.py tests/test_token_window.py tests/test_noise_scale.py tests/test_plan.py tests/test_nonfinite.py tests/test_conflicts.py -k "not trl" "$@"

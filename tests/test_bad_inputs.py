@@ -235,3 +235,18 @@ def test_console_script_subprocess(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and proc.stderr.startswith(f"hf-gradfix {argv[0]}")
         assert "num_processes: invalid value 'four'" in proc.stderr and "optimizer.scale: invalid value inf" in proc.stderr
+
+
+def test_unsupported_torch_suggests_a_torch_install(monkeypatch):
+    from packaging.version import Version
+
+    from hf_gradfix.integration import versions
+
+    real = versions._installed
+    monkeypatch.setattr(versions, "_installed", lambda name: Version("2.5.1") if name == "torch" else real(name))
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(versions.UnsupportedVersionError) as info:
+        versions.check_supported()
+    message = str(info.value)
+    assert isinstance(info.value, HfGradfixError) and "torch 2.5.1" in message
+    assert "pip install 'torch>=2.6'" in message and "transformers>=" not in message

@@ -52,6 +52,14 @@ def _sharded_dims(p: torch.Tensor) -> frozenset[int]:
     return frozenset(pl.dim for pl in p.placements if pl.is_shard())
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - torch without fake tensors
+        return False
+    return bool(is_fake(t))
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if _is_dtensor(t) else t
 
@@ -399,6 +407,8 @@ class LowRankAdamW(torch.optim.Optimizer):
     def _grads_finite(self) -> bool:
         """Every gradient finite on every rank (one max-abs per tensor; one all-reduce under torch.distributed)."""
         grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grads and _is_fake(grads[0]):
+            return True  # traced under fake tensors (hf-gradfix plan --simulate): values do not exist
         ok = all(bool(torch.isfinite(n).all()) for n in torch._foreach_norm(grads, float("inf"))) if grads else True
         if _world() > 1:
             dist = torch.distributed
