@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -222,6 +223,14 @@ def _cmd_config_check(ns: argparse.Namespace) -> int:
 
 def _cmd_verify(ns: argparse.Namespace) -> int:
     from . import verify as V
+    from .errors import InvalidArgumentError
+
+    for flag, value in (("--steps", ns.steps), ("--grad-accum", ns.grad_accum), ("--batch-size", ns.batch_size),
+                        ("--plot-steps", ns.plot_steps)):
+        if value is not None and value < 1:
+            raise InvalidArgumentError(f"{flag} {value}: invalid value; it must be a whole number >= 1")
+    if not (math.isfinite(ns.tolerance) and ns.tolerance > 0):
+        raise InvalidArgumentError(f"--tolerance {ns.tolerance}: invalid value; it must be a finite number > 0")
 
     try:
         model = V.load_model(ns.model)

@@ -250,3 +250,17 @@ def test_unsupported_torch_suggests_a_torch_install(monkeypatch):
     message = str(info.value)
     assert isinstance(info.value, HfGradfixError) and "torch 2.5.1" in message
     assert "pip install 'torch>=2.6'" in message and "transformers>=" not in message
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["verify", "--steps", "0"], "--steps 0"),
+    (["verify", "--grad-accum", "-2"], "--grad-accum -2"),
+    (["verify", "--tolerance", "nan"], "--tolerance nan"),
+    (["verify", "--inject", "nope"], "--inject 'nope'"),
+    (["plan", "--model", "tiny-llama", "--num-gpus", "0"], "--num-gpus 0"),
+    (["plan", "--model", "tiny-llama", "--rank", "0"], "--rank 0"),
+    (["plan", "--model", "no/such-model-here"], "no/such-model-here"),
+])
+def test_other_commands_refuse_bad_numbers_in_one_line(capsys, argv, fragment):
+    code, err = _cli(argv, capsys)
+    assert code == 2 and fragment in err and "Traceback" not in err and err.startswith(f"hf-gradfix {argv[0]}"), err

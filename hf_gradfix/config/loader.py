@@ -738,10 +738,10 @@ def _check_accelerate(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
         if value is None or kind == "any":
             continue
         if kind == "choice":
-            upper = {str(a).lower(): a for a in arg}
-            if not (isinstance(value, str) and value.lower() in upper):
-                guess = difflib.get_close_matches(str(value).upper(), [a.upper() for a in arg], n=1, cutoff=0.6)
-                hint = f" (did you mean {upper[guess[0].lower()]!r}?)" if guess else ""
+            if not (isinstance(value, str) and value in arg):  # accelerate's enums are case-sensitive
+                lowered = {str(a).lower(): a for a in arg}
+                guess = difflib.get_close_matches(str(value).lower(), list(lowered), n=1, cutoff=0.6)
+                hint = f" (did you mean {lowered[guess[0]]!r}?)" if guess else ""
                 bad(path, f"invalid value {_short_repr(value)}; allowed values: {_quoted_list(arg)}{hint}")
         elif kind == "int":
             if isinstance(value, bool) or not isinstance(value, int):

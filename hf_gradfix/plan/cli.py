@@ -188,6 +188,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     from ..errors import HfGradfixError
 
     try:
+        for flag, value in (("--num-gpus", ns.num_gpus), ("--rank", ns.rank)):
+            if value is not None and value < 1:
+                raise PlanError(f"{flag} {value}: invalid value; it must be a whole number >= 1")
         config = load_model_config(ns.model)
         gpu = parse_memory(ns.gpu_memory or ns.gpu) if (ns.gpu_memory or ns.gpu) else None
         mesh, s = _mesh_and_settings(ns, config)
