@@ -192,3 +192,26 @@ def test_low_rank_optimizer_range_checks():
     for kw, match in (({"scale": float("inf")}, "scale"), ({"seed": 2**70}, "seed"), ({"on_nonfinite": "nope"}, "on_nonfinite")):
         with pytest.raises(HfGradfixError, match=match):
             GaLoreAdamW(model, rank=2, **kw)
+
+
+@pytest.mark.distributed
+def test_two_ranks_agree_to_skip_when_one_rank_sees_a_nan(tmp_path):
+    """Only rank 1 sees the NaN loss: both ranks skip the same step and stay bit-equal to before it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
+           str(H.TESTS_DIR / "nonfinite_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    for r in (r0, r1):
+        assert r["same_as_previous"] == [True, False] and r["finite"] == [True, True, True], r
+        assert len(r["warnings"]) == 1 and "optimizer step 2" in r["warnings"][0]
+    assert "micro-batch 2 of 2" in r1["warnings"][0]  # the rank that saw it names the micro-batch
+    assert "another rank had a non-finite loss" in r0["warnings"][0]  # rank 0's own losses were finite

@@ -66,18 +66,22 @@ def grads_finite(params: Any) -> bool:
     return bool(torch.stack(flags).all())
 
 
-def agree_any(flag: bool, device: torch.device | None = None) -> bool:
-    """True when ``flag`` is True on any rank (identity without torch.distributed)."""
+def agree_any(flags: list[bool], device: torch.device | None = None) -> list[bool]:
+    """Each flag True when it is True on any rank (one all-reduce; identity without torch.distributed).
+
+    >>> agree_any([True, False])
+    [True, False]
+    """
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
+        return list(flags)
     backend = dist.get_backend()
     dev = device if device is not None and backend != "gloo" else torch.device("cpu")
     if backend == "nccl" and (dev is None or dev.type != "cuda"):
         dev = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([1.0 if flag else 0.0], device=dev)
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    return [bool(v > 0) for v in t.tolist()]
 
 
 class NonFiniteGuard(TrainerCallback):
@@ -110,10 +114,10 @@ class NonFiniteGuard(TrainerCallback):
         params = [p for p in trainer.model.parameters() if p.requires_grad]
         local_grads_ok = grads_finite(params)
         device = next((p.device for p in params), None)
-        bad_anywhere = agree_any(bool(self.bad) or not local_grads_ok, device)
+        loss_bad_anywhere, grads_bad_anywhere = agree_any([bool(self.bad), not local_grads_ok], device)
         bad, micro = self.bad, self.micro_batch
         self.bad, self.micro_batch = [], 0
-        if not bad_anywhere:
+        if not (loss_bad_anywhere or grads_bad_anywhere):
             return control
         step = state.global_step + 1
         self.flagged_steps.append(step)
@@ -121,11 +125,14 @@ class NonFiniteGuard(TrainerCallback):
         if bad:
             where = ", ".join(f"micro-batch {m} of {max(ga, micro)} (loss {v})" for m, v in bad)
             what = f"optimizer step {step}: non-finite loss in {where}"
+        elif loss_bad_anywhere:
+            what = (f"optimizer step {step}: another rank had a non-finite loss (its warning names the micro-batch; "
+                    "the gradient all-reduce brings it here)")
         elif not local_grads_ok:
-            what = (f"optimizer step {step}: non-finite gradients although every micro-batch loss of the "
-                    f"{max(ga, micro)} was finite (an overflow in the backward)")
+            what = (f"optimizer step {step}: non-finite gradients although every loss of the {max(ga, micro)} "
+                    "micro-batches was finite (an overflow in the backward)")
         else:
-            what = f"optimizer step {step}: another rank saw a non-finite loss or gradient"
+            what = f"optimizer step {step}: another rank had non-finite gradients"
         if self.mode == "error":
             raise NonFiniteError(
                 f"{what}; hf_gradfix.loss.on_nonfinite is 'error', so training stops before the update (the weights "
