@@ -26,7 +26,7 @@ metadata, checked by the loader (never at ``train()``): ``"min"`` / ``"max"``
 (inclusive), ``"above"`` (exclusive lower bound) and ``"special"`` (one extra
 allowed value, e.g. ``-1`` = "the rest of the world").  Every float must be finite.
 
-This module imports only the standard library.
+This module imports only the standard library (and :mod:`hf_gradfix.errors`, which imports nothing).
 """
 
 from __future__ import annotations
