@@ -16,7 +16,10 @@ This module imports nothing (every capability may import it).
 
 from __future__ import annotations
 
-__all__ = ["HfGradfixError", "InvalidArgumentError", "ModelLoadError", "NonFiniteError", "PatchError", "model_load_error"]
+__all__ = [
+    "HfGradfixError", "InvalidArgumentError", "InvalidTypeError", "ModelLoadError", "NonFiniteError", "PatchError",
+    "UsageError", "model_load_error",
+]
 
 
 class HfGradfixError(Exception):
@@ -25,6 +28,14 @@ class HfGradfixError(Exception):
 
 class InvalidArgumentError(HfGradfixError, ValueError):
     """A bad argument to one of the plugin's functions or classes (value out of range, wrong choice)."""
+
+
+class InvalidTypeError(HfGradfixError, TypeError):
+    """An argument of the wrong type to one of the plugin's functions or classes."""
+
+
+class UsageError(HfGradfixError, RuntimeError):
+    """An operation the plugin refuses in this state or setup (e.g. a TokenWindow iterated twice)."""
 
 
 class PatchError(HfGradfixError, RuntimeError):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from . import projection as proj
-from ..errors import NonFiniteError
+from ..errors import InvalidArgumentError, InvalidTypeError, NonFiniteError, UsageError
 from .groups import OptimizerConfigError, low_rank_param_groups, select_targets
 
 __all__ = ["LowRankAdamW"]
@@ -133,7 +133,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         for key, value in self._extra_defaults.items():
             defaults[key] = extra.pop(key, value)
         if extra:
-            raise TypeError(f"{self._name}: unexpected keyword argument(s) {sorted(extra)}")
+            raise InvalidTypeError(f"{self._name}: unexpected keyword argument(s) {sorted(extra)}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
             raise OptimizerConfigError(f"{self._name}: seed={seed!r} must be an integer in [0, 2**32 - 1]")
         if on_nonfinite not in _ON_NONFINITE:
@@ -168,10 +168,10 @@ class LowRankAdamW(torch.optim.Optimizer):
             names = {p: n for g in groups for p, n in zip(g["params"], g.pop("param_names"))}
             return groups, names
         if isinstance(params, torch.Tensor):
-            raise TypeError(f"{self._name}: params must be an iterable of tensors, named tensors or groups, or a model")
+            raise InvalidTypeError(f"{self._name}: params must be an iterable of tensors, named tensors or groups, or a model")
         items = list(params)
         if not items:
-            raise ValueError(f"{self._name}: got an empty parameter list")
+            raise InvalidArgumentError(f"{self._name}: got an empty parameter list")
         raw_groups = items if isinstance(items[0], dict) else [{"params": items}]
         groups, names = [], {}
         for g in raw_groups:
@@ -395,7 +395,7 @@ class LowRankAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError(f"{self._name} does not support sparse gradients")
+                    raise UsageError(f"{self._name} does not support sparse gradients")
                 if p in self._plans:
                     self._step_projected(p, group, self._plans[p])
                 else:

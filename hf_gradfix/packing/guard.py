@@ -20,7 +20,7 @@ import torch
 
 from .attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention, use_attention_implementation
 from .collator import PackedCollator
-from ..errors import HfGradfixError
+from ..errors import HfGradfixError, InvalidArgumentError
 
 __all__ = ["PackingCheckError", "PackingCheckReport", "check_model_packs_correctly"]
 
@@ -134,10 +134,10 @@ def check_model_packs_correctly(
     (True, True, False)
     """
     if mode not in ("varlen", "rows"):
-        raise ValueError(f"mode must be 'varlen' or 'rows', got {mode!r}")
+        raise InvalidArgumentError(f"mode must be 'varlen' or 'rows', got {mode!r}")
     lengths = tuple(int(n) for n in lengths)
     if len(lengths) < 2 or min(lengths) < 1:
-        raise ValueError(f"lengths must hold at least 2 positive sequence lengths, got {lengths}")
+        raise InvalidArgumentError(f"lengths must hold at least 2 positive sequence lengths, got {lengths}")
     if attn_implementation == REFERENCE_VARLEN_ATTENTION:
         register_reference_varlen_attention()
     cls_name = type(model).__name__
