@@ -45,6 +45,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from ..errors import InvalidTypeError
 from .schema import ConfigError, GradFixConfig
 
 __all__ = ["ENV_VAR", "SECTION", "ConfigFile", "load_config", "read_config_file", "config_from_dict", "config_to_dict"]
@@ -152,7 +153,7 @@ def config_to_dict(cfg: GradFixConfig) -> dict[str, Any]:
         True
     """
     if not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)):
-        raise TypeError(f"config_to_dict() expects a GradFixConfig instance, got {type(cfg).__name__}")
+        raise InvalidTypeError(f"config_to_dict() expects a GradFixConfig instance, got {type(cfg).__name__}")
     return _to_plain(cfg)
 
 
