@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging as _logging
 
 from .config import ConfigError, GradFixConfig, LossConfig, load_config
+from .errors import HfGradfixError
 
 __version__ = "0.1.0"
 
@@ -78,6 +79,7 @@ __all__ = [
     "GradFixConfig",
     "GradFixError",
     "GradientNoiseScaleCallback",
+    "HfGradfixError",
     "LossConfig",
     "MemoryTimelineCallback",
     "MemoryTimelineRecorder",

@@ -1,15 +1,18 @@
-"""The ``hf-gradfix`` command: ``launch`` (accelerate launch with an ``hf_gradfix:`` section) and ``config check``.
+"""The hf-gradfix command: launch, config check, verify and plan.
 
-accelerate rejects any unknown top-level key of its YAML (``had unknown keys (['hf_gradfix'])``) and its ranks
-cannot see which file was used.  ``hf-gradfix launch`` takes exactly the arguments of ``accelerate launch``,
-splits the file into accelerate's keys (handed to accelerate's own launcher through a temporary file) and the
-``hf_gradfix:`` section (validated first, then made visible to every rank through ``$HF_GRADFIX_CONFIG``, which
-``hf_gradfix.patch()`` and ``GradFixCallback()`` read on each rank).
+accelerate rejects any unknown top-level key of its YAML ("had unknown keys (['hf_gradfix'])") and its ranks
+cannot see which file was used.  hf-gradfix launch takes exactly the arguments of accelerate launch, reads the
+file through the plugin's one validating loader (hf_gradfix.config.read_config_file), hands accelerate's keys to
+accelerate's own launcher through a temporary file and makes the hf_gradfix: section visible to every rank through
+$HF_GRADFIX_CONFIG, which hf_gradfix.patch() and GradFixCallback() read on each rank.
 
     hf-gradfix launch --config_file configs/cpu_multiprocess.yaml train.py --my-arg 1
     hf-gradfix config check configs/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
     hf-gradfix verify --steps 2 [--json] [--plot errors.png] -- python train.py ARGS
     hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100
+
+Every error the plugin diagnoses (hf_gradfix.errors.HfGradfixError) is printed as one line,
+"hf-gradfix <command>: <what is wrong and the fix>", with exit code 2; a traceback means a bug in the plugin.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,8 +31,10 @@ from typing import Any, Sequence
 import yaml
 
 from .config import ENV_VAR, SECTION, ConfigError, GradFixConfig, config_from_dict, config_to_dict
+from .config.loader import read_config_file
+from .errors import HfGradfixError, model_load_error
 
-__all__ = ["main", "split_config", "resolve_config", "ResolvedConfig"]
+__all__ = ["main", "build_parser", "split_config", "resolve_config", "ResolvedConfig"]
 
 _PC = "parallelism_config"
 _PC_PREFIX = "parallelism_config_"
@@ -36,7 +42,10 @@ _PC_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 
 def split_config(path: str | os.PathLike) -> tuple[dict, dict | None]:
-    """``(accelerate's keys, the hf_gradfix section or None)`` of a YAML file.
+    """``(accelerate's keys, the hf_gradfix section or None)`` of a YAML file, validated as a whole.
+
+    The same loader as ``hf_gradfix.patch(config=path)``: a file is accepted or refused the same way by the
+    library, ``config check`` and ``launch`` (raises :class:`~hf_gradfix.config.ConfigError`).
 
     >>> import tempfile, os
     >>> f = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False); _ = f.write("num_processes: 2\\nhf_gradfix:\\n  packing: true\\n"); f.close()
@@ -44,36 +53,19 @@ def split_config(path: str | os.PathLike) -> tuple[dict, dict | None]:
     ({'num_processes': 2}, {'packing': True})
     >>> os.unlink(f.name)
     """
-    text = Path(path).read_text(encoding="utf-8")
-    data = yaml.safe_load(text) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of accelerate keys (and an optional {SECTION}: section)")
-    section = data.pop(SECTION, None)
-    if section is not None and not isinstance(section, dict):
-        raise ConfigError(f"{path}: the {SECTION}: key must hold a mapping of plugin settings, got {section!r}")
-    return data, section
+    cf = read_config_file(path)
+    return cf.accelerate, cf.section
 
 
-def _accelerate_sizes(acc: dict, path: str) -> dict[str, int]:
-    """Degrees from accelerate's ``parallelism_config`` section; unprefixed keys are an error (accelerate drops them)."""
+def _accelerate_sizes(acc: dict) -> dict[str, int]:
+    """Degrees from accelerate's ``parallelism_config`` section (already validated by the loader)."""
     pc = acc.get(_PC) or {}
-    if not isinstance(pc, dict):
-        raise ConfigError(f"{path}: {_PC} must be a mapping")
     sizes: dict[str, int] = {}
-    problems = []
     for key, value in pc.items():
-        bare = key[len(_PC_PREFIX):] if key.startswith(_PC_PREFIX) else key
-        name = bare[: -len("_size")] if bare.endswith("_size") else bare
-        if not key.startswith(_PC_PREFIX):
-            problems.append(
-                f"{path}: {_PC}.{key}: accelerate only reads keys with the '{_PC_PREFIX}' prefix and silently ignores "
-                f"this one; write '{_PC_PREFIX}{bare}'"
-            )
-            continue
-        if name in _PC_SIZES:
+        name = key[len(_PC_PREFIX):]
+        name = name[: -len("_size")] if name.endswith("_size") else name
+        if name in _PC_SIZES and value is not None:
             sizes[name] = int(value)
-    if problems:
-        raise ConfigError("\n".join(problems), problems)
     return sizes
 
 
@@ -131,12 +123,12 @@ def resolve_config(
     from .parallel import ParallelDims
 
     path = str(path)
-    acc, section = split_config(path)
-    gradfix = config_from_dict(section or {})
-    world = int(num_processes or acc.get("num_processes") or 1)
-    if world < 1:
-        raise ConfigError(f"{path}: num_processes={world} must be >= 1")
-    acc_sizes = _accelerate_sizes(acc, path)
+    cf = read_config_file(path)
+    acc, section, gradfix = cf.accelerate, cf.section, cf.gradfix
+    if num_processes is not None and (isinstance(num_processes, bool) or not 1 <= int(num_processes) <= 2**20):
+        raise ConfigError(f"--num-processes {num_processes}: invalid value; it must be a whole number >= 1")
+    world = int(num_processes if num_processes is not None else (acc.get("num_processes") or 1))
+    acc_sizes = _accelerate_sizes(acc)
     par = gradfix.parallel
     from .integration.nd import requested  # the run time's own rule: the section applies when not the defaults
 
@@ -175,6 +167,9 @@ def resolve_config(
             f"{path}: {SECTION}.parallel.cp={mesh.cp} with packing enabled: context parallelism splits sequences with "
             "torch's ring attention, which does not take packed (varlen) rows; disable packing or cp"
         )
+    for flag, value in (("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: invalid value; it must be a whole number >= 1")
     tokens = None
     if gradfix.packing.enabled:
         tokens = gradfix.packing.token_budget
@@ -199,27 +194,30 @@ def _load_model_config(spec: str | None) -> Any:
         return None
     p = Path(spec)
     if p.suffix == ".json" and p.is_file():
-        return argparse.Namespace(**json.loads(p.read_text(encoding="utf-8")))
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as err:
+            raise model_load_error(spec, err) from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--model {spec}: expected a JSON object (a model's config.json)")
+        return argparse.Namespace(**data)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(spec)
+    try:
+        return AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError, KeyError) as err:
+        raise model_load_error(spec, err) from None
 
 
 def _cmd_config_check(ns: argparse.Namespace) -> int:
-    from .parallel import ParallelDimsError
-
-    try:
-        resolved = resolve_config(
-            ns.file,
-            num_processes=ns.num_processes,
-            micro_batch=ns.micro_batch,
-            seq_len=ns.seq_len,
-            grad_accum=ns.grad_accum,
-            model_config=_load_model_config(ns.model),
-        )
-    except (ConfigError, ParallelDimsError, FileNotFoundError) as err:
-        print(f"hf-gradfix config check: {err}", file=sys.stderr)
-        return 1
+    resolved = resolve_config(
+        ns.file,
+        num_processes=ns.num_processes,
+        micro_batch=ns.micro_batch,
+        seq_len=ns.seq_len,
+        grad_accum=ns.grad_accum,
+        model_config=_load_model_config(ns.model),
+    )
     if ns.json:
         m = resolved.mesh
         print(json.dumps({
@@ -233,17 +231,69 @@ def _cmd_config_check(ns: argparse.Namespace) -> int:
     return 0
 
 
-def launch(argv: Sequence[str]) -> int:
-    """``accelerate launch`` with exactly its arguments; the ``hf_gradfix:`` section reaches every rank."""
-    from accelerate.commands.config import default_config_file
-    from accelerate.commands.launch import launch_command, launch_command_parser
+_LAUNCH_DESCRIPTION = """\
+accelerate launch, with a YAML that may carry an hf_gradfix: section.
 
-    args = launch_command_parser().parse_args(list(argv))
+The file given with --config_file (default: accelerate's default config file) holds accelerate's own keys
+(distributed_type, num_processes, parallelism_config, ...) and, optionally, the plugin's settings under one
+hf_gradfix: key:
+
+    distributed_type: MULTI_CPU
+    num_processes: 4
+    use_cpu: true
+    hf_gradfix:
+      loss: {count_rule: auto, on_nonfinite: warn}   # exact token-mean loss; NaN steps: warn | skip | error
+      packing: {enabled: true, token_budget: 4096}   # padding-free packing, rows of <= 4096 tokens
+      optimizer: {name: galore_adamw, rank: 128}      # GaLore / APOLLO for the Trainer
+      parallel: {dp_shard: 2, tp: 2}                 # ND mesh; product = num_processes
+
+Before any process starts the whole file is validated (the same loader as hf_gradfix.patch(config=file) and
+hf-gradfix config check): a bad key or value is one line naming file, line, key, value and the fix, exit code 2.
+accelerate gets its keys through a temporary file; every rank sees the section through $HF_GRADFIX_CONFIG, which
+hf_gradfix.patch() and GradFixCallback() read. Every setting with its default: hf-gradfix config check FILE --json.
+
+Then accelerate's own options, unchanged (hyphens or underscores: --num-processes=2 / --num_processes=2):
+"""
+
+_LAUNCH_EPILOG = """\
+example:
+  hf-gradfix config check run.yaml --micro-batch 4 --seq-len 2048 --grad-accum 8   # what this file will run
+  hf-gradfix launch --config_file run.yaml train.py --my-arg 1
+"""
+
+
+def _launch_parser():
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    base = parser.formatter_class
+
+    class _Formatter(base):  # keep accelerate's option layout; our description and example keep their lines
+        def _fill_text(self, text, width, indent):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+
+    parser.prog = "hf-gradfix launch"
+    parser.description = _LAUNCH_DESCRIPTION
+    parser.epilog = _LAUNCH_EPILOG
+    parser.formatter_class = _Formatter
+    return parser
+
+
+def launch(argv: Sequence[str]) -> int:
+    """``accelerate launch`` with exactly its arguments; the ``hf_gradfix:`` section reaches every rank.
+
+    Raises :class:`~hf_gradfix.errors.HfGradfixError` for a file or setting it refuses (``main`` prints it).
+    """
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.launch import launch_command
+
+    args = _launch_parser().parse_args(list(argv))
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
     tmp = None
     try:
         if path is not None:
-            resolved = resolve_config(path, num_processes=args.num_processes)  # validate before any process starts
+            # validate everything (file, accelerate keys, section, mesh) before any process starts
+            resolved = resolve_config(path, num_processes=args.num_processes)
             acc, section = split_config(path)
             tmp = tempfile.mkdtemp(prefix="hf_gradfix_launch_")
             acc_path = os.path.join(tmp, "accelerate.yaml")
@@ -264,52 +314,106 @@ def launch(argv: Sequence[str]) -> int:
                 # model itself (FSDP2 over dp_shard x cp), as axolotl does
                 os.environ["ACCELERATE_ALLOW_CP_STANDALONE"] = "true"
         launch_command(args)
-    except ConfigError as err:
-        print(f"hf-gradfix launch: {err}", file=sys.stderr)
-        return 1
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hf-gradfix`` console script.
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's default (unless its help already names it), and examples kept as written."""
 
-    >>> main(["config", "check", "configs/does-not-exist.yaml"])
-    1
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "launch":
-        return launch(argv[1:])
-    if argv and argv[0] == "verify":
-        from .verify_cli import verify_main
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
 
-        return verify_main(argv[1:])
-    if argv and argv[0] == "plan":
-        from .plan import plan_main
 
-        return plan_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="hf-gradfix", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def _para(text: str) -> str:
+    return textwrap.fill(text, width=100)
+
+
+_TOP_DESCRIPTION = """\
+hf_gradfix: exact loss normalization, packing, low-rank optimizers and ND-parallel meshes for the Hugging Face
+Trainer, configured by an hf_gradfix: section in accelerate's YAML. Four commands (hf-gradfix COMMAND --help):
+
+  launch        accelerate launch with exactly its arguments; the hf_gradfix: section reaches every rank
+  config check  validate a YAML (accelerate's keys and the hf_gradfix: section) and print what it will run
+  verify        prove a run exact: configured gradients vs the one-process ground truth
+  plan          per-rank memory for a model and a configuration (closed form, --simulate, --suggest)
+
+A diagnosed error is one line, "hf-gradfix COMMAND: ...", with exit code 2."""
+
+_TOP_EPILOG = """\
+examples:
+  hf-gradfix config check configs/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
+  hf-gradfix launch --config_file configs/cpu_multiprocess.yaml train.py --my-arg 1
+  hf-gradfix verify --model tiny --grad-accum 4 --steps 2
+  hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-gradfix`` argument parser (``launch`` and ``plan`` parse their own arguments)."""
+    parser = argparse.ArgumentParser(prog="hf-gradfix", description=_TOP_DESCRIPTION, epilog=_TOP_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("launch", help="accelerate launch with a YAML that carries an hf_gradfix: section (same arguments)")
     sub.add_parser("plan", help="per-rank memory for a model and a configuration (closed form, --simulate, --suggest)")
     sub.add_parser("verify", help="prove a run exact: your script's gradients vs the one-process ground truth "
                    "(hf-gradfix verify -- python train.py ARGS)")
-    cfg = sub.add_parser("config", help="configuration tools")
-    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
-    check = cfg_sub.add_parser("check", help="validate a YAML and print the resolved settings")
-    check.add_argument("file")
+    cfg = sub.add_parser("config", help="configuration tools (config check)", description="Configuration tools.")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    check = cfg_sub.add_parser(
+        "check", formatter_class=_Help,
+        help="validate a YAML and print the resolved settings",
+        description=_para("Validate a YAML file the way launch and hf_gradfix.patch(config=FILE) read it (accelerate's "
+        "keys with their types and ranges, the hf_gradfix: section, duplicate keys) and print what a launch with it "
+        "will run: world size, mesh, loss, packing, optimizer and the global batch in tokens. Exit code 0 when the "
+        "file is valid, 2 (one line naming file, line, key, value and the fix) when not."),
+        epilog="examples:\n  hf-gradfix config check run.yaml\n"
+        "  hf-gradfix config check run.yaml --micro-batch 4 --seq-len 4096 --grad-accum 8\n"
+        "  hf-gradfix config check run.yaml --model config.json --json",
+    )
+    check.add_argument("file", help="accelerate YAML, with or without an hf_gradfix: section")
     check.add_argument("--num-processes", type=int, default=None, help="override num_processes from the file")
     check.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch")
     check.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
     check.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     check.add_argument("--model", default=None, help="config.json, local model dir or hub id: check tp against its heads")
     check.add_argument("--json", action="store_true", help="machine-readable output")
-    ns = parser.parse_args(argv)
-    if ns.command == "config" and ns.config_command == "check":
-        return _cmd_config_check(ns)
-    parser.error("unknown command")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hf-gradfix`` console script; a diagnosed error is one line and exit code 2.
+
+    >>> main(["config", "check", "configs/does-not-exist.yaml"])
+    2
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else ""
+    if command == "config" and len(argv) > 1 and not argv[1].startswith("-"):
+        command = f"config {argv[1]}"
+    try:
+        if argv and argv[0] == "launch":
+            return launch(argv[1:])
+        if argv and argv[0] == "verify":
+            from .verify_cli import verify_main
+
+            return verify_main(argv[1:])
+        if argv and argv[0] == "plan":
+            from .plan import plan_main
+
+            return plan_main(argv[1:])
+        parser = build_parser()
+        ns = parser.parse_args(argv)
+        if ns.command == "config" and ns.config_command == "check":
+            return _cmd_config_check(ns)
+        parser.error("unknown command")
+    except HfGradfixError as err:
+        print(f"hf-gradfix {command}: {err}", file=sys.stderr)
+        return 2
     return 2
 
 

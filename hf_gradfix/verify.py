@@ -59,6 +59,7 @@ from torch import nn
 
 from .loss.counting import IGNORE_INDEX as IGNORE
 from .loss.counting import CountRule
+from .errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["verify", "verify_trainer", "verdict_of", "VerifyReport", "StepResult", "HYPOTHESES", "tiny_model",
            "synthetic_samples", "BUGS", "plot_report"]
@@ -286,7 +287,7 @@ def _decoder_input_ids(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
         fn = getattr(m, "_shift_right", None)
         if callable(fn):
             return fn(labels)
-    raise ValueError(f"{type(model).__name__}: no way to turn labels into decoder_input_ids")
+    raise InvalidArgumentError(f"{type(model).__name__}: no way to turn labels into decoder_input_ids")
 
 
 def _logits(model: nn.Module, seq: Mapping[str, torch.Tensor], keys: set[str], encoder_decoder: bool,
@@ -335,7 +336,7 @@ def _token_loss(logits: torch.Tensor, labels: torch.Tensor, rule: CountRule, pre
     if (rule is CountRule.SHIFTED or (extra > 0 and virtual_shift)) and not preshifted:
         logits, labels = logits[:, :-1], labels[:, 1:]
     if logits.shape[:2] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
+        raise InvalidArgumentError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
     # label smoothing as transformers' LabelSmoother: (1 - eps) * nll + eps * mean over the classes of -log p
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
                                        reduction="sum", label_smoothing=smoothing)
@@ -394,7 +395,7 @@ def _detect_rule(model: nn.Module, batch: Mapping[str, Any], compute_loss_func: 
     if "shift_labels" in batch:
         return CountRule.UNSHIFTED, "the collator provides shift_labels", "token-level loss on shift_labels"
     if not torch.is_tensor(labels):
-        raise ValueError("the recorded batches have no 'labels' tensor: nothing to verify")
+        raise InvalidArgumentError("the recorded batches have no 'labels' tensor: nothing to verify")
     device = next(model.parameters()).device
     keys = _forward_keys(model)
     enc_dec = _is_encoder_decoder(model)
@@ -820,9 +821,9 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     import transformers
 
     if not isinstance(trainer, transformers.Trainer):
-        raise TypeError(f"verify_trainer: expected a transformers.Trainer, got {type(trainer).__name__}")
+        raise InvalidTypeError(f"verify_trainer: expected a transformers.Trainer, got {type(trainer).__name__}")
     if steps < 1:
-        raise ValueError(f"verify_trainer: steps={steps} must be >= 1")
+        raise InvalidArgumentError(f"verify_trainer: steps={steps} must be >= 1")
     model = trainer.model
     recorded: list[dict] = []
     returned: list[float] = []
@@ -833,7 +834,7 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     initial = {n: p.detach().clone() for n, p in trainable}
     sharded = any(callable(getattr(p, "full_tensor", None)) for _, p in trainable)
     if sharded and reference_model is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             "verify_trainer: the model's parameters are sharded (FSDP2 / tensor / context parallel DTensors); pass "
             "reference_model=, an unsharded copy of the model made before the trainer was built"
         )
@@ -922,7 +923,7 @@ def _compare(trainer, model, recorded, returned, marks, grads, params_at, traina
     ga = int(trainer.args.gradient_accumulation_steps)
     first = next((b for b in recorded if "labels" in b or "shift_labels" in b), None)
     if first is None:
-        raise ValueError("verify_trainer: the trainer's batches carry no 'labels': nothing to compare with")
+        raise InvalidArgumentError("verify_trainer: the trainer's batches carry no 'labels': nothing to compare with")
     rule, how, head = _detect_rule(model, first, getattr(trainer, "compute_loss_func", None))
     enc_dec = _is_encoder_decoder(model)
     ctx = _Context(model=model, names=names, params=params, keys=_forward_keys(model), rule=rule, encoder_decoder=enc_dec,
@@ -1045,7 +1046,7 @@ def verify(
     if packing is not None:
         cfg.packing.enabled = bool(packing)
     if inject is not None and inject not in BUGS:
-        raise ValueError(f"inject={inject!r}; known bugs: {', '.join(BUGS)}")
+        raise InvalidArgumentError(f"--inject {inject!r}: unknown bug; known bugs: {', '.join(BUGS)}")
     if inject == "cross_attention":
         cfg.packing.enabled = True
         cfg.packing.guard = False
@@ -1058,7 +1059,7 @@ def verify(
     vocab = int(getattr(model.config, "vocab_size", 128))
     launched = max(1, int(os.environ.get("WORLD_SIZE", "1")))  # the process group starts with the Trainer
     if inject == "world_scaled" and launched == 1:
-        raise ValueError("inject='world_scaled' needs several ranks (launch with hf-gradfix launch)")
+        raise InvalidArgumentError("--inject world_scaled needs several ranks (run it under hf-gradfix launch)")
     samples = list(samples) if samples is not None else synthetic_samples(batch_size * grad_accum * launched * steps * 2, vocab)
     if inject == "cross_attention":
         # a model that ignores the boundaries: position_ids restarts are dropped before the forward

@@ -20,11 +20,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
 import runpy
 import sys
 import traceback
 from typing import Any, Callable, Iterator, Sequence
+
+from .errors import HfGradfixError, InvalidArgumentError, model_load_error
 
 __all__ = ["verify_main", "add_verify_arguments", "trainer_train_hook", "run_script"]
 
@@ -103,16 +106,16 @@ def _split_command(command: Sequence[str]) -> tuple[str, str, list[str]]:
         cmd = cmd[1:]
         while cmd and cmd[0].startswith("-") and cmd[0] != "-m":
             if cmd[0] in ("-c", "-"):
-                raise ValueError("hf-gradfix verify: `python -c` / stdin scripts are not supported; pass a script file or -m module")
+                raise InvalidArgumentError("hf-gradfix verify: `python -c` / stdin scripts are not supported; pass a script file or -m module")
             cmd = cmd[1:]
     if not cmd:
-        raise ValueError("hf-gradfix verify: nothing to run after --; e.g. hf-gradfix verify -- python train.py ARGS")
+        raise InvalidArgumentError("hf-gradfix verify: nothing to run after --; e.g. hf-gradfix verify -- python train.py ARGS")
     if cmd[0] == "-m":
         if len(cmd) < 2:
-            raise ValueError("hf-gradfix verify: -m needs a module name")
+            raise InvalidArgumentError("hf-gradfix verify: -m needs a module name")
         return "module", cmd[1], cmd[2:]
     if not os.path.isfile(cmd[0]):
-        raise ValueError(f"hf-gradfix verify: script {cmd[0]!r} not found")
+        raise InvalidArgumentError(f"hf-gradfix verify: script {cmd[0]!r} not found")
     return "path", cmd[0], cmd[1:]
 
 
@@ -182,8 +185,8 @@ def verify_main(argv: Sequence[str]) -> int:
     if ns.steps < 1:
         print(f"hf-gradfix verify: --steps={ns.steps}: must be >= 1", file=sys.stderr)
         return 2
-    if ns.tolerance <= 0:
-        print(f"hf-gradfix verify: --tolerance={ns.tolerance}: must be > 0", file=sys.stderr)
+    if not (math.isfinite(ns.tolerance) and ns.tolerance > 0):
+        print(f"hf-gradfix verify: --tolerance={ns.tolerance}: must be a finite number > 0", file=sys.stderr)
         return 2
     if command is not None:
         given = [f"--{k.replace('_', '-')}" for k in _BUILTIN_ONLY if getattr(ns, k) is not None]
@@ -216,7 +219,12 @@ def _builtin(ns: argparse.Namespace) -> int:
     spec = ns.model or "tiny"
     grad_accum = ns.grad_accum or 4
     batch_size = ns.batch_size or 2
-    model = V.load_model(spec)
+    try:
+        model = V.load_model(spec)
+    except (OSError, ValueError, KeyError) as err:  # one line (remote code refused, not found, ...), exit code 2
+        if isinstance(err, HfGradfixError):
+            raise
+        raise model_load_error(spec, err) from None
     n = batch_size * grad_accum * max(1, int(os.environ.get("WORLD_SIZE", "1"))) * ns.steps * 2
     samples = V.load_samples(ns.data, model, spec, n)
     report = V.verify(lambda: model, samples, config=ns.config, grad_accum=grad_accum, batch_size=batch_size,

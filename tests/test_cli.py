@@ -72,7 +72,7 @@ def test_config_check_prints_world_mesh_and_global_batch(tmp_path, capsys):
 )
 def test_config_check_errors_name_the_key_and_the_fix(tmp_path, capsys, content, match):
     path = _write(tmp_path, {**_cpu_yaml(4), **content})
-    assert main(["config", "check", str(path)]) == 1
+    assert main(["config", "check", str(path)]) == 2
     assert match in capsys.readouterr().err
 
 
@@ -80,7 +80,7 @@ def test_config_check_validates_tp_against_the_model_heads(tmp_path, capsys):
     path = _write(tmp_path, {**_cpu_yaml(4), "hf_gradfix": {"parallel": {"dp_shard": 1, "tp": 4}}})
     model = tmp_path / "config.json"
     model.write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}))
-    assert main(["config", "check", str(path), "--model", str(model)]) == 1
+    assert main(["config", "check", str(path), "--model", str(model)]) == 2
     assert "parallel.tp=4 does not divide the model's num_key_value_heads=2" in capsys.readouterr().err
     with pytest.raises(ParallelDimsError):
         resolve_config(path, model_config=type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2})())
@@ -121,7 +121,7 @@ def test_launch_hands_accelerate_its_keys_and_every_rank_the_section(tmp_path):
 
 def test_launch_refuses_a_bad_section_before_starting_anything(tmp_path, capsys):
     path = _write(tmp_path, {**_cpu_yaml(2), "hf_gradfix": {"loss": {"count_rule": "shift"}}})
-    assert main(["launch", "--config_file", str(path), "nonexistent_script.py"]) == 1
+    assert main(["launch", "--config_file", str(path), "nonexistent_script.py"]) == 2
     assert "hf_gradfix.loss.count_rule: invalid value 'shift'" in capsys.readouterr().err
 
 

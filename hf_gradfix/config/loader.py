@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -44,9 +45,10 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from ..errors import InvalidTypeError
 from .schema import ConfigError, GradFixConfig
 
-__all__ = ["ENV_VAR", "SECTION", "load_config", "config_from_dict", "config_to_dict"]
+__all__ = ["ENV_VAR", "SECTION", "ConfigFile", "load_config", "read_config_file", "config_from_dict", "config_to_dict"]
 
 ENV_VAR = "HF_GRADFIX_CONFIG"
 """Environment variable naming a YAML config file, used when ``load_config()`` gets no source."""
@@ -151,7 +153,7 @@ def config_to_dict(cfg: GradFixConfig) -> dict[str, Any]:
         True
     """
     if not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)):
-        raise TypeError(f"config_to_dict() expects a GradFixConfig instance, got {type(cfg).__name__}")
+        raise InvalidTypeError(f"config_to_dict() expects a GradFixConfig instance, got {type(cfg).__name__}")
     return _to_plain(cfg)
 
 
@@ -288,14 +290,19 @@ class _Validator:
         return cls(**kwargs)
 
     def bounded(self, f: dataclasses.Field, value: Any, path: Path) -> Any:
-        """Apply a field's ``metadata={"min": ...}`` lower bound (numbers only; None passes)."""
-        low = f.metadata.get("min")
-        if low is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        """Apply a field's range: ``metadata`` ``min`` / ``max`` (inclusive), ``above`` (exclusive), ``special``."""
+        return self.in_range(value, path, f.metadata)
+
+    def in_range(self, value: Any, path: Path, meta: Mapping[str, Any]) -> Any:
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             return value
-        if value < low:
-            self.add(path, f"invalid value {_short_repr(value)}; it must be >= {low}")
-            return _INVALID
-        return value
+        if "special" in meta and value == meta["special"]:
+            return value
+        low, high, above = meta.get("min"), meta.get("max"), meta.get("above")
+        if (low is None or value >= low) and (high is None or value <= high) and (above is None or value > above):
+            return value
+        self.add(path, f"invalid value {_short_repr(value)}; {_range_text(meta)}")
+        return _INVALID
 
     # -- leaves
     def literal(self, allowed: tuple, value: Any, path: Path) -> Any:
@@ -361,7 +368,14 @@ class _Validator:
 
     def number(self, value: Any, path: Path) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+            if math.isfinite(number):
+                return number
+            self.add(path, f"invalid value {_short_repr(value)}; expected a finite number (not inf or nan)")
+            return _INVALID
         hint = ""
         if isinstance(value, bool):
             hint = "; a bool is not accepted here, write a number"
@@ -424,6 +438,23 @@ class _Validator:
             else:
                 out[key] = converted
         return out if ok else _INVALID
+
+
+def _range_text(meta: Mapping[str, Any]) -> str:
+    """``it must be >= 1 and <= 4294967295 (or -1)`` from a field's range metadata."""
+    parts = []
+    if meta.get("above") is not None:
+        parts.append(f"> {meta['above']}")
+    if meta.get("min") is not None:
+        parts.append(f">= {meta['min']}")
+    if meta.get("max") is not None:
+        parts.append(f"<= {meta['max']}")
+    text = "it must be " + " and ".join(parts)
+    if "special" in meta:
+        text += f" (or {meta['special']})"
+    if meta.get("help"):
+        text += f": {meta['help']}"
+    return text
 
 
 def _unknown_key_message(key: str, names: list[str], path: Path) -> str:
@@ -516,7 +547,37 @@ def _line_of(lines: dict[Path, int], path: Path) -> int | None:
 # --------------------------------------------------------------------------- YAML files
 
 
-def _load_file(source: str | os.PathLike, via_env: bool = False) -> GradFixConfig:
+@dataclasses.dataclass
+class ConfigFile:
+    """A YAML configuration file read and validated as a whole (what :func:`read_config_file` returns).
+
+    ``accelerate`` holds accelerate's own keys (validated: types and ranges), ``section`` the raw
+    ``hf_gradfix:`` section (None when the file has none) and ``gradfix`` the validated plugin settings.
+    """
+
+    path: str
+    accelerate: dict
+    section: dict | None
+    gradfix: GradFixConfig
+
+
+def read_config_file(source: str | os.PathLike, *, via_env: bool = False, require_section: bool = False) -> ConfigFile:
+    """Read, split and validate one YAML file: the one implementation behind the library and the CLI.
+
+    Refuses (with one :class:`ConfigError` naming file, line, key, value and the fix): an unreadable file,
+    invalid YAML, any tag that builds a Python object (``!!python/...``), a duplicate key anywhere, accelerate
+    keys of the wrong type or out of range (``num_processes: 0``, ``main_process_port: http``, an unprefixed
+    ``parallelism_config`` key), a misspelled accelerate key next to an ``hf_gradfix:`` section, and every
+    problem of the section itself.  A file with only accelerate keys gives the default plugin settings, unless
+    ``require_section`` (the library asked for the plugin settings of a file that has none: a hint instead).
+
+    >>> import os, tempfile
+    >>> fd, name = tempfile.mkstemp(suffix=".yaml"); _ = os.write(fd, b"num_processes: 2\\nhf_gradfix:\\n  packing: true\\n"); os.close(fd)
+    >>> cf = read_config_file(name)
+    >>> cf.accelerate, cf.section, cf.gradfix.packing.enabled
+    ({'num_processes': 2}, {'packing': True}, True)
+    >>> os.unlink(name)
+    """
     raw = os.fsdecode(os.fspath(source))
     path = os.path.expanduser(raw)
     shown = raw
@@ -543,29 +604,186 @@ def _load_file(source: str | os.PathLike, via_env: bool = False) -> GradFixConfi
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(
             _env_note(
-                f"{shown}: expected a mapping at the top level (an '{SECTION}:' section, or the "
-                f"section's own keys such as 'loss:'), got {type(data).__name__} {_short_repr(data)}",
+                f"{shown}: expected a mapping at the top level (accelerate's keys and an '{SECTION}:' section, or "
+                f"the section's own keys such as 'loss:'), got {type(data).__name__} {_short_repr(data)}",
                 via_env,
             )
         )
-    section, prefix = _select_section(data)
+    data = dict(data or {})
+    if SECTION not in data:
+        for key in data:
+            if isinstance(key, str) and difflib.get_close_matches(key, [SECTION], n=1, cutoff=0.8):
+                raise ConfigError(_env_note(
+                    f"{shown}:{lines.get((key,), '?')}: {key}: unknown key (did you mean {SECTION!r}?); the plugin's "
+                    f"settings go under one '{SECTION}:' key", via_env))
+    if SECTION in data:
+        section, prefix = data.pop(SECTION), (SECTION,)
+        accelerate = data
+    elif data and not require_section and all(isinstance(k, str) and k in _accelerate_keys() for k in data):
+        section, prefix, accelerate = None, (SECTION,), data  # a plain accelerate file: plugin defaults
+    else:
+        section, prefix, accelerate = data, (), {}
     for dup_path, line, first_line in duplicates:
-        # Only the plugin's own keys: accelerate's part of the file is accelerate's business.
-        if dup_path[: len(prefix)] == prefix or dup_path == (SECTION,):
-            relative = dup_path[len(prefix):] if dup_path[: len(prefix)] == prefix else ()
-            raise ConfigError(
-                _env_note(
-                    f"{shown}:{line}: {_dotted(relative)}: duplicate key (first at line {first_line}); "
-                    "YAML would silently keep only the last one, remove one of them",
-                    via_env,
-                )
+        if dup_path[: len(prefix)] == prefix and prefix:
+            key = _dotted(dup_path[len(prefix):])
+        elif not prefix:
+            key = _dotted(dup_path)
+        else:
+            key = ".".join(str(p) for p in dup_path)
+        raise ConfigError(
+            _env_note(
+                f"{shown}:{line}: {key}: duplicate key (first at line {first_line}); "
+                "YAML would silently keep only the last one, remove one of them",
+                via_env,
             )
-    try:
-        return _build_root(GradFixConfig, section, origin=shown, lines=lines, prefix=prefix)
-    except ConfigError as err:
-        if not via_env:
-            raise
-        raise ConfigError(_env_note(str(err), True), err.problems) from None
+        )
+    problems = [
+        f"{shown}:{_line_of(lines, path) or '?'}: {message}" for path, message in _check_accelerate(accelerate)
+    ]
+    gradfix = None
+    if section is not None or require_section:
+        try:
+            gradfix = _build_root(GradFixConfig, section, origin=shown, lines=lines, prefix=prefix)
+        except ConfigError as err:
+            problems.extend(err.problems)
+    if problems:
+        text = problems[0] if len(problems) == 1 else (
+            f"{len(problems)} problems in {shown}:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+        raise ConfigError(_env_note(text, via_env), problems)
+    if section is not None and not isinstance(section, Mapping):
+        section = None  # `hf_gradfix:` with nothing under it
+    return ConfigFile(path=shown, accelerate=accelerate, section=dict(section) if section is not None else None,
+                      gradfix=gradfix if gradfix is not None else GradFixConfig())
+
+
+def _load_file(source: str | os.PathLike, via_env: bool = False) -> GradFixConfig:
+    return read_config_file(source, via_env=via_env, require_section=True).gradfix
+
+
+# --------------------------------------------------------------------------- accelerate's keys
+
+_PC = "parallelism_config"
+_PC_PREFIX = "parallelism_config_"
+_DISTRIBUTED_TYPES = (
+    "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
+    "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM", "MULTI_HPU", "MULTI_NEURON",
+)
+# key -> (kind, allowed / range); null is accepted everywhere (accelerate's default).
+_ACCELERATE_SPEC: dict[str, tuple[str, Any]] = {
+    "compute_environment": ("choice", ("LOCAL_MACHINE", "AMAZON_SAGEMAKER")),
+    "distributed_type": ("choice", _DISTRIBUTED_TYPES),
+    "mixed_precision": ("choice", ("no", "fp16", "bf16", "fp8")),
+    "dynamo_backend": ("str", None),
+    "num_processes": ("int", {"min": 1, "max": 2**20, "help": "processes in total, over every machine"}),
+    "num_machines": ("int", {"min": 1, "max": 2**20, "help": "machines (nodes) of the launch"}),
+    "machine_rank": ("int", {"min": 0, "max": 2**20, "help": "this machine's index, 0 .. num_machines - 1"}),
+    "main_process_port": ("int", {"min": 1, "max": 65535, "help": "a TCP port"}),
+    "main_process_ip": ("str", None),
+    "rdzv_backend": ("str", None),
+    "main_training_function": ("str", None),
+    "gpu_ids": ("str_or_int", None),
+    "use_cpu": ("bool", None),
+    "debug": ("bool", None),
+    "same_network": ("bool", None),
+    "enable_cpu_affinity": ("bool", None),
+    "tpu_use_cluster": ("bool", None),
+    "tpu_use_sudo": ("bool", None),
+    "tpu_vm": ("any", None),
+    "downcast_bf16": ("bool_or_str", None),
+    "fp8_config": ("mapping", None),
+    "deepspeed_config": ("mapping", None),
+    "fsdp_config": ("mapping", None),
+    "megatron_lm_config": ("mapping", None),
+    "mpirun_config": ("mapping", None),
+    "dynamo_config": ("mapping", None),
+    "ipex_config": ("mapping", None),
+    "parallelism_config": ("mapping", None),
+}
+_PC_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+def _accelerate_keys() -> frozenset:
+    """accelerate's top-level config keys: its own ``ClusterConfig`` fields when importable, plus a fixed list."""
+    keys = set(_ACCELERATE_KEYS) | set(_ACCELERATE_SPEC)
+    try:  # optional: the key list of the installed accelerate (this module needs only yaml)
+        from accelerate.commands.config.config_args import ClusterConfig
+
+        keys |= {f.name for f in dataclasses.fields(ClusterConfig)}
+    except Exception:  # noqa: BLE001 - accelerate missing or changed: the fixed list is enough
+        pass
+    return frozenset(keys)
+
+
+def _check_accelerate(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
+    """(key path, message) for every accelerate key of the wrong type, out of range or misspelled."""
+    problems: list[tuple[Path, str]] = []
+    known = _accelerate_keys()
+    checker = _Validator()
+
+    def bad(path: Path, message: str) -> None:
+        problems.append((path, f"{'.'.join(map(str, path))}: {message}"))
+
+    for key, value in acc.items():
+        path: Path = (key,)
+        if not isinstance(key, str):
+            bad(path, f"key {_short_repr(key)} is not a string")
+            continue
+        if key not in known:
+            match = difflib.get_close_matches(key, sorted(known | {SECTION}), n=1, cutoff=0.75)
+            hint = f" (did you mean {match[0]!r}?)" if match else ""
+            bad(path, f"unknown accelerate key{hint}; accelerate refuses unknown keys, and the plugin's settings "
+                      f"go under '{SECTION}:'")
+            continue
+        kind, arg = _ACCELERATE_SPEC.get(key, ("any", None))
+        if value is None or kind == "any":
+            continue
+        if kind == "choice":
+            if not (isinstance(value, str) and value in arg):  # accelerate's enums are case-sensitive
+                lowered = {str(a).lower(): a for a in arg}
+                guess = difflib.get_close_matches(str(value).lower(), list(lowered), n=1, cutoff=0.6)
+                hint = f" (did you mean {lowered[guess[0]]!r}?)" if guess else ""
+                bad(path, f"invalid value {_short_repr(value)}; allowed values: {_quoted_list(arg)}{hint}")
+        elif kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                fix = f"; write {int(value)}" if isinstance(value, float) and value.is_integer() else (
+                    "; remove the quotes" if isinstance(value, str) and value.strip().isdigit() else "")
+                bad(path, f"invalid value {_short_repr(value)}; expected a whole number{fix} ({arg['help']})")
+            elif checker.in_range(value, path, arg) is _INVALID:
+                bad(path, checker.problems.pop()[1].split(": ", 1)[1])
+        elif kind == "str" and not isinstance(value, str):
+            bad(path, f"invalid value {_short_repr(value)}; expected a string (quote it)")
+        elif kind == "str_or_int" and (isinstance(value, bool) or not isinstance(value, (str, int))):
+            bad(path, f"invalid value {_short_repr(value)}; expected 'all' or device ids such as '0,1'")
+        elif kind == "bool" and not isinstance(value, bool):
+            bad(path, f"invalid value {_short_repr(value)}; expected true or false")
+        elif kind == "bool_or_str" and not isinstance(value, (bool, str)):
+            bad(path, f"invalid value {_short_repr(value)}; expected true/false or 'no'")
+        elif kind == "mapping" and not isinstance(value, Mapping):
+            bad(path, f"invalid value {_short_repr(value)}; expected a mapping of {key} settings")
+    pc = acc.get(_PC)
+    if isinstance(pc, Mapping):
+        for key, value in pc.items():
+            path = (_PC, key)
+            bare = key[len(_PC_PREFIX):] if isinstance(key, str) and key.startswith(_PC_PREFIX) else str(key)
+            if not (isinstance(key, str) and key.startswith(_PC_PREFIX)):
+                bad(path, f"accelerate only reads keys with the '{_PC_PREFIX}' prefix and silently ignores this "
+                          f"one; write '{_PC_PREFIX}{bare}'")
+                continue
+            name = bare[: -len("_size")] if bare.endswith("_size") else None
+            if name is None or value is None:
+                continue
+            if name not in _PC_SIZES:
+                bad(path, f"unknown size; allowed: {_quoted_list(_PC_PREFIX + n + '_size' for n in _PC_SIZES)}")
+            elif isinstance(value, bool) or not isinstance(value, int):
+                bad(path, f"invalid value {_short_repr(value)}; expected a whole number >= 1 ({name} degree)")
+            elif not 1 <= value <= 2**20:
+                bad(path, f"invalid value {value}; it must be >= 1 ({name} degree; accelerate has no -1 here)")
+    rank, machines = acc.get("machine_rank"), acc.get("num_machines")
+    if (isinstance(rank, int) and isinstance(machines, int) and not isinstance(rank, bool) and machines >= 1
+            and not 0 <= rank < machines):
+        bad(("machine_rank",), f"invalid value {rank}; it must be < num_machines ({machines})")
+    return problems
 
 
 def _env_note(message: str, via_env: bool) -> str:
@@ -595,6 +813,8 @@ def _yaml_error_message(err: yaml.YAMLError, shown: str) -> str:
     problem = getattr(err, "problem", None) or str(err)
     context = getattr(err, "context", None)
     detail = f"{problem} ({context})" if context else problem
+    if "constructor for the tag" in str(problem):
+        detail += "; configuration files are plain YAML: tags that build Python objects are refused, write the value"
     if "'\\t'" in str(problem):
         detail += "; indent with spaces, YAML does not allow tabs"
     if mark is not None:

@@ -21,9 +21,12 @@ Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]``,
 ``tuple[X, ...]``, ``dict[str, X]``, ``Any`` and nested dataclasses (sections).
 
 The optional ``metadata={"help": ...}`` on a field is a one-line description
-used in documentation and error messages.
+used in documentation and error messages.  Numeric fields carry their range in the
+metadata, checked by the loader (never at ``train()``): ``"min"`` / ``"max"``
+(inclusive), ``"above"`` (exclusive lower bound) and ``"special"`` (one extra
+allowed value, e.g. ``-1`` = "the rest of the world").  Every float must be finite.
 
-This module imports only the standard library.
+This module imports only the standard library (and :mod:`hf_gradfix.errors`, which imports nothing).
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..errors import HfGradfixError
+
 __all__ = [
     "ConfigError",
     "CountRule",
     "OnUndetermined",
     "AuxLossMode",
+    "OnNonFinite",
     "LossConfig",
     "PackingConfig",
     "OptimizerConfig",
@@ -44,7 +50,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(HfGradfixError, ValueError):
     """An invalid ``hf_gradfix`` configuration (unknown key, bad value, bad file).
 
     ``problems`` lists the individual problems (one readable line each); the
@@ -68,6 +74,7 @@ class ConfigError(ValueError):
 CountRule = Literal["auto", "shifted", "unshifted", "elements"]
 OnUndetermined = Literal["error", "warn"]
 AuxLossMode = Literal["micro_batch_mean", "as_is"]
+OnNonFinite = Literal["warn", "skip", "error"]
 
 
 @dataclass
@@ -101,6 +108,14 @@ class LossConfig:
             "micro-batches and ranks; 'as_is' = left as the model/trainer adds it"
         },
     )
+    on_nonfinite: OnNonFinite = field(
+        default="warn",
+        metadata={
+            "help": "a NaN/inf loss or gradient: 'warn' = a warning naming the step and micro-batch, then stock "
+            "behaviour (the update is applied); 'skip' = that optimizer step is skipped (weights, optimizer state "
+            "and lr schedule unchanged); 'error' = stop with an error naming the step and micro-batch"
+        },
+    )
 
 
 PackingMode = Literal["varlen", "rows"]
@@ -117,7 +132,7 @@ class PackingConfig:
     )
     token_budget: int = field(
         default=4096,
-        metadata={"help": "tokens per packed row (one bin = one micro-batch)"},
+        metadata={"min": 8, "help": "tokens per packed row (one bin = one micro-batch; >= 8, at least your longest sample)"},
     )
     mode: PackingMode = field(
         default="varlen",
@@ -176,12 +191,18 @@ class OptimizerConfig:
     )
     exclude: list[str] = field(default_factory=list, metadata={"help": "module-name patterns never projected"})
     rank: int | None = field(
-        default=None, metadata={"min": 1, "help": "subspace rank (null: 128; apollo_mini: 1)"}
+        default=None, metadata={"min": 1, "max": 65536, "help": "subspace rank (null: 128; apollo_mini: 1)"}
     )
-    update_proj_gap: int = field(default=200, metadata={"min": 1, "help": "optimizer steps between basis refreshes"})
+    update_proj_gap: int = field(
+        default=200, metadata={"min": 1, "max": 2**31 - 1, "help": "optimizer steps between basis refreshes"}
+    )
     scale: float | None = field(
         default=None,
-        metadata={"min": 0, "help": "update scale (null: 0.25 for GaLore, 1 for APOLLO, 128 for APOLLO-Mini)"},
+        metadata={
+            "above": 0,
+            "max": 1e6,
+            "help": "update scale, a finite number > 0 (null: 0.25 for GaLore, 1 for APOLLO, 128 for APOLLO-Mini)",
+        },
     )
     proj_side: ProjSide = field(
         default="auto", metadata={"help": "which side of each matrix the subspace reduces ('auto' = in-features)"}
@@ -193,12 +214,16 @@ class OptimizerConfig:
     on_switch: OnSwitch = field(
         default="keep", metadata={"help": "moments when the basis changes: 'keep', 'reproject' or 'reset'"}
     )
-    min_size: int = field(default=0, metadata={"min": 0, "help": "matrices whose smaller side is below this stay AdamW"})
+    min_size: int = field(
+        default=0, metadata={"min": 0, "max": 2**31 - 1, "help": "matrices whose smaller side is below this stay AdamW"}
+    )
     stagger: bool = field(default=False, metadata={"help": "spread basis refreshes over the gap (no step-time spike)"})
     scale_type: ScaleType | None = field(
         default=None, metadata={"help": "APOLLO scaling: 'channel' or 'tensor' (null: channel; tensor for apollo_mini)"}
     )
-    seed: int = field(default=0, metadata={"help": "seed of randomized sketches / random projections"})
+    seed: int = field(
+        default=0, metadata={"min": 0, "max": 2**32 - 1, "help": "seed of randomized sketches / random projections (0 .. 2**32-1)"}
+    )
     lowrank_grads: bool = field(
         default=False,
         metadata={
@@ -224,10 +249,16 @@ class ParallelConfig:
     accelerate needs); at run time they are checked against the world size and the model.
     """
 
-    dp_replicate: int = field(default=1, metadata={"min": -1, "help": "data-parallel replicas (HSDP outer dim; -1 = the rest)"})
-    dp_shard: int = field(default=-1, metadata={"min": -1, "help": "FSDP2 shard degree (-1 = the rest of the world)"})
-    tp: int = field(default=1, metadata={"min": 1, "help": "tensor-parallel degree (ranks that split each layer)"})
-    cp: int = field(default=1, metadata={"min": 1, "help": "context-parallel degree (ranks that split each sequence; GPU only)"})
+    dp_replicate: int = field(
+        default=1,
+        metadata={"min": 1, "max": 2**20, "special": -1, "help": "data-parallel replicas (HSDP outer dim; -1 = the rest)"},
+    )
+    dp_shard: int = field(
+        default=-1,
+        metadata={"min": 1, "max": 2**20, "special": -1, "help": "FSDP2 shard degree (-1 = the rest of the world)"},
+    )
+    tp: int = field(default=1, metadata={"min": 1, "max": 2**20, "help": "tensor-parallel degree (ranks that split each layer)"})
+    cp: int = field(default=1, metadata={"min": 1, "max": 2**20, "help": "context-parallel degree (ranks that split each sequence; GPU only)"})
 
 
 @dataclass

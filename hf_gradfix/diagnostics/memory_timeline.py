@@ -40,6 +40,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ..errors import UsageError
+
 __all__ = ["CATEGORIES", "TRACKER_CATEGORIES", "MemoryTimeline", "MemoryTimelineRecorder", "decoder_layer_modules",
            "peak_log_values", "plot_memory_timeline", "timeline_tracker_class"]
 
@@ -322,7 +324,7 @@ class MemoryTimelineRecorder:
         from torch.distributed._tools.mem_tracker import MemTracker
 
         if self._tracker is not None:
-            raise RuntimeError("MemoryTimelineRecorder.begin(): a step is already being recorded; call end() first")
+            raise UsageError("MemoryTimelineRecorder.begin(): a step is already being recorded; call end() first")
         if _is_fsdp2(self.model):  # FSDP2: sharded / unsharded parameters, all-gather and reduce-scatter buffers
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -339,7 +341,7 @@ class MemoryTimelineRecorder:
     def end(self, step: int | None = None) -> MemoryTimeline:
         tracker = self._tracker
         if tracker is None:
-            raise RuntimeError("MemoryTimelineRecorder.end() without begin()")
+            raise UsageError("MemoryTimelineRecorder.end() without begin()")
         tracker.timeline_on(False)
         if self.optimizer is not None:  # state the optimizer created lazily in this step, under its final category
             tracker._track_optimizer_states(tracker._ref_class.OPT, _inner_optimizer(self.optimizer))
@@ -354,7 +356,7 @@ class MemoryTimelineRecorder:
     def mark(self, label: str = "mark", phase: str = "other") -> None:
         """Take a sample now, under ``label`` (between ops: e.g. right after the forward, before ``backward()``)."""
         if self._tracker is None:
-            raise RuntimeError("MemoryTimelineRecorder.mark() outside a recorded step")
+            raise UsageError("MemoryTimelineRecorder.mark() outside a recorded step")
         self._tracker.timeline_sample((phase, label))
 
     def abort(self) -> None:

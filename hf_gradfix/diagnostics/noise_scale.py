@@ -56,6 +56,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..errors import InvalidArgumentError, UsageError
+
 __all__ = [
     "NoiseScaleEstimate",
     "NoiseScaleEstimator",
@@ -77,7 +79,7 @@ def unbiased_estimates(small_sq: float, b_small: float, big_sq: float, b_big: fl
     (1.0, 2.0)
     """
     if not (b_big > b_small > 0):
-        raise ValueError(f"need 0 < B_small < B_big, got B_small={b_small}, B_big={b_big}")
+        raise InvalidArgumentError(f"need 0 < B_small < B_big, got B_small={b_small}, B_big={b_big}")
     grad_sq = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
     trace_sigma = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
     return grad_sq, trace_sigma
@@ -121,7 +123,7 @@ class NoiseScaleEstimator:
 
     def __init__(self, beta: float = 0.99) -> None:
         if not 0.0 <= beta < 1.0:
-            raise ValueError(f"beta must be in [0, 1), got {beta}")
+            raise InvalidArgumentError(f"beta must be in [0, 1), got {beta}")
         self.beta = float(beta)
         self.history: list[NoiseScaleEstimate] = []
         self._ema_g = 0.0
@@ -229,7 +231,7 @@ def resolve_window(
         k = count / w  # micro-batches per rank
         # g_k = K h_k; the big gradient weighs every micro-batch 1 / (W K): 1 / sum(w_k^2 / n_k) = (W K)^2 / sum(1 / n_k)
         return k**2 * sum_h2 / count, b_small, float(big_sq), count**2 / sum_inv_n
-    raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    raise InvalidArgumentError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,13 +311,13 @@ class NoiseScaleMonitor:
         record: bool = False,
     ) -> None:
         if weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+            raise InvalidArgumentError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         if int(every) < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
+            raise InvalidArgumentError(f"every must be >= 1, got {every}")
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
-            raise ValueError("NoiseScaleMonitor: no trainable parameters")
+            raise InvalidArgumentError("NoiseScaleMonitor: no trainable parameters")
         self.estimator = NoiseScaleEstimator(beta)
         self.weighting = weighting
         self.world_size = int(world_size) if world_size is not None else _default_world(process_group)
@@ -397,7 +399,7 @@ class NoiseScaleMonitor:
         :meth:`flush` (no host sync, no collective now). ``step``: the label of this step in :attr:`history`
         (default: the monitor's own count of ``step_done`` calls, from 0)."""
         if self._norms:
-            raise RuntimeError(
+            raise UsageError(
                 "NoiseScaleMonitor: gradients of a backward were not closed; call micro_batch_done(size) after every "
                 "backward of the window, before step_done()"
             )
@@ -414,7 +416,7 @@ class NoiseScaleMonitor:
             big_sq = norm.to(torch.float64).square()
         mode = weighting or self.weighting
         if mode not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {mode!r}")
+            raise InvalidArgumentError(f"weighting must be one of {WEIGHTINGS}, got {mode!r}")
         self._pending.append((label, micro, big_sq, None if window_size is None else float(window_size), mode))
         if sync:
             done = self.flush()
@@ -508,7 +510,7 @@ def plot_noise_scale(history: Sequence[NoiseScaleEstimate], path: str | os.PathL
         ) from err
     points = [e for e in history if math.isfinite(e.b_simple) and e.b_simple > 0]
     if not points:
-        raise ValueError("no B_simple estimate to plot yet (no measured step, or the smoothed |G|^2 is not positive)")
+        raise InvalidArgumentError("no B_simple estimate to plot yet (no measured step, or the smoothed |G|^2 is not positive)")
     steps = [e.step for e in points]
     fig = Figure(figsize=(7.5, 4.2), dpi=110)
     FigureCanvasAgg(fig)

@@ -6,12 +6,13 @@ import sys
 
 from transformers import Trainer, TrainerCallback
 
-from ..config import GradFixConfig, load_config
+from ..config import GradFixConfig, config_to_dict, load_config
 from .trainer_fix import install, state_of
 from .versions import check_supported
+from ..errors import HfGradfixError
 
 
-class GradFixCallbackError(RuntimeError):
+class GradFixCallbackError(HfGradfixError, RuntimeError):
     """The callback cannot fix the trainer it was added to."""
 
 
@@ -37,7 +38,10 @@ class GradFixCallback(TrainerCallback):
 
     Applies the fixes of :func:`hf_gradfix.patch` to that trainer only, before its first optimizer step.
     Added after training has started, it raises :class:`GradFixCallbackError` (the steps already taken
-    used the wrong normalization).
+    used the wrong normalization).  With ``hf_gradfix.patch()`` also active, the callback's configuration
+    wins on its trainer and a warning names each of ``patch()``'s settings it overrides (added with
+    ``add_callback`` after construction, it can still replace the loss settings; different packing,
+    optimizer or parallel settings are then an error, since those are built with the trainer).
 
     >>> from hf_gradfix import GradFixCallback
     >>> cb = GradFixCallback({"loss": {"count_rule": "auto"}})
@@ -66,7 +70,37 @@ class GradFixCallback(TrainerCallback):
                     "or use hf_gradfix.patch()."
                 )
             install(trainer, self.config, source="GradFixCallback")
+        else:
+            self._override_patch(trainer)
+        from .nonfinite import attach
+
+        attach(trainer, state_of(trainer).config)
         self._trainer = trainer
+
+    def _override_patch(self, trainer: Trainer) -> None:
+        """The rule for two configurations on one trainer: the callback's wins (see :mod:`.patching`)."""
+        from .patching import _differences, warn_overridden
+        from .trainer_fix import fixed_class_for
+
+        state = state_of(trainer)
+        if state.source == "GradFixCallback" or state.config == self.config:
+            return
+        ours, theirs = config_to_dict(self.config), config_to_dict(state.config)
+        built = [d for section in ("packing", "optimizer", "parallel")
+                 for d in _differences({section: theirs[section]}, {section: ours[section]})]
+        if built or state.probed:
+            what = "; ".join(f"hf_gradfix.{d}" for d in built) or "loss settings after the first batch"
+            raise GradFixCallbackError(
+                "GradFixCallback(config) was added to a trainer that hf_gradfix.patch() already fixed, too late to "
+                f"override patch()'s configuration ({what}: the data loader, optimizer and mesh are already built). "
+                "Pass it at construction, Trainer(..., callbacks=[GradFixCallback(...)]) (the callback's configuration "
+                "then wins), or give patch() and the callback the same configuration."
+            )
+        warn_overridden(state.config, self.config, winner="GradFixCallback", loser="patch()")
+        state.config = self.config
+        state.source = "GradFixCallback"
+        if self.config.loss.enabled:
+            trainer.__class__ = fixed_class_for(type(trainer))
 
     def on_init_end(self, args, state, control, **kwargs):
         self._attach(state)

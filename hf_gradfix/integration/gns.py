@@ -43,6 +43,7 @@ from ..diagnostics.noise_scale import NoiseScaleEstimate, NoiseScaleMonitor, plo
 from ..loss.counting import CountRule, count_targets, is_token_level
 from .callback import _find_trainer
 from .trainer_fix import _dp_world, state_of
+from ..errors import HfGradfixError, InvalidArgumentError
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -50,7 +51,7 @@ _REFUSED_BACKENDS = ("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM")
 _MISSING = object()
 
 
-class GradientNoiseScaleError(RuntimeError):
+class GradientNoiseScaleError(HfGradfixError, RuntimeError):
     """The gradient noise scale cannot be measured on this trainer's setup; the message says why."""
 
 
@@ -73,9 +74,9 @@ class GradientNoiseScaleCallback(TrainerCallback):
     def __init__(self, beta: float = 0.99, plot_path: str | os.PathLike | None = None, every: int = 1,
                  flush_every: int = 32, record: bool = False) -> None:  # fmt: skip
         if not 0.0 <= beta < 1.0:
-            raise ValueError(f"beta must be in [0, 1), got {beta}")
+            raise InvalidArgumentError(f"beta must be in [0, 1), got {beta}")
         if int(every) < 1 or int(flush_every) < 1:
-            raise ValueError("every and flush_every must be >= 1")
+            raise InvalidArgumentError("every and flush_every must be >= 1")
         if plot_path is not None:
             import importlib.util
 

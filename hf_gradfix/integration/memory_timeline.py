@@ -28,13 +28,14 @@ from typing import Any, Iterable
 from transformers import Trainer, TrainerCallback
 
 from ..diagnostics.memory_timeline import MemoryTimeline, MemoryTimelineRecorder, peak_log_values
+from ..errors import HfGradfixError
 from .callback import _find_trainer
 
 logger = logging.getLogger("hf_gradfix")
 _MISSING = object()
 
 
-class MemoryTimelineError(RuntimeError):
+class MemoryTimelineError(HfGradfixError, RuntimeError):
     """The memory timeline cannot be recorded on this trainer; the message says why."""
 
 

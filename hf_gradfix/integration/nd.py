@@ -53,6 +53,7 @@ import torch
 from ..config.schema import ParallelConfig
 from ..parallel.dims import ParallelDims
 from .versions import ALLOW_UNTESTED_ENV
+from ..errors import HfGradfixError
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -62,7 +63,7 @@ __all__ = ["NDParallelError", "NDPlan", "setup", "requested", "distributed_confi
 ND_TESTED = {"transformers": ">=5.23,<6"}
 
 
-class NDParallelError(RuntimeError):
+class NDParallelError(HfGradfixError, RuntimeError):
     """An ND-parallel setup hf_gradfix cannot run exactly; the message says why and what to do."""
 
 

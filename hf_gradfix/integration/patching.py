@@ -3,18 +3,29 @@
 Exactly one function is replaced: ``transformers.Trainer.__init__``, wrapped so that every trainer
 built afterwards (any subclass, e.g. TRL's ``SFTTrainer``) is fixed by :func:`trainer_fix.install`.
 The replacement is version-checked (:mod:`.versions`), idempotent (a second ``patch()`` only updates
-the configuration) and reversible (``unpatch()`` puts the original function object back).
+the configuration) and reversible (``unpatch()`` puts the original function object back).  When
+``unpatch()`` cannot restore (another library wrapped ``Trainer.__init__`` after us), it raises
+:class:`~hf_gradfix.errors.PatchError` and the bookkeeping stays true: ``is_patched()`` is still True
+(our wrapper is still called) and a second ``patch()`` does not wrap again.
+
+Two configurations on one trainer (``patch(config_a)`` and ``GradFixCallback(config_b)``): the rule is
+**the callback's configuration wins on its trainer** (it is the more specific one); a warning names
+every setting of ``patch()``'s configuration it overrides.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import GradFixConfig, load_config
+from ..config import GradFixConfig, config_to_dict, load_config
+from ..errors import PatchError
 from .versions import check_supported
+
+logger = logging.getLogger("hf_gradfix")
 
 _LOCK = threading.Lock()
 
@@ -71,7 +82,12 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
             original_init(self, *args, **kwargs)
             # Only the outermost __init__ call installs (a subclass's __init__ may run more code after
             # super().__init__; install only swaps the class and attaches state, so order does not matter).
-            install(self, _config, source="patch()")
+            state = install(self, _config, source="patch()")
+            if state.source != "patch()":  # a GradFixCallback passed to the constructor installed first: it wins
+                warn_overridden(_config, state.config, winner=state.source, loser="patch()")
+            from .nonfinite import attach
+
+            attach(self, state.config)
 
         __init__._hf_gradfix_patched = True
         Trainer.__init__ = __init__
@@ -90,12 +106,44 @@ def unpatch() -> None:
     global _config
     with _LOCK:
         while _active:
-            item = _active.pop()
+            item = _active[-1]
             current = item.owner.__dict__.get(item.attr)
             if current is not item.replacement:
-                raise RuntimeError(
+                # Nothing is changed: our wrapper is still called (inside the other library's), so the
+                # bookkeeping stays true (is_patched() is True, patch() does not wrap a second time).
+                raise PatchError(
                     f"{item.owner.__name__}.{item.attr} was replaced by someone else after hf_gradfix.patch(); "
-                    "refusing to overwrite it. Unpatch that library first."
+                    "refusing to overwrite it, hf_gradfix stays patched (is_patched() is True). Unpatch that "
+                    "library first, then call hf_gradfix.unpatch() again."
                 )
             setattr(item.owner, item.attr, item.original)
+            _active.pop()
         _config = None
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for key in a:
+            out += _differences(a[key], b.get(key), f"{prefix}.{key}" if prefix else key)
+        return out
+    return [] if a == b else [f"{prefix}={a!r} (kept: {b!r})"]
+
+
+def warn_overridden(overridden: GradFixConfig | None, kept: GradFixConfig, *, winner: str, loser: str) -> list[str]:
+    """Log a warning naming every setting of ``overridden`` that ``kept`` replaces; returns those settings.
+
+    >>> from hf_gradfix.config import config_from_dict
+    >>> warn_overridden(config_from_dict({"packing": True}), config_from_dict({}), winner="GradFixCallback", loser="patch()")
+    ['packing.enabled=True (kept: False)']
+    """
+    if overridden is None:
+        return []
+    diffs = _differences(config_to_dict(overridden), config_to_dict(kept))
+    if diffs:
+        logger.warning(
+            "two hf_gradfix configurations on one trainer: %s's configuration wins on its trainer (the rule: a "
+            "GradFixCallback overrides patch()); %s's settings overridden: %s",
+            winner, loser, "; ".join(f"hf_gradfix.{d}" for d in diffs),
+        )
+    return diffs

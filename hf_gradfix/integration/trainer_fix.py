@@ -32,6 +32,7 @@ import torch
 from transformers import Trainer
 
 from ..config import GradFixConfig
+from ..errors import HfGradfixError
 from ..loss.counting import CountRule, count_targets, mean_term_share
 from ..loss.probe import LossBehaviour, NonFiniteProbeError, ProbeError, detect_count_rule, probe_honors_num_items
 from .versions import transformers_major
@@ -41,7 +42,7 @@ logger = logging.getLogger("hf_gradfix")
 _STATE_ATTR = "_gradfix"
 
 
-class GradFixError(RuntimeError):
+class GradFixError(HfGradfixError, RuntimeError):
     """hf_gradfix cannot make this trainer's loss exact; the message says why and what to do."""
 
 

@@ -11,6 +11,8 @@ import os
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ..errors import HfGradfixError
+
 SUPPORTED: dict[str, tuple[str, ...]] = {
     # transformers 4.57.x and every 5.x: the Trainer methods we extend (get_batch_samples,
     # compute_loss, training_step, prediction_step, evaluation_loop) keep their contract there.
@@ -20,6 +22,13 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 }
 
 ALLOW_UNTESTED_ENV = "HF_GRADFIX_ALLOW_UNTESTED"
+
+# The command that fixes each library's version (the message names the library that is out of range).
+_FIX = {
+    "transformers": "pip install 'transformers>=5,<6'  (or 'transformers>=4.57,<4.58')",
+    "accelerate": "pip install 'accelerate>=1.10'",
+    "torch": "pip install 'torch>=2.6'  (the build for your CUDA: https://pytorch.org/get-started/locally/)",
+}
 
 # Trainer attributes the fix relies on, with the reason; checked so that a renamed method is an error.
 REQUIRED_TRAINER_METHODS = (
@@ -31,7 +40,7 @@ REQUIRED_TRAINER_METHODS = (
 )
 
 
-class UnsupportedVersionError(RuntimeError):
+class UnsupportedVersionError(HfGradfixError, RuntimeError):
     """A library in the stack has a version hf_gradfix does not support."""
 
 
@@ -49,17 +58,19 @@ def check_supported(names: tuple[str, ...] = ("transformers", "accelerate", "tor
     """
     found: dict[str, str] = {}
     problems = []
+    fixes = []
     for name in names:
         installed = _installed(name)
         found[name] = str(installed)
         plain = Version(installed.base_version)  # 2.13.0+cpu -> 2.13.0
         if not any(plain in SpecifierSet(spec) for spec in SUPPORTED[name]):
             problems.append(f"{name} {installed} (supported: {' or '.join(SUPPORTED[name])})")
+            fixes.append(_FIX.get(name, f"pip install '{name}{SUPPORTED[name][-1]}'"))
     if problems and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
         raise UnsupportedVersionError(
-            "hf_gradfix does not support " + "; ".join(problems) + ". Install a supported version, e.g. "
-            "`pip install 'transformers>=5,<6'`, or set "
-            f"{ALLOW_UNTESTED_ENV}=1 to try an untested version at your own risk."
+            "hf_gradfix does not support " + "; ".join(problems) + ". Install a supported version: "
+            + "; ".join(f"`{fix}`" for fix in fixes) + f", or set {ALLOW_UNTESTED_ENV}=1 to try an untested "
+            "version at your own risk."
         )
     from transformers import Trainer
 

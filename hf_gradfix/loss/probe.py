@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .counting import IGNORE_INDEX, CountRule, is_token_level
+from ..errors import HfGradfixError
 
 LossFn = Callable[[Mapping[str, Any], "torch.Tensor | None"], torch.Tensor]
 
@@ -27,7 +28,7 @@ _N1, _N2 = 7.0, 14.0
 _REL_TOL = 1e-5
 
 
-class ProbeError(RuntimeError):
+class ProbeError(HfGradfixError, RuntimeError):
     """Raised when a probe cannot decide how a loss is normalized."""
 
 

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidArgumentError, UsageError
 from .counting import IGNORE_INDEX, CountRule, count_targets
 
 __all__ = ["TokenWindow", "Window", "MicroBatch"]
@@ -201,7 +202,7 @@ class Window:
 
     def __iter__(self) -> Iterator[tuple[Any, MicroBatch]]:
         if self._started:
-            raise RuntimeError("a TokenWindow window can be iterated only once")
+            raise UsageError("a TokenWindow window can be iterated only once")
         self._started = True
         for i, batch in enumerate(self._batches):
             micro = MicroBatch(self, i, self._counts[i], is_padding=i >= self.num_real_micro_batches)
@@ -258,9 +259,9 @@ class TokenWindow:
                  count_rule: CountRule | str | CountFn = "shifted", group: Any = None,
                  world_factor: float | None = None, ignore_index: int = IGNORE_INDEX):
         if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be a positive integer")
+            raise InvalidArgumentError(f"grad_accum_steps={grad_accum_steps!r}: must be a positive integer")
         if accelerator is not None and str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"):
-            raise ValueError("TokenWindow does not drive DeepSpeed (its engine owns the accumulation boundary and "
+            raise InvalidArgumentError("TokenWindow does not drive DeepSpeed (its engine owns the accumulation boundary and "
                              "the loss scaling); use transformers.Trainer with hf_gradfix.patch() instead")
         self.accelerator = accelerator
         self.dataloader = dataloader
@@ -298,7 +299,7 @@ class TokenWindow:
             sub = mesh["dp_cp"]  # flattened by accelerate's ParallelismConfig.build_device_mesh
         except (KeyError, RuntimeError, ValueError):
             if len(dims) > 1:
-                raise ValueError(f"the accelerator's mesh {names} has no flattened 'dp_cp' sub-mesh; pass group=")
+                raise InvalidArgumentError(f"the accelerator's mesh {names} has no flattened 'dp_cp' sub-mesh; pass group=")
             sub = mesh[dims[0]]
         cp = int(mesh["cp"].size()) if "cp" in names else 1
         return sub.get_group(), cp
@@ -382,7 +383,7 @@ class TokenWindow:
                 last_batch = batches[-1]
             if num_real < num_micro:
                 if last_batch is None:
-                    raise RuntimeError(
+                    raise UsageError(
                         f"rank {self.group_rank} of the data-parallel group has no batch at all while others do: "
                         "TokenWindow pads short ranks with a masked copy of their last batch; give every rank data")
                 pad = _padding_batch(last_batch, self.ignore_index)
@@ -392,7 +393,7 @@ class TokenWindow:
                             num_micro=num_micro, num_real_global=sum(per_rank) // self._count_copies)
             yield window
             if not window.finished:
-                raise RuntimeError(f"window {index} was not iterated to its end: every rank must run every "
+                raise UsageError(f"window {index} was not iterated to its end: every rank must run every "
                                    "micro-batch of every window (the count and loss all-reduces must match)")
             index += 1
 

@@ -45,6 +45,8 @@ class GaLoreAdamW(LowRankAdamW):
             eps outside the bias correction, decay after the update, basis in the parameter dtype; used to
             prove parity with it).
         sync_basis: under torch.distributed, broadcast every refreshed basis from rank 0 so all ranks agree.
+        on_nonfinite: a NaN/inf gradient at ``step()``: ``warn`` (default; the update is applied, as torch's AdamW
+            does), ``skip`` (no update: weights, moments and basis unchanged) or ``error`` (``NonFiniteError``).
 
         lowrank_grads: low-rank gradient accumulation.  A post-accumulate-grad hook projects each micro-batch's
             gradient of a projected matrix into a rank-``rank`` accumulator and frees the full gradient at once
@@ -100,12 +102,12 @@ class GaLoreAdamW(LowRankAdamW):
             )
             if self._has_basis(state):
                 return None
-            gen = torch.Generator().manual_seed(self._seed * 1_000_003 + plan.index)
+            gen = torch.Generator().manual_seed((self._seed * 1_000_003 + plan.index) % 2**63)
             return proj.random_basis(g.shape[proj.reduced_dim(side)], rank, gen, device=g.device)
         gen = None
         if method == "randomized":
             refreshes = int(state["step"]) // group["update_proj_gap"]
-            gen = torch.Generator().manual_seed((self._seed * 1_000_003 + plan.index) * 1_000_033 + refreshes)
+            gen = torch.Generator().manual_seed(((self._seed * 1_000_003 + plan.index) * 1_000_033 + refreshes) % 2**63)
         try:
             basis = proj.top_basis(g32, rank, side, method=method, oversample=group["oversample"], niter=group["niter"], generator=gen)
         except torch.linalg.LinAlgError:
@@ -118,7 +120,7 @@ class GaLoreAdamW(LowRankAdamW):
                 )
                 if self._has_basis(state):
                     return None
-                gen = torch.Generator().manual_seed(self._seed * 1_000_003 + plan.index)
+                gen = torch.Generator().manual_seed((self._seed * 1_000_003 + plan.index) % 2**63)
                 return proj.random_basis(g.shape[proj.reduced_dim(side)], rank, gen, device=g.device)
         if galore_compat:
             # galore-torch casts the basis to the parameter dtype and keeps LAPACK's signs.

@@ -26,10 +26,12 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from ..errors import HfGradfixError
+
 __all__ = ["OptimizerConfigError", "Selection", "select_targets", "no_decay_names", "low_rank_param_groups"]
 
 
-class OptimizerConfigError(ValueError):
+class OptimizerConfigError(HfGradfixError, ValueError):
     """An invalid low-rank optimizer setting; the message names the setting, the value and the fix."""
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import projection as proj
+from ..errors import InvalidArgumentError, InvalidTypeError, NonFiniteError, UsageError
 from .groups import OptimizerConfigError, low_rank_param_groups, select_targets
 
 __all__ = ["LowRankAdamW"]
@@ -34,6 +35,8 @@ _ON_SWITCH = ("keep", "reset", "reproject")
 _SIDES = ("auto", "right", "left", "std", "reverse_std")
 _COMPAT = ("torch", "galore_torch", "apollo_torch")
 _BUCKET_BYTES = 25 * 1024**2  # all-reduce bucket of the low-rank accumulators
+_ON_NONFINITE = ("warn", "skip", "error")
+_SEED_MAX = 2**32 - 1
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -48,6 +51,14 @@ def _sharded_dims(p: torch.Tensor) -> frozenset[int]:
     if not _is_dtensor(p):
         return frozenset()
     return frozenset(pl.dim for pl in p.placements if pl.is_shard())
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - torch without fake tensors
+        return False
+    return bool(is_fake(t))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -102,6 +113,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         sync_basis: bool = True,
         lowrank_grads: bool = False,
         initial_basis: str = "accumulated",
+        on_nonfinite: str = "warn",
         **extra: Any,
     ) -> None:
         if stagger is None:  # low-rank accumulation only saves memory when few matrices refresh per step
@@ -127,9 +139,18 @@ class LowRankAdamW(torch.optim.Optimizer):
         for key, value in self._extra_defaults.items():
             defaults[key] = extra.pop(key, value)
         if extra:
-            raise TypeError(f"{self._name}: unexpected keyword argument(s) {sorted(extra)}")
+            raise InvalidTypeError(f"{self._name}: unexpected keyword argument(s) {sorted(extra)}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
+            raise OptimizerConfigError(f"{self._name}: seed={seed!r} must be an integer in [0, 2**32 - 1]")
+        if on_nonfinite not in _ON_NONFINITE:
+            raise OptimizerConfigError(
+                f"{self._name}: on_nonfinite={on_nonfinite!r} is not one of {', '.join(map(repr, _ON_NONFINITE))}"
+            )
         self._seed = int(seed)
         self._sync_basis = bool(sync_basis)
+        self.on_nonfinite = on_nonfinite
+        # Set by hf_gradfix's Trainer guard, which then owns the non-finite check (one warning, one decision).
+        self.nonfinite_checked_by_caller = False
         groups, names = self._intake(params, targets, exclude, weight_decay, no_decay)
         super().__init__(groups, defaults)
         for group in self.param_groups:
@@ -166,10 +187,10 @@ class LowRankAdamW(torch.optim.Optimizer):
             names = {p: n for g in groups for p, n in zip(g["params"], g.pop("param_names"))}
             return groups, names
         if isinstance(params, torch.Tensor):
-            raise TypeError(f"{self._name}: params must be an iterable of tensors, named tensors or groups, or a model")
+            raise InvalidTypeError(f"{self._name}: params must be an iterable of tensors, named tensors or groups, or a model")
         items = list(params)
         if not items:
-            raise ValueError(f"{self._name}: got an empty parameter list")
+            raise InvalidArgumentError(f"{self._name}: got an empty parameter list")
         dict_groups = isinstance(items[0], dict)
         raw_groups = items if dict_groups else [{"params": items}]
         # galore-torch's / apollo-torch's rule: in a list of groups, a group is projected exactly when it has a
@@ -262,8 +283,10 @@ class LowRankAdamW(torch.optim.Optimizer):
             bad("rank", "must be an integer >= 1")
         if not (isinstance(g["update_proj_gap"], int) and g["update_proj_gap"] >= 1):
             bad("update_proj_gap", "must be an integer >= 1 (optimizer steps between basis refreshes)")
-        if not g["scale"] > 0:
-            bad("scale", "must be > 0")
+        if not (isinstance(g["scale"], (int, float)) and math.isfinite(g["scale"]) and g["scale"] > 0):
+            bad("scale", "must be a finite number > 0")
+        if not (math.isfinite(float(g["lr"])) and math.isfinite(g["eps"]) and math.isfinite(g["weight_decay"])):
+            bad("lr", "lr, eps and weight_decay must be finite")
         for key, allowed in (("proj_side", _SIDES), ("proj_method", _METHODS), ("on_switch", _ON_SWITCH), ("compat", _COMPAT)):
             if g[key] not in allowed:
                 bad(key, f"is not one of {', '.join(map(repr, allowed))}")
@@ -576,6 +599,19 @@ class LowRankAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self.lowrank_grads:
             self._reduce_lowrank_grads()
+        if not self.nonfinite_checked_by_caller and not self._grads_finite():
+            message = (
+                f"{self._name}: a gradient is NaN or infinite at optimizer step {self._steps_taken() + 1}"
+            )
+            if self.on_nonfinite == "error":
+                raise NonFiniteError(f"{message}; on_nonfinite='error': no update was applied")
+            if self.on_nonfinite == "skip":
+                self._lowrank_acc.clear()  # the skipped window's accumulated low-rank gradients go with it
+                warnings.warn(f"{message}; update skipped (on_nonfinite='skip'): weights and optimizer state unchanged",
+                              RuntimeWarning, stacklevel=2)
+                return loss
+            warnings.warn(f"{message}; the update is applied as torch's AdamW would (weights become NaN); pass "
+                          "on_nonfinite='skip' to skip such steps or 'error' to stop", RuntimeWarning, stacklevel=2)
         for group in self.param_groups:
             plain = []
             for p in group["params"]:
@@ -585,7 +621,7 @@ class LowRankAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError(f"{self._name} does not support sparse gradients")
+                    raise UsageError(f"{self._name} does not support sparse gradients")
                 if p in self._plans:
                     self._step_projected(p, group, self._plans[p])
                 else:
@@ -597,6 +633,25 @@ class LowRankAdamW(torch.optim.Optimizer):
         if self.lowrank_grads:
             self._window_basis.clear()
         return loss
+
+    def _grads_finite(self) -> bool:
+        """Every gradient finite on every rank (one max-abs per tensor; one all-reduce under torch.distributed)."""
+        grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads += [_local(acc) for acc in self._lowrank_acc.values()]  # low-rank accumulated gradients
+        if grads and _is_fake(grads[0]):
+            return True  # traced under fake tensors (hf-gradfix plan --simulate): values do not exist
+        ok = all(bool(torch.isfinite(n).all()) for n in torch._foreach_norm(grads, float("inf"))) if grads else True
+        if _world() > 1:
+            dist = torch.distributed
+            device = grads[0].device if grads and dist.get_backend() != "gloo" else torch.device("cpu")
+            flag = torch.tensor([0.0 if ok else 1.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            ok = bool(flag.item() == 0)
+        return ok
+
+    def _steps_taken(self) -> int:
+        steps = [int(st["step"]) for st in self.state.values() if "step" in st]
+        return max(steps) if steps else 0
 
     def _step_plain(self, params: list[torch.Tensor], group: dict) -> None:
         """AdamW, arithmetic of ``torch.optim.AdamW`` (foreach) or of galore-torch's copy of the old HF AdamW."""

@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from ..errors import InvalidArgumentError
+
 __all__ = [
     "LEFT",
     "RIGHT",
@@ -78,7 +80,7 @@ def resolve_side(shape: tuple[int, int], proj_side: str, sharded_dims: frozenset
         return RIGHT if m >= n else LEFT
     if proj_side == "reverse_std":
         return LEFT if m >= n else RIGHT
-    raise ValueError(f"proj_side={proj_side!r}; allowed: {', '.join(map(repr, _SIDES))}")
+    raise InvalidArgumentError(f"proj_side={proj_side!r}; allowed: {', '.join(map(repr, _SIDES))}")
 
 
 def canonicalize_signs(basis: torch.Tensor) -> torch.Tensor:
@@ -145,7 +147,7 @@ def top_basis(
         u_full, _, vh = torch.linalg.svd(g, full_matrices=False)
         u, v = u_full[:, :rank], vh[:rank].T
     else:
-        raise ValueError(f"proj_method={method!r}; allowed: 'svd', 'randomized', 'identity'")
+        raise InvalidArgumentError(f"proj_method={method!r}; allowed: 'svd', 'randomized', 'identity'")
     basis = u if side == LEFT else v
     return basis.contiguous()
 

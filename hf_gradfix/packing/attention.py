@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidArgumentError, InvalidTypeError
+
 __all__ = [
     "REFERENCE_VARLEN_ATTENTION",
     "reference_flash_attn_varlen_func",
@@ -77,19 +79,19 @@ def reset_reference_branch_counts() -> None:
 # ------------------------------------------------------------------------------------------ the kernel
 def _check_cu_seqlens(cu: torch.Tensor, total: int, max_seqlen: int | None, name: str) -> list[int]:
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be a 1-D tensor with at least 2 entries")
+        raise InvalidArgumentError(f"{name} must be a 1-D tensor with at least 2 entries")
     if cu.dtype != torch.int32:
-        raise ValueError(f"{name} must be int32 (as flash_attn_varlen_func requires), got {cu.dtype}")
+        raise InvalidArgumentError(f"{name} must be int32 (as flash_attn_varlen_func requires), got {cu.dtype}")
     vals = [int(x) for x in cu.tolist()]
     if vals[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+        raise InvalidArgumentError(f"{name} must start at 0, got {vals[0]}")
     if vals[-1] != total:
-        raise ValueError(f"{name} must end at the number of tokens ({total}), got {vals[-1]}")
+        raise InvalidArgumentError(f"{name} must end at the number of tokens ({total}), got {vals[-1]}")
     if any(b < a for a, b in zip(vals, vals[1:])):
-        raise ValueError(f"{name} must be non-decreasing, got {vals}")
+        raise InvalidArgumentError(f"{name} must be non-decreasing, got {vals}")
     longest = max(b - a for a, b in zip(vals, vals[1:]))
     if max_seqlen is not None and int(max_seqlen) < longest:
-        raise ValueError(f"max_seqlen for {name} is {int(max_seqlen)} but the longest sequence has {longest} tokens")
+        raise InvalidArgumentError(f"max_seqlen for {name} is {int(max_seqlen)} but the longest sequence has {longest} tokens")
     return vals
 
 
@@ -141,18 +143,18 @@ def reference_flash_attn_varlen_func(
     if block_table is not None:
         raise NotImplementedError("reference_flash_attn_varlen_func: paged KV (block_table) is not supported")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"q, k, v must be (total_tokens, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     n_heads, n_kv = q.shape[1], k.shape[1]
     if v.shape[1] != n_kv or k.shape[0] != v.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"inconsistent k/v shapes {tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}")
+        raise InvalidArgumentError(f"inconsistent k/v shapes {tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}")
     if n_heads % n_kv != 0:
-        raise ValueError(f"number of query heads ({n_heads}) must be a multiple of key/value heads ({n_kv})")
+        raise InvalidArgumentError(f"number of query heads ({n_heads}) must be a multiple of key/value heads ({n_kv})")
     cq = _check_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
     ck = _check_cu_seqlens(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
     if len(cq) != len(ck):
-        raise ValueError(f"cu_seqlens_q has {len(cq) - 1} sequences but cu_seqlens_k has {len(ck) - 1}")
+        raise InvalidArgumentError(f"cu_seqlens_q has {len(cq) - 1} sequences but cu_seqlens_k has {len(ck) - 1}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     group = n_heads // n_kv
     left, right = int(window_size[0]), int(window_size[1])
@@ -274,7 +276,7 @@ def reference_varlen_attention_forward(
         raise NotImplementedError("reference varlen attention: paged attention / continuous batching not supported")
     batch, _, q_len, _ = query.shape
     if any(d == 0 for d in query.shape):
-        raise ValueError("reference varlen attention: query has a zero dimension")
+        raise InvalidArgumentError("reference varlen attention: query has a zero dimension")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     q = query.transpose(1, 2)  # (B, L_q, H, D)
     k = key.transpose(1, 2)
@@ -296,7 +298,7 @@ def reference_varlen_attention_forward(
 
     if attention_mask is not None:
         if attention_mask.dim() != 2:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"reference varlen attention got a {attention_mask.dim()}-D attention_mask; the flash path expects a "
                 "2-D padding mask (is the flash_attention_2 mask function registered for this name?)"
             )
@@ -360,13 +362,13 @@ def _interfaces() -> tuple[Any, Any]:
 
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or "flash" not in name:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"attention name {name!r} must contain 'flash' so models take their FlashAttention code path"
         )
     if re.search(r"^flash_attention_\d$", name):
-        raise ValueError(f"attention name {name!r} is reserved for the flash-attn packages (package/device checks)")
+        raise InvalidArgumentError(f"attention name {name!r} is reserved for the flash-attn packages (package/device checks)")
     if "/" in name or ":" in name or "|" in name:
-        raise ValueError(f"attention name {name!r} looks like a hub kernel or paged name; use a plain identifier")
+        raise InvalidArgumentError(f"attention name {name!r} looks like a hub kernel or paged name; use a plain identifier")
 
 
 def register_reference_varlen_attention(name: str = REFERENCE_VARLEN_ATTENTION) -> str:
@@ -387,7 +389,7 @@ def register_reference_varlen_attention(name: str = REFERENCE_VARLEN_ATTENTION) 
     attn_iface, (mask_iface, all_masks) = _interfaces()
     existing = attn_iface._global_mapping.get(name)
     if existing is not None and existing is not reference_varlen_attention_forward:
-        raise ValueError(f"attention name {name!r} is already registered to {existing!r}")
+        raise InvalidArgumentError(f"attention name {name!r} is already registered to {existing!r}")
     attn_iface.register(name, reference_varlen_attention_forward)
     # As transformers' hub-kernel integration does: the flash mask function returns None without padding and the
     # 2-D padding mask otherwise (never a 4-D mask the kernel could not use).
@@ -469,7 +471,7 @@ def set_attention_implementation(model: torch.nn.Module, attn_implementation: st
     """
     config = getattr(model, "config", None)
     if config is None:
-        raise TypeError(f"{type(model).__name__} has no .config: not a transformers model")
+        raise InvalidTypeError(f"{type(model).__name__} has no .config: not a transformers model")
     previous = config._attn_implementation
     if attn_implementation == previous:
         return previous

@@ -53,6 +53,8 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from ..errors import InvalidArgumentError, InvalidTypeError
+
 __all__ = [
     "Packing",
     "PackingStats",
@@ -262,49 +264,49 @@ def _rebuild_packing(bins, budget, lengths, dropped, pieces) -> Packing:
 
 def _check_budget(budget: Any) -> int:
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
-        raise TypeError(f"budget must be a positive int (tokens per bin), got {budget!r}")
+        raise InvalidTypeError(f"budget must be a positive int (tokens per bin), got {budget!r}")
     if budget < 1:
-        raise ValueError(f"budget must be a positive int (tokens per bin), got {budget}")
+        raise InvalidArgumentError(f"budget must be a positive int (tokens per bin), got {budget}")
     return int(budget)
 
 
 def as_lengths(lengths: Any) -> np.ndarray:
     """Validate sample lengths and return them as a 1-D ``int64`` array.
 
-    Raises ``ValueError`` naming the first offending sample for zero or negative lengths,
-    ``TypeError`` for non-integer values.
+    Raises ``InvalidArgumentError`` (a ``ValueError``) naming the first offending sample for zero or negative
+    lengths, ``InvalidTypeError`` (a ``TypeError``) for non-integer values.
 
     >>> as_lengths([3, 1]).tolist()
     [3, 1]
     >>> as_lengths([3, 0])
     Traceback (most recent call last):
     ...
-    ValueError: sample 1 has length 0 (1 sample(s) of length 0 in total): an empty sample has no tokens to pack; filter empty samples out before packing
+    hf_gradfix.errors.InvalidArgumentError: sample 1 has length 0 (1 sample(s) of length 0 in total): an empty sample has no tokens to pack; filter empty samples out before packing
     """
     if hasattr(lengths, "detach"):  # a torch tensor, without importing torch
         lengths = lengths.detach().cpu().numpy()
     arr = np.asarray(lengths)
     if arr.ndim != 1:
-        raise ValueError(f"lengths must be a 1-D sequence of ints, got shape {arr.shape}")
+        raise InvalidArgumentError(f"lengths must be a 1-D sequence of ints, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind == "b":
-        raise TypeError("lengths must be integers, got booleans")
+        raise InvalidTypeError("lengths must be integers, got booleans")
     if arr.dtype.kind == "f":
         if not np.all(np.isfinite(arr)) or not np.all(arr == np.floor(arr)):
             bad = int(np.flatnonzero(~np.isfinite(arr) | (arr != np.floor(arr)))[0])
-            raise TypeError(f"lengths must be integers: sample {bad} has length {arr[bad].item()!r}")
+            raise InvalidTypeError(f"lengths must be integers: sample {bad} has length {arr[bad].item()!r}")
     elif arr.dtype.kind not in "iu":
-        raise TypeError(f"lengths must be integers, got dtype {arr.dtype}")
+        raise InvalidTypeError(f"lengths must be integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
     if arr.min() <= 0:
         neg = np.flatnonzero(arr < 0)
         if neg.size:
             i = int(neg[0])
-            raise ValueError(f"sample {i} has a negative length {int(arr[i])}; lengths are token counts")
+            raise InvalidArgumentError(f"sample {i} has a negative length {int(arr[i])}; lengths are token counts")
         zero = np.flatnonzero(arr == 0)
         i = int(zero[0])
-        raise ValueError(
+        raise InvalidArgumentError(
             f"sample {i} has length 0 ({zero.size} sample(s) of length 0 in total): an empty sample has "
             "no tokens to pack; filter empty samples out before packing"
         )
@@ -314,7 +316,7 @@ def as_lengths(lengths: Any) -> np.ndarray:
 _SPLIT_FIX = "pass oversize='split' to cut long samples into budget-sized pieces (each trained as a separate sequence)"
 
 
-def oversize_error(lengths: np.ndarray, budget: int, *, split_fix: str = _SPLIT_FIX) -> ValueError | None:
+def oversize_error(lengths: np.ndarray, budget: int, *, split_fix: str = _SPLIT_FIX) -> InvalidArgumentError | None:
     """The error for samples longer than ``budget`` (``None`` if there are none);
     ``split_fix`` is the first remedy named.
 
@@ -326,7 +328,7 @@ def oversize_error(lengths: np.ndarray, budget: int, *, split_fix: str = _SPLIT_
         return None
     i = int(over[0])
     j = int(over[np.argmax(lengths[over])])
-    return ValueError(
+    return InvalidArgumentError(
         f"sample {i} has {int(lengths[i])} tokens, more than the packing budget of {budget} tokens per bin "
         f"({over.size} sample(s) exceed it, the longest is sample {j} with {int(lengths[j])} tokens). "
         f"Nothing is truncated silently: {split_fix}, raise the budget to at least {int(lengths[j])}, or "
@@ -523,7 +525,7 @@ def numba_available() -> bool:
 
 def _bfd_sorted(sorted_len: np.ndarray, budget: int, backend: Backend) -> tuple[np.ndarray, int]:
     if backend not in ("auto", "numba", "numpy"):
-        raise ValueError(f"backend must be 'auto', 'numba' or 'numpy', got {backend!r}")
+        raise InvalidArgumentError(f"backend must be 'auto', 'numba' or 'numpy', got {backend!r}")
     kernel = _numba_kernel() if backend != "numpy" else None
     if backend == "numba" and kernel is None:
         raise ImportError(
@@ -633,11 +635,11 @@ def pack(
     >>> pack([9, 1], budget=4)
     Traceback (most recent call last):
     ...
-    ValueError: sample 0 has 9 tokens, more than the packing budget of 4 tokens per bin (1 sample(s) exceed it, the longest is sample 0 with 9 tokens). Nothing is truncated silently: pass oversize='split' to cut long samples into budget-sized pieces (each trained as a separate sequence), raise the budget to at least 9, or filter/truncate these samples before packing.
+    hf_gradfix.errors.InvalidArgumentError: sample 0 has 9 tokens, more than the packing budget of 4 tokens per bin (1 sample(s) exceed it, the longest is sample 0 with 9 tokens). Nothing is truncated silently: pass oversize='split' to cut long samples into budget-sized pieces (each trained as a separate sequence), raise the budget to at least 9, or filter/truncate these samples before packing.
     """
     budget = _check_budget(budget)
     if oversize not in ("error", "split", "drop"):
-        raise ValueError(f"oversize must be 'error', 'split' or 'drop', got {oversize!r}")
+        raise InvalidArgumentError(f"oversize must be 'error', 'split' or 'drop', got {oversize!r}")
     arr = as_lengths(lengths)
     over = np.flatnonzero(arr > budget)
     if not over.size:
@@ -729,7 +731,7 @@ def packing_stats(bins: Sequence[Sequence[int]], lengths: Any, budget: int) -> P
         sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
         flat = np.fromiter((int(i) for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
         if sizes.size and sizes.min() == 0:
-            raise ValueError(f"bin {int(np.argmin(sizes))} is empty")
+            raise InvalidArgumentError(f"bin {int(np.argmin(sizes))} is empty")
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1])) if sizes.size else sizes
         bin_tokens = np.add.reduceat(arr[flat], starts) if sizes.size else np.zeros(0, np.int64)
         n_samples = int(np.unique(flat).size)
@@ -737,5 +739,5 @@ def packing_stats(bins: Sequence[Sequence[int]], lengths: Any, budget: int) -> P
         n_dropped = len(bins.dropped) if isinstance(bins, Packing) else 0
     if bin_tokens.size and bin_tokens.max() > budget:
         b = int(np.argmax(bin_tokens))
-        raise ValueError(f"bin {b} holds {int(bin_tokens[b])} tokens, more than the budget {budget}")
+        raise InvalidArgumentError(f"bin {b} holds {int(bin_tokens[b])} tokens, more than the budget {budget}")
     return _stats_from_bin_tokens(bin_tokens, budget, n_samples=n_samples, n_split=n_split, n_dropped=n_dropped)

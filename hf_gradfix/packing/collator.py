@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import torch
 
+from ..errors import HfGradfixError, InvalidArgumentError
+
 __all__ = ["PackedBatchError", "PackedCollator", "check_packed_batch"]
 
 IGNORE_INDEX = -100
@@ -35,7 +37,7 @@ IGNORE_INDEX = -100
 _SampleT = Mapping[str, Any]
 
 
-class PackedBatchError(ValueError):
+class PackedBatchError(HfGradfixError, ValueError):
     """A sample, bin or packed batch that cannot be trained on without mixing sequences or targets.
 
     >>> issubclass(PackedBatchError, ValueError)
@@ -140,15 +142,15 @@ class PackedCollator:
         return_seq_idx: bool = False,
     ) -> None:
         if mode not in ("varlen", "rows"):
-            raise ValueError(f"PackedCollator: mode must be 'varlen' or 'rows', got {mode!r}")
+            raise InvalidArgumentError(f"PackedCollator: mode must be 'varlen' or 'rows', got {mode!r}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise ValueError(f"PackedCollator: max_tokens must be a positive int or None, got {max_tokens!r}")
+            raise InvalidArgumentError(f"PackedCollator: max_tokens must be a positive int or None, got {max_tokens!r}")
         if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"PackedCollator: pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}"
             )
         if not isinstance(position_ids_start, int) or position_ids_start < 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"PackedCollator: position_ids_start must be a non-negative int, got {position_ids_start!r}"
             )
         self.mode = mode

@@ -20,11 +20,12 @@ import torch
 
 from .attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention, use_attention_implementation
 from .collator import PackedCollator
+from ..errors import HfGradfixError, InvalidArgumentError
 
 __all__ = ["PackingCheckError", "PackingCheckReport", "check_model_packs_correctly", "probe_lengths"]
 
 
-class PackingCheckError(RuntimeError):
+class PackingCheckError(HfGradfixError, RuntimeError):
     """The model mixes packed sequences (or cannot run packed inputs); the message names the class and the reason.
 
     >>> issubclass(PackingCheckError, RuntimeError)
@@ -120,7 +121,7 @@ def probe_lengths(token_budget: int, max_sequence_length: int | None = None) -> 
     (3, 6, 4, 3)
     """
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 4:
-        raise ValueError(f"token_budget must be an int >= 4 for the packing probe, got {token_budget!r}")
+        raise InvalidArgumentError(f"token_budget must be an int >= 4 for the packing probe, got {token_budget!r}")
     shorts = (7, 11, 9) if token_budget >= 64 else (max(1, token_budget // 5),) * 3
     shorts = (shorts[0], shorts[1] + (token_budget < 64), shorts[2])
     long = token_budget - sum(shorts)
@@ -185,7 +186,7 @@ def check_model_packs_correctly(
     True
     """
     if mode not in ("varlen", "rows"):
-        raise ValueError(f"mode must be 'varlen' or 'rows', got {mode!r}")
+        raise InvalidArgumentError(f"mode must be 'varlen' or 'rows', got {mode!r}")
     cls_name = type(model).__name__
     config = getattr(model, "config", None)
     if lengths is None:
@@ -195,9 +196,9 @@ def check_model_packs_correctly(
         lengths = probe_lengths(token_budget, max_sequence_length)
     lengths = tuple(int(n) for n in lengths)
     if len(lengths) < 2 or min(lengths) < 1:
-        raise ValueError(f"lengths must hold at least 2 positive sequence lengths, got {lengths}")
+        raise InvalidArgumentError(f"lengths must hold at least 2 positive sequence lengths, got {lengths}")
     if position_ids_start is not None and (isinstance(position_ids_start, bool) or not isinstance(position_ids_start, int) or position_ids_start < 0):
-        raise ValueError(f"position_ids_start must be a non-negative int or None, got {position_ids_start!r}")
+        raise InvalidArgumentError(f"position_ids_start must be a non-negative int or None, got {position_ids_start!r}")
     if attn_implementation == REFERENCE_VARLEN_ATTENTION:
         register_reference_varlen_attention()
     if config is not None and hasattr(config, "use_cache"):

@@ -78,6 +78,7 @@ from typing import Any, Literal
 import numpy as np
 from torch.utils.data import Sampler
 
+from ..errors import InvalidArgumentError, InvalidTypeError
 from .binpack import (
     Backend,
     PackingStats,
@@ -267,31 +268,31 @@ class PackedBatchSampler(Sampler[list[int]]):
         super().__init__()
         self.budget = _check_budget(budget)
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+            raise InvalidArgumentError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
         self.num_replicas = int(num_replicas)
         if rank != "all":
             if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
-                raise ValueError(f"rank must be 'all' or an int in [0, {num_replicas}), got {rank!r}")
+                raise InvalidArgumentError(f"rank must be 'all' or an int in [0, {num_replicas}), got {rank!r}")
             rank = int(rank)
         self.rank: int | Literal["all"] = rank
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+            raise InvalidArgumentError(f"seed must be a non-negative int, got {seed!r}")
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         if group_size is not None and (
             isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1
         ):
-            raise ValueError(f"group_size must be None or an int >= 1, got {group_size!r}")
+            raise InvalidArgumentError(f"group_size must be None or an int >= 1, got {group_size!r}")
         self.group_size = None if group_size is None else int(group_size)
         if oversize == "split":
-            raise ValueError(
+            raise InvalidArgumentError(
                 "PackedBatchSampler cannot split samples (it yields whole dataset indices): split samples "
                 f"longer than the budget ({self.budget}) in the dataset itself, raise the budget, or use "
                 "hf_gradfix.packing.binpack.pack(..., oversize='split') with a span-aware collator"
             )
         if oversize not in ("error", "drop"):
-            raise ValueError(f"oversize must be 'error' or 'drop', got {oversize!r}")
+            raise InvalidArgumentError(f"oversize must be 'error' or 'drop', got {oversize!r}")
         self.oversize = oversize
         self.backend: Backend = backend
         self.lengths = as_lengths(lengths)
@@ -341,7 +342,7 @@ class PackedBatchSampler(Sampler[list[int]]):
         3
         """
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+            raise InvalidArgumentError(f"epoch must be a non-negative int, got {epoch!r}")
         epoch = int(epoch)
         if epoch != self._epoch:
             self._resume = 0
@@ -398,9 +399,9 @@ class PackedBatchSampler(Sampler[list[int]]):
             yielded = 0
         if consumed is not None:
             if isinstance(consumed, bool) or not isinstance(consumed, (int, np.integer)):
-                raise TypeError(f"consumed must be an int, got {consumed!r}")
+                raise InvalidTypeError(f"consumed must be an int, got {consumed!r}")
             if not 0 <= consumed <= len(self):
-                raise ValueError(f"consumed must be in [0, {len(self)}] (bins in this epoch), got {consumed}")
+                raise InvalidArgumentError(f"consumed must be in [0, {len(self)}] (bins in this epoch), got {consumed}")
             yielded = int(consumed)
         return {
             "version": _STATE_VERSION,
@@ -427,7 +428,7 @@ class PackedBatchSampler(Sampler[list[int]]):
         True
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError(f"not a PackedBatchSampler state (version {_STATE_VERSION}): {state!r}")
+            raise InvalidArgumentError(f"not a PackedBatchSampler state (version {_STATE_VERSION}): {state!r}")
         mine = self.state_dict()
         diffs = [
             f"{k}: saved {state.get(k)!r}, here {mine[k]!r}"
@@ -435,7 +436,7 @@ class PackedBatchSampler(Sampler[list[int]]):
             if state.get(k) != mine[k]
         ]
         if diffs:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "cannot resume: the state was saved by a sampler with different data or settings ("
                 + "; ".join(diffs)
                 + "); the rest of the epoch would not match the interrupted run"
@@ -443,10 +444,10 @@ class PackedBatchSampler(Sampler[list[int]]):
         epoch = state["epoch"]
         yielded = state["yielded"]
         if not isinstance(epoch, int) or epoch < 0 or not isinstance(yielded, int) or yielded < 0:
-            raise ValueError(f"bad epoch/yielded in state: {epoch!r}/{yielded!r}")
+            raise InvalidArgumentError(f"bad epoch/yielded in state: {epoch!r}/{yielded!r}")
         total = self.plan(epoch).steps * (self.num_replicas if self.rank == "all" else 1)
         if yielded > total:
-            raise ValueError(f"state says {yielded} bins were yielded, but epoch {epoch} has only {total}")
+            raise InvalidArgumentError(f"state says {yielded} bins were yielded, but epoch {epoch} has only {total}")
         self._epoch = epoch
         self._resume = yielded
 
@@ -517,7 +518,7 @@ class PackedBatchSampler(Sampler[list[int]]):
             items, offsets, tokens, repacked = _even_out_tail(items, offsets, tokens, lengths, W, self.budget)
             added = offsets.size - 1 - before
             if (offsets.size - 1) % W:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"epoch {epoch}: {before} bins cannot be dealt evenly to {W} ranks without dropping or "
                     f"repeating a sample: there are not enough samples ({items.size}) to make "
                     f"{-(-before // W) * W} bins. "

@@ -40,6 +40,7 @@ from typing import Any, Literal
 import numpy as np
 from torch.utils.data import IterableDataset
 
+from ..errors import InvalidArgumentError
 from .binpack import pack_arrays
 from .collator import PackedBatchError
 
@@ -109,15 +110,15 @@ class StreamingPacker(IterableDataset):
     ) -> None:
         super().__init__()
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
-            raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
+            raise InvalidArgumentError(f"token_budget must be a positive int, got {token_budget!r}")
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 2:
-            raise ValueError(f"buffer_size must be an int >= 2 (samples packed together), got {buffer_size!r}")
+            raise InvalidArgumentError(f"buffer_size must be an int >= 2 (samples packed together), got {buffer_size!r}")
         if not 0.0 <= float(min_fill) <= 1.0:
-            raise ValueError(f"min_fill must be in [0, 1], got {min_fill!r}")
+            raise InvalidArgumentError(f"min_fill must be in [0, 1], got {min_fill!r}")
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+            raise InvalidArgumentError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
         if rank != "all" and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas):
-            raise ValueError(f"rank must be 'all' or an int in [0, {num_replicas}), got {rank!r}")
+            raise InvalidArgumentError(f"rank must be 'all' or an int in [0, {num_replicas}), got {rank!r}")
         self.dataset = dataset
         self.token_budget = token_budget
         self.buffer_size = buffer_size
@@ -301,10 +302,10 @@ class StreamingPacker(IterableDataset):
         True
         """
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            raise ValueError(f"not a StreamingPacker state (version {_STATE_VERSION})")
+            raise InvalidArgumentError(f"not a StreamingPacker state (version {_STATE_VERSION})")
         for key in ("token_budget", "buffer_size", "min_fill", "num_replicas"):
             if state[key] != getattr(self, key):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"cannot resume: the state was saved with {key}={state[key]!r}, this packer has "
                     f"{getattr(self, key)!r}; the rest of the stream would not be packed like the interrupted run"
                 )

@@ -30,6 +30,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from ..errors import HfGradfixError
+
 __all__ = ["ContextParallelError", "prepare_batch", "context_parallel_block", "SEQ_KEYS"]
 
 IGNORE_INDEX = -100
@@ -37,7 +39,7 @@ IGNORE_INDEX = -100
 SEQ_KEYS = ("input_ids", "labels", "shift_labels", "position_ids")
 
 
-class ContextParallelError(ValueError):
+class ContextParallelError(HfGradfixError, ValueError):
     """A batch or model that context parallelism cannot run exactly; the message says why and what to do."""
 
 

@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from ..errors import HfGradfixError, UsageError
+
 __all__ = ["register", "unregister", "registered", "TESTED_TORCH", "UnsupportedTorchError"]
 
 #: torch versions whose private CP internals this module was written against (``major.minor`` prefixes).
@@ -43,7 +45,7 @@ _SEQ_DIM = 2
 _saved: dict | None = None  # what register() replaced, for unregister(); None: not registered
 
 
-class UnsupportedTorchError(RuntimeError):
+class UnsupportedTorchError(HfGradfixError, RuntimeError):
     """The installed torch is not one the CPU ring-attention registration was written for."""
 
 
@@ -93,7 +95,7 @@ def _ring_handler(op_call, args, kwargs):
     dispatcher.sharding_propagator.propagate(info)
     sharding = info.output_sharding
     if sharding is None or sharding.needs_redistribute:
-        raise RuntimeError("hf_gradfix CPU ring attention: q, k, v must all be sharded on the sequence dim (Shard(2))")
+        raise UsageError("hf_gradfix CPU ring attention: q, k, v must all be sharded on the sequence dim (Shard(2))")
     group = info.compute_mesh.get_group()
     local = dict(info.local_kwargs)
     if op_call == forward:

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ..errors import HfGradfixError
+
 __all__ = ["ParallelDims", "ParallelDimsError", "MESH_ORDER", "JOB_DIMS"]
 
 MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -39,7 +41,7 @@ JOB_DIMS: dict[str, tuple[str, ...]] = {
 }
 
 
-class ParallelDimsError(ValueError):
+class ParallelDimsError(HfGradfixError, ValueError):
     """Degrees that do not fit the world size or the model; the message names the key, value and fix."""
 
 

@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["ActivationTrace", "trace_activations", "decoder_layers", "TRACE_ATTENTION", "prepare_config",
            "fake_kernel_mode"]
 
@@ -80,7 +82,7 @@ def decoder_layers(model) -> list[tuple[str, Any]]:
 
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
-        raise ValueError(f"{type(model).__name__}: no nn.ModuleList of blocks found")
+        raise InvalidArgumentError(f"{type(model).__name__}: no nn.ModuleList of blocks found")
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     hits = [(n, m) for n, m in lists if all(type(c).__name__ in no_split for c in m)]
     pool = hits or lists

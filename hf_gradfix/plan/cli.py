@@ -13,14 +13,39 @@ from .estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model
 __all__ = ["plan_main", "build_parser", "suggest"]
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's default (unless its help already names it); description wrapped, examples as written."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hf-gradfix plan", description="Per-rank training memory for a model and a mesh.")
+    ap = argparse.ArgumentParser(
+        prog="hf-gradfix plan", formatter_class=_Help,
+        description="Per-rank training memory for a model and a mesh, in closed form (parameters, gradients, "
+        "optimizer state, activations, communication buffers), optionally checked by tracing one step under fake "
+        "tensors (--simulate), or the layouts that fit a GPU (--suggest). The mesh and the optimizer come from "
+        "--config (an accelerate YAML with an hf_gradfix: section, read by the same loader as launch). Exit code 0 "
+        "when the plan fits (or no GPU memory was given), 1 when it does not, 2 for a diagnosed error.",
+        epilog="examples:\n  hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100\n"
+        "  hf-gradfix plan --model tiny-llama --num-gpus 8 --gpu-memory 80GiB --suggest\n"
+        "  hf-gradfix plan --model ./my-model/config.json --num-gpus 4 --optimizer galore_adamw --rank 256 --json",
+    )
     ap.add_argument("--model", required=True, help="tiny name (tiny-llama, llama-3.1-8b, ...), config.json, local dir or hub id")
     ap.add_argument("--config", help="accelerate YAML with an hf_gradfix: section (mesh, optimizer)")
     ap.add_argument("--num-gpus", type=int, help="world size (overrides num_processes; required for --suggest without --config)")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch and rank")
+    ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
                     help="bf16/fp16: the Playbook's mixed precision (bf16 weights + fp32 master, 16N); amp-bf16: torch "
                          "autocast / FSDP2 MixedPrecisionPolicy as the Trainer runs it; bf16-pure: no master copy")
@@ -33,14 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GaLore low-rank gradient accumulation (optimizer.lowrank_grads): rank-r accumulators instead "
                          "of the projected weights' gradients")
     ap.add_argument("--update-proj-gap", type=int, help="GaLore refresh gap (default: the YAML's, else 200)")
-    ap.add_argument("--recompute", default="none", choices=["none", "full"])
+    ap.add_argument("--recompute", default="none", choices=["none", "full"], help="activation recomputation")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default: 3 with FSDP sharding, else 0)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--gpu-memory", help="e.g. 80GiB, 40GB")
     g.add_argument("--gpu", help="GPU name, e.g. h100, a100-40gb, rtx4090")
     ap.add_argument("--simulate", action="store_true", help="also trace one step under fake tensors (rank 0)")
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit, best expected throughput first")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--plot", metavar="FILE.png", help="the closed form's components: one stacked bar (ranks alike)")
     ap.add_argument("--timeline", metavar="FILE.png",
                     help="memory over the simulated step's events by category, the peak and the closed form beside "
@@ -176,11 +201,12 @@ def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memor
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(argv) if argv is not None else None)
-    from ..config import ConfigError
-    from ..optim.groups import OptimizerConfigError
-    from ..parallel import ParallelDimsError
+    from ..errors import HfGradfixError
 
     try:
+        for flag, value in (("--num-gpus", ns.num_gpus), ("--rank", ns.rank)):
+            if value is not None and value < 1:
+                raise PlanError(f"{flag} {value}: invalid value; it must be a whole number >= 1")
         config = load_model_config(ns.model)
         gpu = parse_memory(ns.gpu_memory or ns.gpu) if (ns.gpu_memory or ns.gpu) else None
         mesh, s = _mesh_and_settings(ns, config)
@@ -213,7 +239,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             # every rank holds the same shard sizes: one bar, not world_size identical ones
             plot_plan([plan], ns.plot, gpu_memory=gpu,
                       labels=[f"each of {mesh.world_size} ranks" if mesh.world_size > 1 else "rank 0"])
-    except (PlanError, ConfigError, ParallelDimsError, OptimizerConfigError) as exc:
+    except HfGradfixError as exc:  # PlanError, ConfigError, ParallelDimsError, OptimizerConfigError, ...
         print(f"hf-gradfix plan: error: {exc}", file=sys.stderr)
         return 2
     if ns.json:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Any
 
+from ..errors import HfGradfixError, model_load_error
+
 GiB = 1024**3
 
 __all__ = [
@@ -50,7 +52,7 @@ __all__ = [
 ]
 
 
-class PlanError(ValueError):
+class PlanError(HfGradfixError, ValueError):
     """Input the planner cannot use (unknown model, bad mesh, bad size); the message says what to change."""
 
 
@@ -123,10 +125,15 @@ def load_model_config(spec: str):
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise PlanError(f"--model {spec}: the directory has no config.json")
-        return AutoConfig.from_pretrained(str(p))
+        try:
+            return AutoConfig.from_pretrained(str(p))
+        except (OSError, ValueError, KeyError) as exc:  # remote code refused, unknown model_type, bad JSON
+            raise model_load_error(spec, exc) from None
     try:
         return AutoConfig.from_pretrained(spec)
     except Exception as exc:  # OSError (not found / offline), ValueError (unknown type)
+        if "trust_remote_code" in str(exc) or "custom code" in str(exc):
+            raise model_load_error(spec, exc) from None
         raise PlanError(
             f"--model {spec!r}: unknown model. Give a tiny name ({', '.join(TINY_MODELS)}), a config.json, a local "
             f"directory with a config.json, or a hub id reachable from here (only its config is read). ({type(exc).__name__}: "

@@ -1,0 +1,223 @@
+"""Non-finite steps: what a NaN or inf loss or gradient does to a Trainer run (``loss.on_nonfinite``).
+
+Stock transformers applies the update of a window whose loss or gradients are NaN/inf: every weight becomes
+NaN and the only signal is ``grad_norm: nan`` (the logged loss even looks finite, ``logging_nan_inf_filter``
+drops the bad value).  :func:`attach` (called by ``patch()`` and ``GradFixCallback``) adds a guard to the trainer:
+
+- every micro-batch's loss is checked as ``training_step`` returns it (transformers already reads it back
+  for ``logging_nan_inf_filter``), remembering the step and micro-batch;
+- before the optimizer step the gradients are checked too (an overflow in the backward of a finite loss), and
+  the verdict is agreed by every rank (one all-reduce of a flag), so all ranks take the same decision;
+- ``warn`` (default): a warning naming the step and the micro-batch(es), then stock behaviour (the update is
+  applied: never worse than stock, and stock stays reachable);
+- ``skip``: that optimizer step is skipped: weights, optimizer state and the lr schedule stay as they were
+  (the step counter advances, the window's gradients are dropped), with a warning;
+- ``error``: :class:`~hf_gradfix.errors.NonFiniteError` naming the step and micro-batch(es), before the update.
+
+The low-rank optimizers (:mod:`hf_gradfix.optim`) take the same ``on_nonfinite`` argument for plain loops; on a
+Trainer the guard owns the check and tells the optimizer so (one warning, one decision).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ..config import GradFixConfig
+from ..errors import InvalidArgumentError, NonFiniteError
+
+logger = logging.getLogger("hf_gradfix")
+
+_ATTR = "_gradfix_nonfinite"
+MODES = ("warn", "skip", "error")
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """A step with a NaN/inf loss or gradient (``loss.on_nonfinite`` is ``warn`` or ``skip``)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
+def grads_finite(params: Any) -> bool:
+    """True when every gradient of ``params`` is finite (this rank's shard; one max-abs per tensor, one sync).
+
+    >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.tensor([1.0, float("nan")])
+    >>> grads_finite([p])
+    False
+    """
+    grads = [_local(p.grad).detach() for p in params if getattr(p, "grad", None) is not None]
+    grads = [g for g in grads if g.numel() and g.is_floating_point()]
+    if not grads:
+        return True
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    flags = []
+    for gs in by_device.values():
+        # inf-norm = max |g|: NaN and inf propagate, no overflow from summing large finite values
+        norms = torch._foreach_norm(gs, float("inf")) if hasattr(torch, "_foreach_norm") else [g.abs().max() for g in gs]
+        flags.append(torch.isfinite(torch.stack([n.float() for n in norms])).all().cpu())
+    return bool(torch.stack(flags).all())
+
+
+def agree_any(flags: list[bool], device: torch.device | None = None) -> list[bool]:
+    """Each flag True when it is True on any rank (one all-reduce; identity without torch.distributed).
+
+    >>> agree_any([True, False])
+    [True, False]
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(flags)
+    backend = dist.get_backend()
+    dev = device if device is not None and backend != "gloo" else torch.device("cpu")
+    if backend == "nccl" and (dev is None or dev.type != "cuda"):
+        dev = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v > 0) for v in t.tolist()]
+
+
+class NonFiniteGuard(TrainerCallback):
+    """The per-trainer guard (see the module docstring); ``mode`` is ``loss.on_nonfinite``."""
+
+    def __init__(self, trainer: Trainer, mode: str) -> None:
+        if mode not in MODES:
+            raise InvalidArgumentError(f"on_nonfinite={mode!r}; allowed: {', '.join(MODES)}")
+        self.trainer = trainer
+        self.mode = mode
+        self.micro_batch = 0  # micro-batches seen since the last optimizer step
+        self.bad: list[tuple[int, float]] = []  # (micro-batch, loss value) with a non-finite loss, this window
+        self.skipped_steps: list[int] = []
+        self.flagged_steps: list[int] = []
+        self._overflow_set = False
+
+    # ---- per micro-batch
+    def after_micro_batch(self, loss: Any) -> None:
+        self.micro_batch += 1
+        if torch.is_tensor(loss) and loss.numel() and loss.is_floating_point():
+            value = loss.detach()
+            if not bool(torch.isfinite(value).all()):
+                self.bad.append((self.micro_batch, float(value.float().reshape(-1)[0])))
+
+    # ---- per optimizer step
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        optimizer = getattr(trainer, "optimizer", None)
+        self._restore(optimizer)
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        local_grads_ok = grads_finite(params)
+        device = next((p.device for p in params), None)
+        loss_bad_anywhere, grads_bad_anywhere = agree_any([bool(self.bad), not local_grads_ok], device)
+        bad, micro = self.bad, self.micro_batch
+        self.bad, self.micro_batch = [], 0
+        if not (loss_bad_anywhere or grads_bad_anywhere):
+            return control
+        step = state.global_step + 1
+        self.flagged_steps.append(step)
+        ga = max(1, int(getattr(trainer, "current_gradient_accumulation_steps", 0) or args.gradient_accumulation_steps))
+        if bad:
+            where = ", ".join(f"micro-batch {m} of {max(ga, micro)} (loss {v})" for m, v in bad)
+            what = f"optimizer step {step}: non-finite loss in {where}"
+        elif loss_bad_anywhere:
+            what = (f"optimizer step {step}: another rank had a non-finite loss (its warning names the micro-batch; "
+                    "the gradient all-reduce brings it here)")
+        elif not local_grads_ok:
+            what = (f"optimizer step {step}: non-finite gradients although every loss of the {max(ga, micro)} "
+                    "micro-batches was finite (an overflow in the backward)")
+        else:
+            what = f"optimizer step {step}: another rank had non-finite gradients"
+        if self.mode == "error":
+            raise NonFiniteError(
+                f"{what}; hf_gradfix.loss.on_nonfinite is 'error', so training stops before the update (the weights "
+                "are still finite). Fix: check that batch's data, lower the learning rate or use bf16/fp32; or set "
+                "loss.on_nonfinite: skip to drop such steps"
+            )
+        if self.mode == "skip":
+            self._skip(optimizer)
+            self.skipped_steps.append(step)
+            warnings.warn(
+                f"hf_gradfix: {what}; the update was skipped (loss.on_nonfinite: skip): weights, optimizer state and "
+                "the learning-rate schedule are unchanged, the window's gradients are dropped",
+                NonFiniteWarning, stacklevel=2,
+            )
+            return control
+        warnings.warn(
+            f"hf_gradfix: {what}; the update is applied as stock transformers does, so the weights will be NaN "
+            "(loss.on_nonfinite: warn). Set hf_gradfix.loss.on_nonfinite: skip to skip such steps, or error to stop",
+            NonFiniteWarning, stacklevel=2,
+        )
+        return control
+
+    def _skip(self, optimizer: Any) -> None:
+        if optimizer is None:
+            return
+
+        def _skipped_step(*args: Any, **kwargs: Any) -> None:
+            optimizer.__dict__.pop("step", None)  # one step only: the class's step is back
+
+        optimizer.step = _skipped_step
+        if hasattr(optimizer, "_is_overflow"):
+            # accelerate's AcceleratedOptimizer: step_was_skipped -> neither the Trainer nor accelerate's
+            # scheduler wrapper steps the lr schedule (as for an fp16 overflow step)
+            optimizer._is_overflow = True
+            self._overflow_set = True
+
+    def _restore(self, optimizer: Any) -> None:
+        if optimizer is None:
+            return
+        optimizer.__dict__.pop("step", None)
+        if self._overflow_set:
+            optimizer._is_overflow = False
+            self._overflow_set = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        optimizer = getattr(self.trainer, "optimizer", None)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if hasattr(inner, "on_nonfinite"):
+            # a low-rank optimizer: the guard owns the check on a Trainer (one warning, one decision)
+            inner.nonfinite_checked_by_caller = True
+        return control
+
+
+def attach(trainer: Trainer, config: GradFixConfig) -> NonFiniteGuard:
+    """Guard ``trainer`` against non-finite steps per ``config.loss.on_nonfinite`` (idempotent; updates the mode).
+
+    >>> import transformers
+    >>> from hf_gradfix.config import GradFixConfig
+    >>> t = object.__new__(transformers.Trainer); t.callback_handler = type("H", (), {"callbacks": []})()
+    >>> t.add_callback = t.callback_handler.callbacks.append
+    >>> attach(t, GradFixConfig()).mode
+    'warn'
+    """
+    mode = config.loss.on_nonfinite
+    guard = trainer.__dict__.get(_ATTR)
+    if guard is not None:
+        guard.mode = mode
+        return guard
+    guard = NonFiniteGuard(trainer, mode)
+    trainer.__dict__[_ATTR] = guard
+
+    def training_step(*args: Any, **kwargs: Any):
+        # looked up on the class at call time: a later class swap (hf_gradfix's fixed class) is honoured
+        loss = type(trainer).training_step(trainer, *args, **kwargs)
+        guard.after_micro_batch(loss)
+        return loss
+
+    trainer.training_step = training_step
+    trainer.add_callback(guard)
+    return guard
+
+
+def guard_of(trainer: Trainer) -> NonFiniteGuard | None:
+    """The trainer's :class:`NonFiniteGuard`, or None."""
+    return trainer.__dict__.get(_ATTR)
+
+
+__all__ = ["MODES", "NonFiniteGuard", "NonFiniteWarning", "agree_any", "attach", "grads_finite", "guard_of"]

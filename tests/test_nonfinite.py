@@ -1,0 +1,217 @@
+"""loss.on_nonfinite: a NaN loss in one micro-batch, in each mode, against ground truths.
+
+- skip: the weights and the optimizer state after the bad step are bit-equal to those before it (and the lr
+  schedule did not move); training goes on finite;
+- warn: a warning naming the step and the micro-batch, and otherwise exactly stock transformers (bit-equal
+  weights, NaN included, to an unpatched run);
+- error: NonFiniteError naming step and micro-batch, raised before the update;
+- the low-rank optimizers honour the same setting in a plain loop (GaLore applies no NaN update in skip mode).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers
+from torch.utils.data import SequentialSampler
+from transformers import Trainer
+
+import hf_gradfix
+from hf_gradfix.errors import HfGradfixError, NonFiniteError
+from hf_gradfix.integration.nonfinite import NonFiniteWarning
+from hf_gradfix.optim import ApolloAdamW, GaLoreAdamW
+
+import harness as H
+
+MARK = 3  # token id never drawn by make_samples for causal LM: the sample that carries it gets a NaN forward
+
+
+class _InOrder(Trainer):
+    """Sequential batches, so we know which micro-batch of which step carries the marked sample."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return SequentialSampler(self.train_dataset)
+
+
+def _samples():
+    samples = H.make_samples("causal", n=8, seed=0, lo=4, hi=12)
+    samples[3]["input_ids"] = [MARK] + list(samples[3]["input_ids"][1:])  # step 2, micro-batch 2 (batch 1, ga 2)
+    return samples
+
+
+def _poison(model):
+    emb = model.get_input_embeddings()
+
+    def hook(module, args, output):
+        if (args[0] == MARK).any():
+            return output * float("nan")
+        return output
+
+    return emb.register_forward_hook(hook)
+
+
+class _Snapshots:
+    """A callback: parameters, optimizer state and lr after every optimizer step (clones)."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.trainer = None
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        opt = self.trainer.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        self.steps.append({
+            "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+            "state": copy.deepcopy({i: dict(s) for i, s in enumerate(inner.state.values())}),
+            "lr": [g["lr"] for g in inner.param_groups],
+        })
+
+
+def _run(config=None, optim="adamw_torch", patched=True):
+    model = H.build_model("llama", seed=0)
+    handle = _poison(model)
+    snaps = _Snapshots()
+    args = transformers.TrainingArguments(
+        output_dir="/tmp/hgf_nonfinite", optim=optim, learning_rate=1e-2, lr_scheduler_type="linear", max_grad_norm=0.0,
+        gradient_accumulation_steps=2, per_device_train_batch_size=1, max_steps=4, logging_steps=1, report_to="none",
+        use_cpu=True, save_strategy="no", disable_tqdm=True, seed=3, remove_unused_columns=False,
+    )
+    if patched:
+        hf_gradfix.patch(config or {})
+    try:
+        trainer = _InOrder(model=model, args=args, train_dataset=H.TokenDataset(_samples()), callbacks=[snaps])
+        snaps.trainer = trainer
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+    finally:
+        if patched:
+            hf_gradfix.unpatch()
+        handle.remove()
+    return snaps.steps, [w for w in caught if issubclass(w.category, NonFiniteWarning)]
+
+
+def _bit_equal(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if not _bit_equal(x, y):
+                return False
+        elif torch.is_tensor(x):
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(torch.nan_to_num(x, nan=7.25), torch.nan_to_num(y, nan=7.25)) \
+                    or not torch.equal(x.isnan(), y.isnan()):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _finite(snapshot: dict) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in snapshot["params"].values())
+
+
+@pytest.mark.parametrize("optim_section", [{}, {"name": "galore_adamw", "rank": 4, "update_proj_gap": 1, "min_size": 1}])
+def test_skip_leaves_weights_and_optimizer_state_bit_equal(optim_section):
+    steps, caught = _run({"loss": {"on_nonfinite": "skip"}, "optimizer": optim_section})
+    assert len(steps) == 4
+    assert _finite(steps[0]) and _bit_equal(steps[1]["params"], steps[0]["params"])
+    assert _bit_equal(steps[1]["state"], steps[0]["state"]), "optimizer state moved on a skipped step"
+    assert steps[1]["lr"] == steps[0]["lr"], "the lr schedule advanced on a skipped step"
+    assert _finite(steps[2]) and not _bit_equal(steps[2]["params"], steps[1]["params"])  # training goes on
+    assert len(caught) == 1 and "optimizer step 2" in str(caught[0].message) and "micro-batch 2 of 2" in str(caught[0].message)
+
+
+def test_warn_is_stock_behaviour_with_a_warning_naming_step_and_micro_batch():
+    stock, none_caught = _run(patched=False)
+    steps, caught = _run({"loss": {"enabled": False, "on_nonfinite": "warn"}})
+    assert not none_caught
+    assert not _finite(stock[1])  # stock transformers: every weight NaN after the bad step
+    for ours, theirs in zip(steps, stock, strict=True):
+        assert _bit_equal(ours["params"], theirs["params"]) and _bit_equal(ours["state"], theirs["state"])
+    assert len(caught) >= 1
+    message = str(caught[0].message)
+    assert "optimizer step 2" in message and "micro-batch 2 of 2" in message and "on_nonfinite: skip" in message
+
+
+def test_error_stops_before_the_update_naming_step_and_micro_batch():
+    model_steps = []
+    with pytest.raises(NonFiniteError, match=r"optimizer step 2: non-finite loss in micro-batch 2 of 2") as info:
+        model_steps, _ = _run({"loss": {"on_nonfinite": "error"}})
+    assert isinstance(info.value, HfGradfixError)
+
+
+def test_bad_on_nonfinite_value_is_a_config_error():
+    with pytest.raises(hf_gradfix.ConfigError, match=r"loss.on_nonfinite: invalid value 'skipp'.*did you mean 'skip'"):
+        hf_gradfix.load_config({"loss": {"on_nonfinite": "skipp"}})
+
+
+def _plain_loop_state(opt_cls, mode, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 4))
+    opt = opt_cls(model, lr=1e-2, rank=2, update_proj_gap=1, min_size=1, on_nonfinite=mode, **kw)
+    x = torch.randn(8, 16)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    before = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+    return model, opt, before
+
+
+@pytest.mark.parametrize("opt_cls", [GaLoreAdamW, ApolloAdamW])
+def test_low_rank_optimizers_honour_on_nonfinite(opt_cls):
+    model, opt, (params, state) = _plain_loop_state(opt_cls, "skip")
+    with pytest.warns(RuntimeWarning, match="update skipped"):
+        opt.step()
+    assert _bit_equal({k: v for k, v in model.state_dict().items()}, params)
+    assert _bit_equal(opt.state_dict()["state"], state["state"])
+
+    model, opt, _ = _plain_loop_state(opt_cls, "error")
+    with pytest.raises(NonFiniteError, match="NaN or infinite"):
+        opt.step()
+
+    model, opt, _ = _plain_loop_state(opt_cls, "warn")  # stock: the NaN update is applied, with a warning
+    with pytest.warns(RuntimeWarning, match="on_nonfinite='skip'"):
+        opt.step()
+    assert not bool(torch.isfinite(model[0].weight).all())
+
+
+def test_low_rank_optimizer_range_checks():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 12))
+    for kw, match in (({"scale": float("inf")}, "scale"), ({"seed": 2**70}, "seed"), ({"on_nonfinite": "nope"}, "on_nonfinite")):
+        with pytest.raises(HfGradfixError, match=match):
+            GaLoreAdamW(model, rank=2, **kw)
+
+
+@pytest.mark.distributed
+def test_two_ranks_agree_to_skip_when_one_rank_sees_a_nan(tmp_path):
+    """Only rank 1 sees the NaN loss: both ranks skip the same step and stay bit-equal to before it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
+           str(H.TESTS_DIR / "nonfinite_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    for r in (r0, r1):
+        assert r["same_as_previous"] == [True, False] and r["finite"] == [True, True, True], r
+        assert len(r["warnings"]) == 1 and "optimizer step 2" in r["warnings"][0]
+    assert "micro-batch 2 of 2" in r1["warnings"][0]  # the rank that saw it names the micro-batch
+    assert "another rank had a non-finite loss" in r0["warnings"][0]  # rank 0's own losses were finite
