@@ -36,23 +36,23 @@ _BUILTIN_ONLY = ("model", "config", "data", "grad_accum", "batch_size", "packing
 
 def add_verify_arguments(ver: argparse.ArgumentParser) -> None:
     """The options of ``hf-gradfix verify`` (the script's own command line goes after ``--``)."""
-    ver.add_argument("--steps", type=int, default=2, help="optimizer steps to check (default 2)")
+    ver.add_argument("--steps", type=int, default=2, help="optimizer steps to check (default: 2)")
     ver.add_argument("--tolerance", type=float, default=1e-5,
-                     help="relative gradient and loss error that counts as exact (default 1e-5)")
+                     help="relative gradient and loss error that counts as exact (default: 1e-05)")
     ver.add_argument("--json", action="store_true", help="print the report as JSON (the script's own output goes to stderr)")
     ver.add_argument("--plot", default=None, metavar="FILE.png", help="draw the run's error against every reference")
     built = ver.add_argument_group("built-in run (no script after --)")
-    built.add_argument("--model", default=None, help="'tiny' (default), a local directory or a hub id (causal LM)")
+    built.add_argument("--model", default=None, help="'tiny' (the default), a local directory or a hub id (causal LM)")
     built.add_argument("--config", default=None, help="YAML with the hf_gradfix section (default: $HF_GRADFIX_CONFIG)")
     built.add_argument("--data", default=None, help=".jsonl of input_ids/labels or a text file (default: synthetic)")
-    built.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation steps (default 4)")
-    built.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch and rank (default 2)")
+    built.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation steps (default: 4)")
+    built.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch and rank (default: 2)")
     built.add_argument("--packing", action="store_true", default=None, help="force packing on")
     built.add_argument("--inject", default=None, help="plant a known bug to see it caught: " + ", ".join(
         ("mean_of_means", "ga_scaled", "world_scaled", "count_unshifted", "cross_attention")))
     built.add_argument("--plot-curves", default=None, metavar="FILE.png",
                        help="also draw loss curves with and without hf_gradfix")
-    built.add_argument("--plot-steps", type=int, default=20, help="steps of the --plot-curves runs")
+    built.add_argument("--plot-steps", type=int, default=20, help="steps of the --plot-curves runs (default: 20)")
 
 
 class _Checked(BaseException):
@@ -179,14 +179,21 @@ def verify_main(argv: Sequence[str]) -> int:
         argv, command = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(prog="hf-gradfix verify", description="\n\n".join(__doc__.split("\n\n")[:3]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="hf-gradfix verify [options] -- python train.py ARGS... | -m module ARGS...")
+                                     usage="hf-gradfix verify [options] -- python train.py ARGS... | -m module ARGS...",
+                                     epilog="examples:\n"
+                                     "  hf-gradfix verify -- python examples/train_causal_lm.py --loss tutorial\n"
+                                     "  hf-gradfix verify --steps 3 --json -- python train.py --my-arg 1\n"
+                                     "  hf-gradfix verify --model tiny --grad-accum 4 --steps 2   # the built-in run")
     add_verify_arguments(parser)
     ns = parser.parse_args(argv)
-    if ns.steps < 1:
-        print(f"hf-gradfix verify: --steps={ns.steps}: must be >= 1", file=sys.stderr)
-        return 2
+    for flag, value in (("--steps", ns.steps), ("--grad-accum", ns.grad_accum), ("--batch-size", ns.batch_size),
+                        ("--plot-steps", ns.plot_steps)):
+        if value is not None and value < 1:
+            print(f"hf-gradfix verify: {flag} {value}: invalid value; it must be a whole number >= 1", file=sys.stderr)
+            return 2
     if not (math.isfinite(ns.tolerance) and ns.tolerance > 0):
-        print(f"hf-gradfix verify: --tolerance={ns.tolerance}: must be a finite number > 0", file=sys.stderr)
+        print(f"hf-gradfix verify: --tolerance {ns.tolerance}: invalid value; it must be a finite number > 0",
+              file=sys.stderr)
         return 2
     if command is not None:
         given = [f"--{k.replace('_', '-')}" for k in _BUILTIN_ONLY if getattr(ns, k) is not None]

@@ -154,7 +154,8 @@ class PackingConfig:
     )
     buffer_size: int = field(
         default=1000,
-        metadata={"help": "streams (IterableDataset): samples packed together (best-fit-decreasing) in the online buffer"},
+        metadata={"min": 2, "max": 2**31 - 1,
+                  "help": "streams (IterableDataset): samples packed together (best-fit-decreasing) in the online buffer (>= 2)"},
     )
 
 
