@@ -860,11 +860,14 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
             control.should_evaluate = False
             return control
 
+    previous_step = trainer.__dict__.get("training_step")  # an instance-level wrapper (e.g. loss.on_nonfinite's)
+    inner_step = trainer.training_step  # bound: that wrapper, else the class's own
+
     def training_step(model_arg, inputs, *a, **kw):
         if len(recorded) == (marks[-1] if marks else 0):  # first micro-batch of a window: the parameters it sees
             params_at.append({n: _full(p) for n, p in trainable})
         recorded.append(_to_cpu(inputs))
-        out = type(trainer).training_step(trainer, model_arg, inputs, *a, **kw)
+        out = inner_step(model_arg, inputs, *a, **kw)
         returned.append(float(out.detach().float().mean()) if torch.is_tensor(out) else float(out))
         return out
 
@@ -891,7 +894,10 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
             else:
                 trainer.train(**(train_kwargs or {}))
         finally:
-            trainer.__dict__.pop("training_step", None)
+            if previous_step is None:
+                trainer.__dict__.pop("training_step", None)
+            else:
+                trainer.training_step = previous_step
             trainer.callback_handler.callbacks[:] = saved_callbacks  # the same objects, in the same order
             for k, v in saved_args.items():
                 setattr(args, k, v)

@@ -204,9 +204,11 @@ def attach(trainer: Trainer, config: GradFixConfig) -> NonFiniteGuard:
     guard = NonFiniteGuard(trainer, mode)
     trainer.__dict__[_ATTR] = guard
 
+    previous = trainer.__dict__.get("training_step")  # another instance-level wrapper (e.g. verify_trainer's): kept
+
     def training_step(*args: Any, **kwargs: Any):
-        # looked up on the class at call time: a later class swap (hf_gradfix's fixed class) is honoured
-        loss = type(trainer).training_step(trainer, *args, **kwargs)
+        # else looked up on the class at call time: a later class swap (hf_gradfix's fixed class) is honoured
+        loss = previous(*args, **kwargs) if previous is not None else type(trainer).training_step(trainer, *args, **kwargs)
         guard.after_micro_batch(loss)
         return loss
 
