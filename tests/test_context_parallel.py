@@ -302,7 +302,7 @@ def test_config_check_refuses_cp_under_accelerate_fsdp(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2},
                                     "hf_gradfix": {"parallel": {"dp_shard": 1, "cp": 2}}}))
-    assert main(["config", "check", str(path)]) == 1
+    assert main(["config", "check", str(path)]) == 2  # a diagnosed error: one line, exit code 2
     assert "cp=2 with accelerate's FSDP plugin" in capsys.readouterr().err
 
 
