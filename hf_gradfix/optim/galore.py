@@ -174,16 +174,24 @@ class GaLoreAdamW(LowRankAdamW):
         state = self._ensure_state(p, group, plan)
         self._refresh(p, state, group, plan)
 
-    def _step_projected(self, p: torch.Tensor, group: dict, plan: _Plan) -> None:
+    def _window_projected_grad(self, p: torch.Tensor, group: dict, plan: _Plan) -> tuple[dict, torch.Tensor]:
+        """(state, R) for this step: the basis refreshed if due, then R = the projected window gradient; with
+        low-rank accumulation R was summed micro-batch by micro-batch (projection is linear) and the refresh, if
+        any, already happened when the accumulation started."""
         state = self._ensure_state(p, group, plan)
-        side = plan.side
         acc = self._lowrank_acc.get(p)
         if acc is None and self._refresh_due(state, group, plan):
             self._refresh(p, state, group, plan)
+        r = acc if acc is not None else self._projected_grad(_local(p.grad), state, group)
+        return state, r
+
+    def _step_projected(self, p: torch.Tensor, group: dict, plan: _Plan) -> None:
+        state, r = self._window_projected_grad(p, group, plan)
+        side = plan.side
         basis = state["proj"]
         m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        # with low-rank accumulation R was summed micro-batch by micro-batch (projection is linear)
-        r = acc.to(m.dtype) if acc is not None else self._projected_grad(_local(p.grad), state, group)
+        if p in self._lowrank_acc:  # the accumulator is in the gradient's dtype; the moments may be wider
+            r = r.to(m.dtype)
         state["step"] += 1
         t = float(state["step"]) - (float(state["refresh_step"]) if "refresh_step" in state else 0.0)
         direction, step_size = self._adam_direction(r, m, v, group, t)

@@ -158,13 +158,9 @@ class GaLoreAdamW8bit(GaLoreAdamW):
             self._bnb_adam(p.grad, p.data, state, group, int(state["step"]), group["weight_decay"])
 
     def _step_projected(self, p: torch.Tensor, group: dict, plan: _Plan) -> None:
-        state = self._ensure_state(p, group, plan)
+        state, r = self._window_projected_grad(p, group, plan)
         side = plan.side
-        acc = self._lowrank_acc.get(p)
-        if acc is None and self._refresh_due(state, group, plan):
-            self._refresh(p, state, group, plan)
         basis = state["proj"]
-        r = acc if acc is not None else self._projected_grad(_local(p.grad), state, group)
         state["step"] += 1
         # galore-torch's way: bitsandbytes' Adam moves a zero buffer of R's shape to -lr * Adam(R)
         buf = torch.zeros(r.shape, dtype=torch.float32 if group["compat"] == "torch" else p.dtype, device=r.device)
