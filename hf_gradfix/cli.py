@@ -6,8 +6,8 @@ file through the plugin's one validating loader (hf_gradfix.config.read_config_f
 accelerate's own launcher through a temporary file and makes the hf_gradfix: section visible to every rank through
 $HF_GRADFIX_CONFIG, which hf_gradfix.patch() and GradFixCallback() read on each rank.
 
-    hf-gradfix launch --config_file configs/cpu_multiprocess.yaml train.py --my-arg 1
-    hf-gradfix config check configs/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
+    hf-gradfix launch --config_file configs/accelerate/cpu_multiprocess.yaml train.py --my-arg 1
+    hf-gradfix config check configs/accelerate/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
     hf-gradfix verify --steps 2 [--json] [--plot errors.png] -- python train.py ARGS
     hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100
 
@@ -347,8 +347,8 @@ A diagnosed error is one line, "hf-gradfix COMMAND: ...", with exit code 2."""
 
 _TOP_EPILOG = """\
 examples:
-  hf-gradfix config check configs/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
-  hf-gradfix launch --config_file configs/cpu_multiprocess.yaml train.py --my-arg 1
+  hf-gradfix config check configs/accelerate/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
+  hf-gradfix launch --config_file configs/accelerate/cpu_multiprocess.yaml train.py --my-arg 1
   hf-gradfix verify --model tiny --grad-accum 4 --steps 2
   hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100"""
 

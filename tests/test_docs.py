@@ -111,6 +111,8 @@ def test_generated_references_hold_every_key_and_command(site):
         usage = " ".join(["hf-gradfix", *argv])
         assert f"usage: {usage}" in cli_html, usage
     assert "--micro-batch" in cli_html and "--tolerance" in cli_html and "--config_file" in cli_html
+    for path in REPO_PATH.findall(hooks.cli_reference()):  # the --help examples name real files
+        assert (ROOT / path).exists(), f"hf-gradfix --help names {path}, which is not in the repository"
     api_html = (site / "api" / "index.html").read_text(encoding="utf-8")
     for name in ("patch", "unpatch", "GradFixCallback", "TokenWindow", "GaLoreAdamW", "PackedCollator",
                  "ParallelDims", "verify_trainer", "NoiseScaleMonitor", "estimate"):
