@@ -150,6 +150,10 @@ def scratch(tmp_path, monkeypatch):
 
     if hf_gradfix.is_patched():
         hf_gradfix.unpatch()
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # the snippets' Accelerator / Trainer state stays here
+    GradientState._reset_state()
 
 
 @pytest.mark.parametrize("page", SNIPPET_PAGES, ids=_rel)
