@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -154,6 +155,9 @@ def api_top_level() -> str:
     return "\n".join(out)
 
 
+_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|exc|obj):`~?([^`]+)`")
+
+
 class _DoctestBlocks:
     """A Markdown extension: ``>>>`` doctest runs in docstrings become ``pycon`` code blocks.
 
@@ -173,7 +177,9 @@ class _DoctestBlocks:
                     stripped = line.lstrip()
                     if stripped.startswith("```"):
                         fence = not fence
-                    if not fence and not inside and stripped.startswith(">>> "):
+                    if not fence and not inside:  # Sphinx roles (:class:`~x.Y`) read as code
+                        line = _ROLE.sub(lambda m: f"`{m[1]}`", line)
+                    if not fence and not inside and stripped.startswith(">>> ") and len(line) - len(stripped) < 4:
                         indent = line[: len(line) - len(stripped)]
                         out += ["", indent + "```pycon"]
                         inside = True
