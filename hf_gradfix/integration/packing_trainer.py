@@ -11,6 +11,8 @@ configuration says ``packing: {enabled: true}``, whichever entry point installed
 - Model: ``use_cache=False``; in varlen mode the attention becomes ``flash_attention_2`` where flash-attn
   and CUDA exist, else the pure-PyTorch reference varlen attention; then the guard runs a tiny
   packed-vs-separate forward and refuses a model that mixes sequences.
+- Streams (``IterableDataset``): a :class:`~hf_gradfix.packing.stream.StreamingPacker` packs online; every checkpoint
+  stores its state per process (:func:`save_stream_state`) and a resume continues from it (:func:`load_stream_state`).
 - Loss: nothing special. Collated labels are -100 at every sequence start, so the loss's own count
   rule (probed like any other batch) counts exactly the real targets of the window.
 """

@@ -19,8 +19,11 @@ packing itself is cheap, the reading and tokenizing are duplicated.)
 
 Resume: :meth:`StreamingPacker.state_dict` is the stream position (samples read), the buffered samples, the rows
 already packed but not yet handed out, and the rows handed out; :meth:`~StreamingPacker.load_state_dict` continues
-from there (skipping the stream to its position, without re-packing), yielding exactly the rows the
-uninterrupted run would have yielded.
+from there (advancing the stream to its position without packing, collating or training on anything before it),
+yielding exactly the rows the uninterrupted run would have yielded. ``state_dict(rows=R)`` gives the state as it
+was after ``R`` rows (a recent history is kept), for a consumer that reads ahead of what it trained on: the
+``Trainer`` stores it in every checkpoint (``hf_gradfix_stream_rank{process}.pt``, ``torch.load(weights_only=True)``)
+and ``resume_from_checkpoint`` continues the packer from it.
 
 Each element yielded is one bin: a list of sample dicts, ready for :class:`~.collator.PackedCollator`.
 
