@@ -15,7 +15,9 @@ row ``i`` belongs to rank ``i % num_replicas``. ``rank=k`` yields rank ``k``'s r
 all, interleaved (for accelerate, whose ``IterableDatasetShard`` deals element ``i`` to process ``i % W``, i.e.
 ``Trainer`` under DDP). Every rank therefore gets different samples and exactly the same number of rows, so no
 rank waits at the end of a stream. (Every process reads the whole stream to reproduce the global sequence; the
-packing itself is cheap, the reading and tokenizing are duplicated.)
+packing itself is cheap, the reading and tokenizing are duplicated. Reading only a per-rank shard, e.g.
+``datasets.distributed.split_dataset_by_node``, would give each rank a different number of rows, and equal rows
+per step would then need a collective agreement inside the data loader at the end of the stream; not done.)
 
 Resume: :meth:`StreamingPacker.state_dict` is the stream position (samples read), the buffered samples, the rows
 already packed but not yet handed out, and the rows handed out; :meth:`~StreamingPacker.load_state_dict` continues
