@@ -334,3 +334,56 @@ def test_plan_is_an_epoch_plan_with_consistent_fields():
     one = PackedBatchSampler([5, 3, 8, 2, 6], 8, shuffle=False).plan()
     items, offsets = pack_arrays([5, 3, 8, 2, 6], 8)
     assert sorted(map(sorted, one.bins)) == sorted(sorted(items[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:]))
+
+
+# Plans pinned: digests of plans built by the list-free sampler of commit d8a1c61 (before the lean, chunked
+# counting-sort planner). The lean planner must reproduce them bit for bit: a resumed run or another rank
+# with a different code version must see the same bins.
+_PINNED_PLANS = [
+    (dict(n=200_000, budget=4096, W=8, group=None, shuffle=True, drop_last=False), ["6a1cdebfef74baba", "4ad56767606fe3e9"]),
+    (dict(n=50_000, budget=2048, W=3, group=4096, shuffle=True, drop_last=False), ["a42edb29f0e25796", "2af5f778f4f76e7a"]),
+    (dict(n=30_001, budget=1024, W=5, group=None, shuffle=False, drop_last=True), ["2c1ae324cf6012ea", "2c1ae324cf6012ea"]),
+    (dict(n=20_000, budget=70_000, W=4, group=None, shuffle=True, drop_last=False), ["737dfc4702011f2e", "0ad0e17665431efe"]),
+]
+
+
+def _plan_digest(plan: EpochPlan) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for a in (plan.items, plan.offsets, plan.bin_tokens, plan.schedule, plan.rank_tokens):
+        h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
+    h.update(repr((plan.added_bins, plan.repacked_bins, plan.dropped)).encode())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("case,digests", _PINNED_PLANS, ids=lambda x: str(x.get("n")) if isinstance(x, dict) else "")
+@pytest.mark.parametrize("lengths_dtype", [np.int64, np.int32])
+def test_plans_are_pinned(case, digests, lengths_dtype):
+    rng = np.random.default_rng(case["n"])
+    budget = case["budget"]
+    lengths = np.clip(np.rint(rng.lognormal(np.log(budget / 12), 1.0, case["n"])), 1, budget).astype(lengths_dtype)
+    sampler = PackedBatchSampler(
+        lengths, budget, num_replicas=case["W"], rank="all", seed=3, shuffle=case["shuffle"],
+        drop_last=case["drop_last"], group_size=case["group"], backend="numpy",
+    )
+    assert [_plan_digest(sampler.plan(e)) for e in (0, 1)] == digests
+
+
+def test_counting_argsort_is_a_stable_argsort():
+    from hf_gradfix.packing import binpack
+
+    rng = np.random.default_rng(5)
+    old = binpack._CHUNK
+    binpack._CHUNK = 1000  # many chunks on a small case
+    try:
+        for n_keys in (1, 7, 300, 70_000):
+            keys = rng.integers(0, n_keys, 12_345).astype(np.int32)
+            got, counts = binpack._counting_argsort(keys, n_keys, key_of=None, dtype=np.int32)
+            assert got.tolist() == np.argsort(keys, kind="stable").tolist()
+            assert counts.tolist() == np.bincount(keys, minlength=n_keys).tolist()
+            vals = rng.permutation(keys.size).astype(np.int32)
+            got_v, _ = binpack._counting_argsort(keys, n_keys, key_of=None, dtype=np.int32, values=vals)
+            assert got_v.tolist() == vals[np.argsort(keys, kind="stable")].tolist()
+    finally:
+        binpack._CHUNK = old

@@ -137,28 +137,57 @@ def test_streamed_packed_training_is_exact_against_the_unpacked_ground_truth(kin
         assert abs(logged[k] - gt_loss) / gt_loss <= LOSS_TOL
 
 
-def test_streamed_training_resumed_from_a_checkpoint_equals_the_straight_run(tmp_path):
-    samples = _samples(40, seed=2, hi=40)
-    stream = _streams(samples)["datasets_streaming"]
+class _RecordingTrainer(Trainer):
+    """Records the input_ids of every micro-batch it trains on."""
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        self.seen.append(inputs["input_ids"].clone())
+        return super().training_step(model, inputs, *args, **kwargs)
+
+
+@pytest.mark.parametrize("source", ["from_generator", "to_iterable_dataset"])
+def test_streamed_training_resumed_from_a_checkpoint_continues_with_the_same_rows(source, tmp_path):
+    """Interrupted at a checkpoint (save_steps) and resumed: the checkpoint holds the packer's state (stream position,
+    buffer, pending rows); the resumed run starts the packer there (not by re-packing the stream and skipping), trains
+    on exactly the rows the uninterrupted run trained on after that step, and ends with bit-equal weights."""
+    from hf_gradfix.integration.packing_trainer import _STREAMS
+
+    samples = _samples(60, seed=2, hi=40)
+    rows = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+    if source == "from_generator":
+        stream = datasets.IterableDataset.from_generator(lambda: (dict(r) for r in rows))
+    else:
+        stream = datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=3)
 
     def train(out, max_steps, resume=None):
         model = H.build_model("llama", attn_implementation="sdpa")
-        args = _args(out, learning_rate=0.5, lr_scheduler_type="constant", max_steps=max_steps, save_strategy="steps", save_steps=3)
-        trainer = Trainer(model=model, args=args, train_dataset=stream)
+        args = _args(out, learning_rate=0.5, lr_scheduler_type="constant", max_steps=max_steps, save_strategy="steps",
+                     save_steps=3)
+        trainer = _RecordingTrainer(model=model, args=args, train_dataset=stream)
+        trainer.seen = []
         trainer.train(resume_from_checkpoint=resume)
-        return model
+        return trainer
 
-    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 16}})
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 8}})
     try:
-        straight = train(tmp_path / "a", 6)
+        straight = train(tmp_path / "a", 7)
         train(tmp_path / "b", 3)
-        resumed = train(tmp_path / "b", 6, resume=str(tmp_path / "b" / "checkpoint-3"))
+        checkpoint = tmp_path / "b" / "checkpoint-3"
+        state = torch.load(checkpoint / "hf_gradfix_stream_rank0.pt", weights_only=True)
+        resumed = train(tmp_path / "b", 7, resume=str(checkpoint))
     finally:
         hf_gradfix.unpatch()
+    assert state["rows"] == 3 * 2 and state["read"] < len(samples)  # 3 steps x GA 2 rows, mid-stream
+    # the resumed packer began at the saved state: it did not pack the stream's first rows again
+    first_rows, first_read = _STREAMS[resumed].packer._history[0][:2]
+    assert (first_rows, first_read) == (state["rows"], state["read"])
+    assert len(straight.seen) == 14 and len(resumed.seen) == 8
+    for k, (a, b) in enumerate(zip(straight.seen[6:], resumed.seen)):
+        assert torch.equal(a, b), f"micro-batch {k + 6} differs"
     moved = H.build_model("llama", attn_implementation="sdpa").state_dict()
-    for name, value in straight.state_dict().items():
-        assert torch.equal(value, resumed.state_dict()[name]), name
-    assert any(not torch.equal(v, moved[k]) for k, v in straight.state_dict().items())
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name
+    assert any(not torch.equal(v, moved[k]) for k, v in straight.model.state_dict().items())
 
 
 @pytest.mark.distributed

@@ -11,6 +11,8 @@ configuration says ``packing: {enabled: true}``, whichever entry point installed
 - Model: ``use_cache=False``; in varlen mode the attention becomes ``flash_attention_2`` where flash-attn
   and CUDA exist, else the pure-PyTorch reference varlen attention; then the guard runs a tiny
   packed-vs-separate forward and refuses a model that mixes sequences.
+- Streams (``IterableDataset``): a :class:`~hf_gradfix.packing.stream.StreamingPacker` packs online; every checkpoint
+  stores its state per process (:func:`save_stream_state`) and a resume continues from it (:func:`load_stream_state`).
 - Loss: nothing special. Collated labels are -100 at every sequence start, so the loss's own count
   rule (probed like any other batch) counts exactly the real targets of the window.
 """
@@ -192,7 +194,112 @@ class _OneBin:
         self.collator = collator
 
     def __call__(self, batch):
+        if batch[0] is _SKIPPED:  # a row the Trainer's resume skips without training on it
+            return {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
         return self.collator(batch[0])
+
+
+_SKIPPED: list = []  # the placeholder row (identity-compared)
+
+# The stream each packing trainer reads (for its checkpoints), per trainer.
+_STREAMS: "weakref.WeakKeyDictionary[Any, _TrainerStream]" = weakref.WeakKeyDictionary()
+
+STREAM_STATE_FILE = "hf_gradfix_stream_rank{rank}.pt"
+
+
+class _TrainerStream(torch.utils.data.IterableDataset):
+    """The :class:`StreamingPacker` as the Trainer's loader reads it. After a resume from a checkpoint that holds the
+    packer's state, it first yields ``placeholders`` placeholder rows, which the Trainer's own skip of the trained
+    batches (accelerate ``skip_first_batches``) discards unseen, then the packer continues from the saved state: the
+    stream is not re-read and no row is skipped twice. (Placeholders rather than switching the Trainer's skip off
+    keep its step counting and RNG restore exactly as stock.)"""
+
+    def __init__(self, packer) -> None:
+        super().__init__()
+        self.packer = packer
+        self.placeholders = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.packer.set_epoch(epoch)
+
+    def __iter__(self):
+        n, self.placeholders = self.placeholders, 0
+        for _ in range(n):
+            yield _SKIPPED
+        yield from self.packer
+
+
+def _rows_trained(trainer, global_step: int) -> int:
+    """Global packed rows the Trainer has trained on after ``global_step`` optimizer steps of a stream (its own resume
+    arithmetic: a dataset without length has ``max_steps`` update steps per epoch, each of ``gradient_accumulation_steps``
+    batches of one row per data-parallel rank)."""
+    from .trainer_fix import _nd_dims
+
+    dims = _nd_dims(trainer)
+    world = dims.dp if dims is not None else trainer.accelerator.num_processes
+    return int(global_step) * trainer.args.gradient_accumulation_steps * world
+
+
+def _to_saveable(value: Any) -> Any:
+    """Sample values as ``torch.load(weights_only=True)`` reads them back (numpy becomes tensors / Python scalars)."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _to_saveable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_saveable(v) for v in value]
+    return value
+
+
+def save_stream_state(trainer, checkpoint_dir: str) -> None:
+    """Store the packer's state at the rows trained so far in the checkpoint folder (one file per process).
+    Called when the Trainer saves its per-process RNG state."""
+    import os
+
+    stream = _STREAMS.get(trainer)
+    if stream is None:
+        return
+    rows = _rows_trained(trainer, trainer.state.global_step)
+    try:
+        state = stream.packer.state_dict(rows=rows)
+    except ValueError as exc:  # e.g. the stream ended and restarted (a new epoch): the Trainer replays and skips
+        logger.warning("hf_gradfix packing: the stream position is not saved in this checkpoint (%s); a resume "
+                       "re-reads the stream and skips the trained rows.", exc)
+        return
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    path = os.path.join(checkpoint_dir, STREAM_STATE_FILE.format(rank=trainer.args.process_index))
+    torch.save(_to_saveable(state), path)
+
+
+def load_stream_state(trainer, checkpoint_dir: str | None) -> None:
+    """On resume: load this process's packer state from the checkpoint, and yield the placeholders the Trainer will
+    skip. Without a state file (an older checkpoint), or with ``ignore_data_skip``, nothing changes (stock)."""
+    import json
+    import os
+
+    stream = _STREAMS.get(trainer)
+    if stream is None or checkpoint_dir is None or trainer.args.ignore_data_skip:
+        return
+    path = os.path.join(checkpoint_dir, STREAM_STATE_FILE.format(rank=trainer.args.process_index))
+    state_json = os.path.join(checkpoint_dir, "trainer_state.json")
+    if not os.path.isfile(path) or not os.path.isfile(state_json):
+        return
+    with open(state_json) as f:
+        global_step = int(json.load(f)["global_step"])
+    state = torch.load(path, weights_only=True)
+    rows = _rows_trained(trainer, global_step)
+    # the Trainer skips (global_step % max_steps) * GA batches per process; every one must be a placeholder
+    skipped = _rows_trained(trainer, global_step % max(trainer.args.max_steps, 1))
+    if state.get("rows") != rows or skipped != rows:
+        logger.warning("hf_gradfix packing: the stream state in %s is for %s rows, the Trainer resumes after %d "
+                       "(skipping %d); re-reading the stream instead.", path, state.get("rows"), rows, skipped)
+        return
+    stream.packer.load_state_dict(state)
+    stream.placeholders = rows
 
 
 def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
@@ -226,7 +333,9 @@ def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
             "hf_gradfix packing: a stream is packed in the main process (dataloader_num_workers=%d would give every "
             "worker the whole stream); using 0 workers.", trainer.args.dataloader_num_workers,
         )
-    loader = DataLoader(packer, batch_size=1, collate_fn=_OneBin(collator), num_workers=0,
+    stream = _TrainerStream(packer)
+    _STREAMS[trainer] = stream
+    loader = DataLoader(stream, batch_size=1, collate_fn=_OneBin(collator), num_workers=0,
                         pin_memory=trainer.args.dataloader_pin_memory)
     logger.info(
         "hf_gradfix packing: streaming, buffer of %d samples packed best-fit-decreasing into rows of <= %d tokens "

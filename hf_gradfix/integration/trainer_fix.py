@@ -593,6 +593,24 @@ class _GradFixTop:
         state.packing_line = prepare_model_for_packing(self, state.config.packing)
         return packed_train_dataloader(self, state.config.packing)
 
+    def _save_rng_state(self, output_dir, *args, **kwargs):
+        # per process, into the checkpoint folder: a packed stream's position and buffer go with it
+        super()._save_rng_state(output_dir, *args, **kwargs)
+        state = state_of(self)
+        if state is not None and state.config.packing.enabled:
+            from .packing_trainer import save_stream_state
+
+            save_stream_state(self, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint, *args, **kwargs):
+        # per process, on resume, before the dataloader is iterated: the packed stream continues from its state
+        super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+        state = state_of(self)
+        if state is not None and state.config.packing.enabled:
+            from .packing_trainer import load_stream_state
+
+            load_stream_state(self, checkpoint)
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         state = state_of(self)
         if state is not None:

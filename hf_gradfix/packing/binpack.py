@@ -283,6 +283,12 @@ def as_lengths(lengths: Any) -> np.ndarray:
     ...
     hf_gradfix.errors.InvalidArgumentError: sample 1 has length 0 (1 sample(s) of length 0 in total): an empty sample has no tokens to pack; filter empty samples out before packing
     """
+    return _int_lengths(lengths).astype(np.int64, copy=False)
+
+
+def _int_lengths(lengths: Any) -> np.ndarray:
+    """:func:`as_lengths` without the ``int64`` copy: an integer array keeps its dtype (10M int32 lengths
+    would otherwise cost an 80 MB copy per call); floats become ``int64``."""
     if hasattr(lengths, "detach"):  # a torch tensor, without importing torch
         lengths = lengths.detach().cpu().numpy()
     arr = np.asarray(lengths)
@@ -296,9 +302,9 @@ def as_lengths(lengths: Any) -> np.ndarray:
         if not np.all(np.isfinite(arr)) or not np.all(arr == np.floor(arr)):
             bad = int(np.flatnonzero(~np.isfinite(arr) | (arr != np.floor(arr)))[0])
             raise InvalidTypeError(f"lengths must be integers: sample {bad} has length {arr[bad].item()!r}")
+        arr = arr.astype(np.int64)
     elif arr.dtype.kind not in "iu":
         raise InvalidTypeError(f"lengths must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
     if arr.min() <= 0:
         neg = np.flatnonzero(arr < 0)
         if neg.size:
@@ -404,7 +410,7 @@ def _bfd_numpy(sorted_len: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
     consumed in one numpy step and the Python loop runs per (length, bucket) pair.
     """
     n = int(sorted_len.shape[0])
-    out = np.empty(n, dtype=np.int64)
+    out = np.empty(n, dtype=_index_dtype(n))
     if n == 0:
         return out, 0
     buckets: dict[int, list[int]] = {}  # free space -> stack of bins (top = end of list)
@@ -412,7 +418,7 @@ def _bfd_numpy(sorted_len: np.ndarray, budget: int) -> tuple[np.ndarray, int]:
     blk = 256  # a second level: bins per block of `blk` free-space values, to skip empty ranges
     blocks = np.zeros(budget // blk + 1, dtype=np.int64)
     nbins = 0
-    cuts = (np.flatnonzero(np.diff(sorted_len)) + 1).tolist()
+    cuts = (np.flatnonzero(sorted_len[1:] != sorted_len[:-1]) + 1).tolist()  # no n-sized int diff
     starts = [0, *cuts]
     ends = [*cuts, n]
     for s, e, L in zip(starts, ends, sorted_len[starts].tolist()):
@@ -565,19 +571,103 @@ def pack_arrays(lengths: Any, budget: int, *, backend: Backend = "auto") -> tupl
     ([2, 4, 3, 0, 1], [0, 1, 3, 5])
     """
     budget = _check_budget(budget)
-    arr = as_lengths(lengths)
+    arr = _int_lengths(lengths)
     err = oversize_error(arr, budget)
     if err is not None:
         raise err
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    order = _longest_first(arr, budget)
-    item_bin, nbins = _bfd_sorted(arr[order], budget, backend)
-    by_bin = np.argsort(item_bin, kind="stable")  # bins in opening order, items in placement order
-    items = order[by_bin]
+    return _pack_csr(arr, budget, backend)
+
+
+def _index_dtype(n: int) -> type:
+    return np.int32 if n < 2**31 else np.int64
+
+
+def _pack_csr(
+    lengths: np.ndarray, budget: int, backend: Backend, subset: np.ndarray | list[np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pack_arrays` on validated lengths (every one in ``[1, budget]``). With ``subset``, packs
+    ``lengths[subset]`` and returns ``items`` as entries of ``subset`` (the sampler's dataset indices).
+    ``subset`` may be handed over in a one-element list, which is emptied: the array is then freed as soon
+    as it is no longer needed. ``items`` is ``int32`` below 2**31 samples; offsets ``int64``.
+
+    Lean on memory (10M samples: the lengths plus 3 index arrays of 4 bytes per sample at the peak): the
+    two sorts are chunked counting sorts (no n-sized ``int64`` argsort result), the sorted lengths are
+    rebuilt from the length counts instead of gathered, subset indices are mapped in place.
+    """
+    if isinstance(subset, list):
+        subset = subset.pop()
+    arr = lengths if subset is None else lengths[subset]
+    n = int(arr.size)
+    idx = _index_dtype(n)
+    if n == 0:
+        return np.zeros(0, dtype=idx), np.zeros(1, dtype=np.int64)
+    if budget < 1 << 20:
+        # longest first, ties in index order: a stable counting sort on key = budget - length
+        order, counts = _counting_argsort(arr, budget + 1, key_of=lambda c: budget - c.astype(np.int32), dtype=idx)
+        del arr  # (our gather is freed here)
+        keys = np.flatnonzero(counts)
+        sorted_len = np.repeat((budget - keys).astype(np.int32), counts[keys])
+    else:
+        order = _longest_first(arr, budget).astype(idx)
+        sorted_len = arr[order]
+        del arr
+    if subset is not None:  # map to the caller's indices in place, a chunk at a time
+        for a in range(0, n, _CHUNK):
+            order[a : a + _CHUNK] = subset[order[a : a + _CHUNK]]
+        del subset
+    item_bin, nbins = _bfd_sorted(sorted_len, budget, backend)
+    del sorted_len
+    # bins in opening order, items in placement order: a stable sort by bin, scattering `order`
+    items, bin_counts = _counting_argsort(item_bin, nbins, key_of=None, dtype=order.dtype, values=order)
     offsets = np.zeros(nbins + 1, dtype=np.int64)
-    np.cumsum(np.bincount(item_bin, minlength=nbins), out=offsets[1:])
+    np.cumsum(bin_counts, out=offsets[1:])
     return items, offsets
+
+
+_CHUNK = 1 << 18
+
+
+def _counting_argsort(
+    data: np.ndarray, n_keys: int, *, key_of: Any, dtype: type, values: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stable argsort of ``key_of(data)`` (keys in ``[0, n_keys)``) as a counting sort in chunks of
+    ``_CHUNK``: returns ``(out, counts)`` with ``out`` the indices in sorted order (or ``values`` at those
+    indices) as ``dtype``, ``counts[k]`` the number of key ``k``. Identical to
+    ``np.argsort(keys, kind="stable")``; the only n-sized array is ``out``."""
+    n = int(data.size)
+    keys_of = (lambda c: c) if key_of is None else key_of
+    pos_dtype = _index_dtype(n)  # positions and counts fit the index dtype: half the tables' memory
+    counts = np.zeros(n_keys, dtype=pos_dtype)
+    for a in range(0, n, _CHUNK):
+        k = keys_of(data[a : a + _CHUNK])
+        lo = int(k.min())
+        counts[lo : int(k.max()) + 1] += np.bincount(k - lo).astype(pos_dtype)
+    starts = np.zeros(n_keys, dtype=pos_dtype)
+    np.cumsum(counts[:-1], out=starts[1:])
+    out = np.empty(n, dtype=dtype)
+    ramp = np.arange(min(n, _CHUNK), dtype=pos_dtype)
+    for a in range(0, n, _CHUNK):
+        k = keys_of(data[a : a + _CHUNK])
+        lo = int(k.min())
+        k = k - lo  # chunk-local keys: the per-chunk tables span only this chunk's key range
+        if int(k.max()) < 1 << 16:
+            k = k.astype(np.uint16)  # numpy's stable sort of 16-bit keys is a radix sort
+        o = np.argsort(k, kind="stable")
+        c = np.bincount(k).astype(pos_dtype)
+        # the element at sorted position i with key v goes to starts[v] + (i - first position of v in the chunk)
+        shift = np.cumsum(c, dtype=pos_dtype)
+        shift -= c
+        window = starts[lo : lo + c.size]
+        np.subtract(window, shift, out=shift)
+        pos = shift[k[o]]
+        pos += ramp[: o.size]
+        if values is None:
+            o += a
+            out[pos] = o
+        else:
+            out[pos] = values[a : a + _CHUNK][o]
+        window += c
+    return out, counts
 
 
 def _longest_first(arr: np.ndarray, budget: int) -> np.ndarray:

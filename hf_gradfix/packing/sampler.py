@@ -84,10 +84,10 @@ from .binpack import (
     PackingStats,
     _check_budget,
     _csr_to_lists,
+    _int_lengths,
+    _pack_csr,
     _stats_from_bin_tokens,
-    as_lengths,
     oversize_error,
-    pack_arrays,
 )
 
 __all__ = ["EpochPlan", "PackedBatchSampler"]
@@ -109,7 +109,8 @@ class EpochPlan:
       (see :func:`_even_out_tail`);
     - ``dropped``: samples not in any bin (only with ``oversize="drop"`` or ``drop_last=True``).
 
-    10M samples on 8 ranks: about 100 MB (int32 ``items``), see ``benchmarks/bench_packing_plan.py``.
+    10M samples on 8 ranks: the plan keeps 65 MiB (int32 ``items``); building it takes about 2.7 s and peaks
+    below 190 MiB with the lengths (numpy fallback), see ``benchmarks/results/packing-plan.md``.
 
     >>> plan = PackedBatchSampler([4, 4, 2, 2, 3], budget=4, num_replicas=2).plan()
     >>> plan.steps, plan.schedule.shape, int(plan.rank_tokens.sum())
@@ -295,9 +296,10 @@ class PackedBatchSampler(Sampler[list[int]]):
             raise InvalidArgumentError(f"oversize must be 'error' or 'drop', got {oversize!r}")
         self.oversize = oversize
         self.backend: Backend = backend
-        self.lengths = as_lengths(lengths)
-        if self.lengths.size and int(self.lengths.max()) < 2**31:
-            self.lengths = self.lengths.astype(np.int32)  # half the memory of int64 at 10M+ samples
+        lengths = _int_lengths(lengths)  # validated, no int64 copy of an int32 array
+        # an own copy, int32 when it fits: half the memory of int64 at 10M+ samples
+        self.lengths = lengths.astype(np.int32 if int(lengths.max(initial=0)) < 2**31 else np.int64, copy=True)
+        del lengths
         over = np.flatnonzero(self.lengths > self.budget)
         if over.size and oversize == "error":
             raise oversize_error(  # type: ignore[misc]
@@ -455,7 +457,8 @@ class PackedBatchSampler(Sampler[list[int]]):
 
     def _make_fingerprint(self) -> str:
         h = hashlib.blake2b(digest_size=16)
-        h.update(np.ascontiguousarray(self.lengths, dtype="<i8").tobytes())
+        for a in range(0, self.lengths.size, 1 << 20):  # the int64 bytes, hashed by chunks (no n-sized copy)
+            h.update(np.ascontiguousarray(self.lengths[a : a + (1 << 20)], dtype="<i8").tobytes())
         h.update(
             repr(
                 (self.budget, self.seed, self.shuffle, self.drop_last, self.group_size, self.oversize, self.num_replicas)
@@ -484,7 +487,9 @@ class PackedBatchSampler(Sampler[list[int]]):
         rng = np.random.default_rng([self.seed, epoch])
         n = lengths.size
         index_dtype = np.int32 if n < 2**31 else np.int64
-        order = rng.permutation(n).astype(index_dtype) if self.shuffle else np.arange(n, dtype=index_dtype)
+        order = np.arange(n, dtype=index_dtype)
+        if self.shuffle:  # = rng.permutation(n) (same draws), without its int64 array
+            rng.shuffle(order)
         dropped: list[int] = []
         if self._oversize_dropped.size:
             order = order[lengths[order] <= self.budget]
@@ -492,14 +497,21 @@ class PackedBatchSampler(Sampler[list[int]]):
         # 1-2. pack (globally or per group of shuffled samples), kept as CSR arrays (items, offsets)
         g = order.size if self.group_size is None else self.group_size
         parts_items, parts_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
-        for start in range(0, order.size, max(g, 1)):
-            part = order[start : start + g]
-            items, offsets = pack_arrays(lengths[part], self.budget, backend=self.backend)
-            parts_items.append(part[items])
-            parts_offsets.append(offsets[1:] + base)
-            base += int(offsets[-1])
+        if g >= order.size:  # one group: hand `order` over, so it is freed once mapped (memory at 10M+)
+            holder = [order]
+            del order
+            items, offsets = _pack_csr(lengths, self.budget, self.backend, subset=holder)
+            parts_items.append(items)
+            parts_offsets.append(offsets[1:])
             del items, offsets
-        del order
+        else:
+            for start in range(0, order.size, max(g, 1)):
+                items, offsets = _pack_csr(lengths, self.budget, self.backend, subset=order[start : start + g])
+                parts_items.append(items)
+                parts_offsets.append(offsets[1:] + base)
+                base += int(offsets[-1])
+                del items, offsets
+            del order
         items = parts_items[0] if len(parts_items) == 1 else np.concatenate([np.zeros(0, dtype=index_dtype), *parts_items])
         offsets = np.concatenate(parts_offsets)
         del parts_items, parts_offsets
@@ -555,7 +567,8 @@ def _csr_tokens(items: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> 
     """Tokens per bin of a CSR packing (int64)."""
     if offsets.size <= 1:
         return np.zeros(0, dtype=np.int64)
-    return np.add.reduceat(lengths[items].astype(np.int64, copy=False), offsets[:-1])
+    # a bin holds at most `budget` tokens, so the lengths' own (int32) dtype cannot overflow; no int64 copy
+    return np.add.reduceat(lengths[items], offsets[:-1], dtype=lengths.dtype).astype(np.int64)
 
 
 def _csr_replace(
@@ -567,20 +580,29 @@ def _csr_replace(
     lengths: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Remove the bins ``remove`` (few) and append ``new_bins``; the other bins keep their order."""
-    sizes = np.diff(offsets)
-    keep_bin = np.ones(sizes.size, dtype=bool)
-    keep_bin[remove] = False
-    keep_item = np.ones(items.size, dtype=bool)
-    for b in np.asarray(remove).tolist():
-        keep_item[offsets[b] : offsets[b + 1]] = False
+    remove = np.unique(np.asarray(remove, dtype=np.int64))
     new_sizes = np.array([len(x) for x in new_bins], dtype=np.int64)
-    flat = np.fromiter((i for x in new_bins for i in x), dtype=items.dtype, count=int(new_sizes.sum()))
-    items = np.concatenate((items[keep_item], flat))
-    sizes = np.concatenate((sizes[keep_bin], new_sizes))
+    n_keep = int(items.size - (offsets[remove + 1] - offsets[remove]).sum())
+    out = np.empty(n_keep + int(new_sizes.sum()), dtype=items.dtype)
+    sizes = np.empty(offsets.size - 1 - remove.size + new_sizes.size, dtype=np.int64)
+    # copy the kept stretches between the (few) removed bins: no mask or copy of the n-sized items
+    pos = bpos = 0
+    prev = 0
+    for b in [*remove.tolist(), offsets.size - 1]:
+        seg = items[offsets[prev] : offsets[b]]
+        out[pos : pos + seg.size] = seg
+        pos += seg.size
+        sizes[bpos : bpos + b - prev] = np.diff(offsets[prev : b + 1])
+        bpos += b - prev
+        prev = b + 1
+    out[pos:] = np.fromiter((i for x in new_bins for i in x), dtype=items.dtype, count=out.size - pos)
+    sizes[bpos:] = new_sizes
     offsets = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
+    keep_bin = np.ones(tokens.size, dtype=bool)
+    keep_bin[remove] = False
     new_tokens = np.array([int(lengths[x].sum()) for x in new_bins], dtype=np.int64)
-    return items, offsets, np.concatenate((tokens[keep_bin], new_tokens))
+    return out, offsets, np.concatenate((tokens[keep_bin], new_tokens))
 
 
 def _deal(tokens: np.ndarray, W: int) -> tuple[np.ndarray, np.ndarray]:
@@ -593,19 +615,20 @@ def _deal(tokens: np.ndarray, W: int) -> tuple[np.ndarray, np.ndarray]:
     chunks = by_size.reshape(K, W)
     # Sequential over steps (each step depends on the loads so far), but only the rank ORDER is computed in
     # Python; the bins are then placed with one vectorized scatter.
-    chunk_tokens = tokens[chunks].tolist()
-    perms: list[tuple[int, ...]] = [()] * K
     loads = [0] * W
     ranks = list(range(W))
     key = loads.__getitem__
-    for step in range(K):
-        ranks.sort(key=key)  # stable: ties keep the previous order
-        for t, r in zip(chunk_tokens[step], ranks):
-            loads[r] += t
-        perms[step] = tuple(ranks)
     schedule = np.empty((K, W), dtype=np.int64)
-    if K:
-        np.put_along_axis(schedule, np.array(perms, dtype=np.int64), chunks, axis=1)
+    block = 4096  # steps converted to Python ints at a time (a whole-epoch .tolist() costs ~100 MB at 10M samples)
+    for s0 in range(0, K, block):
+        chunk_tokens = tokens[chunks[s0 : s0 + block]].tolist()
+        perms: list[tuple[int, ...]] = []
+        for step_tokens in chunk_tokens:
+            ranks.sort(key=key)  # stable: ties keep the previous order
+            for t, r in zip(step_tokens, ranks):
+                loads[r] += t
+            perms.append(tuple(ranks))
+        np.put_along_axis(schedule[s0 : s0 + block], np.array(perms, dtype=np.int64), chunks[s0 : s0 + block], axis=1)
     return schedule, np.asarray(loads, dtype=np.int64)
 
 
@@ -651,7 +674,8 @@ def _even_out_tail(
     """
     B = tokens.size
     rem = B % W
-    by_fill = np.lexsort((np.arange(B), tokens))  # least-filled first, ties by id
+    # least-filled first, ties by id (a stable sort; radix on 16-bit keys)
+    by_fill = np.argsort(tokens.astype(np.uint16) if budget < 1 << 16 else tokens, kind="stable")
     sorted_tokens = tokens[by_fill]  # ascending
     best: tuple[int, int, np.ndarray, list[list[int]]] | None = None  # (spread, k, pool bins, new bins)
     if not rem:
@@ -676,7 +700,9 @@ def _even_out_tail(
         _, k, pool_bins, new = best
         if not k:
             return items, offsets, tokens, 0
-        items, offsets, tokens = _csr_replace(items, offsets, tokens, np.sort(pool_bins), new, lengths)
+        pool_bins = np.sort(pool_bins)  # a copy: the bin-sized arrays go before _csr_replace allocates
+        del best, by_fill, sorted_tokens
+        items, offsets, tokens = _csr_replace(items, offsets, tokens, pool_bins, new, lengths)
         return items, offsets, tokens, k
     # last resort (few samples): split the least-filled multi-sample bins (ties: lowest bin id)
     bins = _csr_to_lists(items, offsets)

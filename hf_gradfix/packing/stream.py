@@ -15,12 +15,17 @@ row ``i`` belongs to rank ``i % num_replicas``. ``rank=k`` yields rank ``k``'s r
 all, interleaved (for accelerate, whose ``IterableDatasetShard`` deals element ``i`` to process ``i % W``, i.e.
 ``Trainer`` under DDP). Every rank therefore gets different samples and exactly the same number of rows, so no
 rank waits at the end of a stream. (Every process reads the whole stream to reproduce the global sequence; the
-packing itself is cheap, the reading and tokenizing are duplicated.)
+packing itself is cheap, the reading and tokenizing are duplicated. Reading only a per-rank shard, e.g.
+``datasets.distributed.split_dataset_by_node``, would give each rank a different number of rows, and equal rows
+per step would then need a collective agreement inside the data loader at the end of the stream; not done.)
 
 Resume: :meth:`StreamingPacker.state_dict` is the stream position (samples read), the buffered samples, the rows
 already packed but not yet handed out, and the rows handed out; :meth:`~StreamingPacker.load_state_dict` continues
-from there (skipping the stream to its position, without re-packing), yielding exactly the rows the
-uninterrupted run would have yielded.
+from there (advancing the stream to its position without packing, collating or training on anything before it),
+yielding exactly the rows the uninterrupted run would have yielded. ``state_dict(rows=R)`` gives the state as it
+was after ``R`` rows (a recent history is kept), for a consumer that reads ahead of what it trained on: the
+``Trainer`` stores it in every checkpoint (``hf_gradfix_stream_rank{process}.pt``, ``torch.load(weights_only=True)``)
+and ``resume_from_checkpoint`` continues the packer from it.
 
 Each element yielded is one bin: a list of sample dicts, ready for :class:`~.collator.PackedCollator`.
 
@@ -134,6 +139,10 @@ class StreamingPacker(IterableDataset):
         self._buffer: list[Mapping[str, Any]] = []
         self._pending: list[list[Mapping[str, Any]]] = []
         self._rows = 0
+        # (rows handed out before, samples read, carried buffer, packed rows) at each pack of the current pass:
+        # the state at any recent row count (state_dict(rows=...)), for a consumer that reads ahead of training
+        self._history: list[tuple[int, int, list[Mapping[str, Any]], list[list[Mapping[str, Any]]]]] = []
+        self.history_rows = 64 * num_replicas
         self.tokens_emitted = 0
         self.rows_emitted = 0
 
@@ -235,6 +244,7 @@ class StreamingPacker(IterableDataset):
         if read:
             stream = itertools.islice(stream, read, None)  # the stream's position; nothing is re-packed
         self._read, self._buffer, self._pending, self._rows = read, buffer, pending, rows
+        self._history = [(rows, read, list(buffer), list(pending))]
         lengths = [_length(s, -1, budget) for s in buffer]
 
         def hand_out():
@@ -253,6 +263,7 @@ class StreamingPacker(IterableDataset):
                 buffer[:] = carry
                 lengths = [len(s["input_ids"]) for s in buffer]
                 self._pending = emit
+                self._remember(self._read, buffer, emit)
                 yield from hand_out()
         if buffer:
             emit, _ = self._pack(buffer, lengths, final=True)
@@ -260,7 +271,13 @@ class StreamingPacker(IterableDataset):
         else:
             emit = []
         self._pending = self._even_tail(emit, self._rows)
+        self._remember(self._read, [], self._pending)
         yield from hand_out()
+
+    def _remember(self, read: int, buffer: list[Mapping[str, Any]], rows: list[list[Mapping[str, Any]]]) -> None:
+        self._history.append((self._rows, read, list(buffer), list(rows)))
+        while len(self._history) > 1 and self._history[1][0] + len(self._history[1][3]) < self._rows - self.history_rows:
+            self._history.pop(0)  # keep the packs that cover the last `history_rows` rows
 
     def __iter__(self) -> Iterator[list[Mapping[str, Any]]]:
         W = self.num_replicas
@@ -272,20 +289,42 @@ class StreamingPacker(IterableDataset):
                 yield row
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, rows: int | None = None) -> dict[str, Any]:
         """Stream position (samples read), buffered samples, packed rows not yet handed out, rows handed out
         (global). Bounded by ``buffer_size`` samples.
+
+        ``rows``: the state as it was when exactly ``rows`` global rows had been handed out (a consumer that reads
+        ahead, e.g. a DataLoader that prefetches, saves the state of what it has trained on); it must be one of the
+        last ``history_rows`` rows of the current pass (``ValueError`` otherwise).
 
         >>> p = StreamingPacker([{"input_ids": [1] * n} for n in (3, 2, 4, 1)], token_budget=4, buffer_size=2)
         >>> it = iter(p); _ = next(it); st = p.state_dict(); (st["read"], st["rows"])
         (2, 1)
+        >>> _ = next(it); q = StreamingPacker(p.dataset, 4, buffer_size=2); q.load_state_dict(p.state_dict(rows=1))
+        >>> [len(r[0]["input_ids"]) for r in q]  # rows 2, 3, ... as the uninterrupted pass yields them
+        [4, 2]
         """
+        if rows is None:
+            read, buffer, pending, done = self._read, self._buffer, self._pending, self._rows
+        else:
+            rows = int(rows)
+            for start, read, buffer, packed in reversed(self._history):
+                if start <= rows <= start + len(packed):
+                    pending, done = packed[rows - start :], rows
+                    break
+            else:
+                raise InvalidArgumentError(
+                    f"StreamingPacker.state_dict(rows={rows}): not within the last {self.history_rows} rows of this "
+                    f"pass (rows handed out: {self._rows})"
+                )
+            if rows > self._rows:
+                raise InvalidArgumentError(f"StreamingPacker.state_dict(rows={rows}): only {self._rows} rows handed out")
         return {
             "version": _STATE_VERSION,
-            "read": self._read,
-            "buffer": [dict(s) for s in self._buffer],
-            "pending": [[dict(s) for s in r] for r in self._pending],
-            "rows": self._rows,
+            "read": read,
+            "buffer": [dict(s) for s in buffer],
+            "pending": [[dict(s) for s in r] for r in pending],
+            "rows": done,
             "token_budget": self.token_budget,
             "buffer_size": self.buffer_size,
             "min_fill": self.min_fill,
