@@ -47,8 +47,9 @@ def test_galore_paper_llama7b():
     cfg = load_model_config("llama-7b")
     mesh = ParallelDims(1)
     adam = estimate(cfg, mesh, Settings(dtype="bf16-pure", seq_len=128)).components["optimizer_state"]
+    # the paper keeps GaLore's state in bf16 like the weights (galore-torch; our compat="galore_torch")
     gal = estimate(cfg, mesh, Settings(dtype="bf16-pure", seq_len=128, optimizer="galore_adamw", rank=1024,
-                                       proj_side="std")).components["optimizer_state"]
+                                       proj_side="std", lowrank_state_bytes=2)).components["optimizer_state"]
     gal8 = estimate(cfg, mesh, Settings(dtype="bf16-pure", seq_len=128, optimizer="galore_adamw8bit", rank=1024,
                                         proj_side="std")).components["optimizer_state"]
     assert 1 - gal / adam == pytest.approx(0.655, rel=0.05)  # 65.1 % (std side)
@@ -77,6 +78,35 @@ def test_galore_estimate_equals_measured_state():
     p = estimate(cfg, ParallelDims(1), Settings(dtype="fp32", seq_len=16, micro_batch=2, optimizer="galore_adamw",
                                                rank=16))
     assert p.components["optimizer_state"] == state_bytes(opt)
+
+
+@pytest.mark.parametrize("optimizer", ["galore_adamw", "apollo_adamw", "galore_adamw_galore_torch"])
+def test_lowrank_state_of_bf16_weights_is_counted_as_allocated(optimizer):
+    """bf16 weights without a master copy (--dtype bf16-pure): the planner's optimizer state equals the bytes the
+    optimizer holds after a step, counted tensor by tensor from its state (fp32 low-rank moments and basis in our
+    default, the parameter's dtype under compat="galore_torch", bf16 AdamW moments on the rest)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_gradfix.optim import ApolloAdamW, GaLoreAdamW
+
+    cfg = load_model_config("tiny-llama")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    if optimizer == "apollo_adamw":
+        opt = ApolloAdamW(model, lr=1e-3, rank=16)
+    elif optimizer == "galore_adamw":
+        opt = GaLoreAdamW(model, lr=1e-3, rank=16, proj_method="svd")
+    else:
+        opt = GaLoreAdamW(model, lr=1e-3, rank=16, proj_method="svd", compat="galore_torch")
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor))
+    kw = dict(lowrank_state_bytes=2) if optimizer.endswith("galore_torch") else {}
+    p = estimate(cfg, ParallelDims(1), Settings(dtype="bf16-pure", seq_len=16, micro_batch=2, rank=16,
+                                               optimizer=optimizer.replace("_galore_torch", ""), **kw))
+    assert p.components["optimizer_state"] == held
 
 
 SIM_CASES = [

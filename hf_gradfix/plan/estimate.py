@@ -240,7 +240,11 @@ class Settings:
     # formula: the SwiGLU-decoder closed form written out tensor by tensor; playbook: Korthikanti et al.
     activation_model: str = "traced"
     attention: str = "fused"  # fused (FlashAttention 2 / SDPA: no s x s scores saved) | eager
-    projector_bytes: int | None = None  # bytes per GaLore basis element (None: the moments' unquantized dtype)
+    projector_bytes: int | None = None  # bytes per GaLore basis element (None: as the optimizer allocates it)
+    # bytes per element of a projected matrix's moments (and, for GaLore, its basis) in the non-8-bit low-rank
+    # optimizers. None: 4, because hf_gradfix's GaLoreAdamW / ApolloAdamW keep them in fp32 whatever the weights'
+    # dtype (compat="torch"); galore-torch and compat="galore_torch" keep the parameter's dtype (2 for bf16).
+    lowrank_state_bytes: int | None = None
     lowrank_grads: bool = False  # GaLore low-rank gradient accumulation (rank-r accumulators instead of gradients)
     update_proj_gap: int = 200  # with lowrank_grads: refreshes are staggered over this many steps
 
@@ -451,11 +455,13 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
                 div = d_eff if zero >= 1 else 1
             side = proj.resolve_side(tuple(shape), settings.proj_side, frozenset(sharded))
             moments, basis = galore_state_elements(tuple(shape), rank, side)
-            mom = 1 if opt.endswith("8bit") else momb
-            # bitsandbytes' blockwise state (GaLoreAdamW8bit): uint8 codes + an fp32 absmax per 256, fp32 below 4096
-            mom_b = eight_bit_moment_bytes(moments // 2) if opt.endswith("8bit") else moments * mom
+            # bitsandbytes' blockwise state (GaLoreAdamW8bit): uint8 codes + an fp32 absmax per 256, fp32 below 4096;
+            # its basis is in the parameter's dtype. The full-precision optimizers keep moments and basis in fp32.
+            eight_bit = opt.endswith("8bit")
+            low_b = momb if eight_bit else (settings.lowrank_state_bytes or 4)
+            mom_b = eight_bit_moment_bytes(moments // 2) if eight_bit else moments * low_b
             if opt.startswith("galore"):
-                b = mom_b + basis * (settings.projector_bytes or momb) + 5
+                b = mom_b + basis * (settings.projector_bytes or low_b) + 5
             else:
                 b = mom_b + 8 + 5 + 4
             if settings.lowrank_grads and opt.startswith("galore"):
@@ -558,7 +564,9 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     tp_txt = f", TP-split weights / {tp}" if tp > 1 else ""
     if opt.startswith(("galore", "apollo")):
         opt_txt = (f"{opt} rank {1 if opt == 'apollo_mini' else settings.rank} on {n_proj} matrices "
-                   f"(side {settings.proj_side}), AdamW on the rest")
+                   f"(side {settings.proj_side}; moments "
+                   + ("8-bit blockwise" if opt.endswith("8bit") else f"{settings.lowrank_state_bytes or 4} B/element")
+                   + f"), AdamW on the rest ({1 if opt.endswith('8bit') else momb} B/moment)")
     elif opt == "sgd":
         opt_txt = "SGD without momentum: no state"
     else:
