@@ -42,7 +42,15 @@ def __getattr__(name: str):
         from .integration.callback import GradFixCallback
 
         return GradFixCallback
-    if name in ("GradFixError", "install", "uninstall", "state_of"):
+    if name == "GradFixError":
+        from .errors import GradFixError
+
+        return GradFixError
+    if name == "state_of":
+        from .integration.state import state_of
+
+        return state_of
+    if name in ("install", "uninstall"):
         from .integration import trainer_fix
 
         return getattr(trainer_fix, name)

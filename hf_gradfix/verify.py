@@ -731,7 +731,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _data_ranks(trainer) -> list[bool] | None:
     """Per rank: whether it holds its own data (ranks of one tp x cp group train on the same batches: keep the one at
     tp = cp = 0), or None when every rank does."""
-    from hf_gradfix.integration.trainer_fix import state_of
+    from hf_gradfix.integration.state import state_of
 
     state = state_of(trainer)
     dims = state.nd.dims if state is not None and state.nd is not None else None

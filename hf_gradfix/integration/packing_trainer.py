@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from ..config import ConfigError
 from ..config.schema import PackingConfig
+from .state import _nd_dims
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -122,7 +123,6 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
         )
     dataset, check = _checked_dataset(trainer, cfg)
     lengths = check.lengths
-    from .trainer_fix import _nd_dims
 
     dims = _nd_dims(trainer)  # under an ND mesh accelerate splits batches over the data-parallel ranks only
     world = dims.dp if dims is not None else trainer.accelerator.num_processes
@@ -201,7 +201,6 @@ def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
     packed rows of different lengths cannot be concatenated)."""
     from ..packing.collator import PackedCollator
     from ..packing.stream import StreamingPacker
-    from .trainer_fix import _nd_dims
 
     if cfg.buffer_size < 2:
         raise ConfigError(

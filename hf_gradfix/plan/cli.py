@@ -79,7 +79,7 @@ def _mesh_and_settings(ns, config):
     opt_name, rank, side, targets, exclude, min_size = "adamw", 128, "auto", None, (), 0
     lowrank, gap = False, 200
     if ns.config:
-        from ..cli import resolve_config
+        from ..config.resolve import resolve_config
 
         rc = resolve_config(ns.config, num_processes=ns.num_gpus, micro_batch=ns.micro_batch, seq_len=ns.seq_len,
                             grad_accum=ns.grad_accum, model_config=config)
