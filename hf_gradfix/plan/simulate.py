@@ -21,7 +21,10 @@ import contextlib
 import time
 from typing import Any
 
+from ..torch_private import private
 from .estimate import PlanError, Settings
+
+_SIM = "hf-gradfix plan --simulate"  # what needs torch's private fake-tensor and memory-tracker APIs
 
 __all__ = ["simulate"]
 
@@ -107,7 +110,7 @@ def _device_meshes_built_for_real():
     model is being sharded, i.e. inside ``FakeTensorMode``, where the mesh's rank tensor would become fake and
     the mesh unusable.  For the length of the trace, build those meshes outside fake mode (torch's own
     ``unset_fake_temporarily``); restored on exit."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    unset_fake_temporarily = private("torch._subclasses.fake_tensor", "unset_fake_temporarily", feature=_SIM)
     from torch.distributed.device_mesh import DeviceMesh
 
     original = DeviceMesh.__dict__.get("_concatenate")
@@ -134,11 +137,11 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     on real tensors (one process), which is how the fake trace itself is checked."""
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
+    FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode", feature=_SIM)
+    FSDPMemTracker = private("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", feature=_SIM)
+    MemTracker = private("torch.distributed._tools.mem_tracker", "MemTracker", feature=_SIM)
     settings.check()
     mesh.check_model(config)
     if mesh.cp > 1:
@@ -154,7 +157,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     sharded = mesh.dp_shard * mesh.cp > 1
     started_pg = False
     if sharded or mesh.tp > 1:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        FakeStore = private("torch.testing._internal.distributed.fake_pg", "FakeStore", feature=_SIM)
 
         if dist.is_initialized():
             raise PlanError("--simulate needs to start its own fake process group; one is already initialized")
