@@ -116,9 +116,10 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     if _is_stream(trainer.train_dataset):
         return _streaming_train_dataloader(trainer, cfg, budget)
     if trainer.args.per_device_train_batch_size != 1:
-        logger.warning(
-            "hf_gradfix packing: one packed row of <= %d tokens is one micro-batch; per_device_train_batch_size=%d "
-            "is not used (raise packing.token_budget for larger micro-batches).",
+        # A note, not a problem: with packing the micro-batch is sized in tokens, not in sequences.
+        logger.info(
+            "hf_gradfix packing: each micro-batch is one packed row of <= %d tokens, so per_device_train_batch_size=%d "
+            "does not apply (expected with packing; raise packing.token_budget for larger micro-batches).",
             budget, trainer.args.per_device_train_batch_size,
         )
     dataset, check = _checked_dataset(trainer, cfg)

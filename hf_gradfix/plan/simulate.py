@@ -130,11 +130,14 @@ def _device_meshes_built_for_real():
         DeviceMesh._concatenate = original
 
 
-def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = True) -> dict[str, Any]:
+def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = True,
+             progress: Any = None) -> dict[str, Any]:
     """Trace ``steps`` training steps of rank 0 (bytes): ``peak`` (total), ``at_peak`` (per component at that
     instant), ``after_step`` (what stays between steps: weights, optimizer state), ``max`` (each component's own
     maximum), ``phase`` (forward / backward / optimizer step), ``seconds``.  ``fake=False`` runs the same step
-    on real tensors (one process), which is how the fake trace itself is checked."""
+    on real tensors (one process), which is how the fake trace itself is checked.  ``progress``: called with one
+    line per phase (model built, each step), e.g. ``print``."""
+    say = progress or (lambda line: None)
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -238,6 +241,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                     fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
                 fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
             opt = _make_optimizer(model, settings)
+            say(f"model built{' and sharded' if sharded or mesh.tp > 1 else ''} under fake tensors "
+                f"({time.perf_counter() - t0:.1f} s); tracing {steps} step(s) ...")
             tokens = settings.seq_len // mesh.cp
             ids = torch.randint(0, config.vocab_size, (settings.micro_batch, tokens))
             tracker = (mixin(FSDPMemTracker)(model, opt) if sharded else mixin(MemTracker)())
@@ -260,6 +265,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                     del out  # the logits would otherwise live on into the next step's forward
                     opt.step()
                     opt.zero_grad()
+                    say(f"step {step + 1}/{steps} traced (forward, backward, optimizer step; "
+                        f"{time.perf_counter() - t0:.1f} s)")
                 tracker.timeline_on(False)
                 tracker.timeline_sample(("other", "after step"))
                 after_snap = tracker.get_tracker_snapshot()  # steady state, after the step
