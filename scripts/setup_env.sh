@@ -19,7 +19,8 @@ fi
 # "already satisfied" lines, and keeps a line per package it collects, downloads and installs.
 pip_progress() {
     "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
-        | { grep -v -e "^WARNING: Location" -e "^Requirement already satisfied" -e "^  Using cached" || true; } \
+        | { grep -v -e "^WARNING: Location" -e "^Requirement already satisfied" -e "^  Using cached" -e "^Looking in" \
+                   -e "^  Stored in directory" -e "^  Created wheel" || true; } \
         | sed -u 's/^/    /'
 }
 if "$venv/bin/python" -c "import torch" 2>/dev/null; then
