@@ -1201,7 +1201,8 @@ def plot_loss_curves(path: str, model: Any = None, samples: Sequence[dict] | Non
 
     builder = model if (model is None or callable(model) and not isinstance(model, nn.Module)) else (lambda m=model: copy.deepcopy(m))
     curves = {}
-    for label, bug in (("stock Trainer, compute_loss override", "mean_of_means"), ("hf_gradfix", None)):
+    for k, (label, bug) in enumerate((("stock Trainer, compute_loss override", "mean_of_means"), ("hf_gradfix", None))):
+        _progress(f"loss curves {k + 1}/2: {label}, {steps} step(s) ...")
         rep = verify(builder, samples, config=config, steps=steps, grad_accum=grad_accum, batch_size=batch_size, inject=bug,
                      learning_rate=3e-3)
         curves[label] = ([s.step for s in rep.steps], [s.loss_logged for s in rep.steps], [s.loss_exact for s in rep.steps])
