@@ -22,11 +22,36 @@ from .errors import HfGradfixError
 
 __version__ = "0.1.0"
 
+#: Set to 1 to see the plugin's log lines from every rank (each prefixed with its rank); by default only rank 0
+#: (``$RANK``, set by torchrun / accelerate / hf-gradfix launch) prints, plus errors from any rank.
+ALL_RANKS_ENV = "HF_GRADFIX_ALL_RANKS"
+
+
+class _RankZeroFilter(_logging.Filter):
+    """One copy of each line under a multi-process launch: rank 0's (every rank's with ``HF_GRADFIX_ALL_RANKS=1``;
+    errors always).
+
+    >>> import logging; r = logging.LogRecord("hf_gradfix", logging.INFO, "", 0, "x", None, None)
+    >>> _RankZeroFilter().filter(r), r.hf_gradfix_rank   # one process: no rank prefix
+    (True, '')
+    """
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        import os
+
+        raw = os.environ.get("RANK", "0") or "0"
+        rank = int(raw) if raw.isdigit() else 0
+        every = os.environ.get(ALL_RANKS_ENV, "") not in ("", "0")
+        record.hf_gradfix_rank = f" [rank {rank}]" if rank or (every and "WORLD_SIZE" in os.environ) else ""
+        return rank == 0 or every or record.levelno >= _logging.ERROR
+
+
 _logger = _logging.getLogger("hf_gradfix")
 if not _logger.handlers:
     # One visible line per fixed trainer by default; silence with config `log_fixes: false`.
     _handler = _logging.StreamHandler()
-    _handler.setFormatter(_logging.Formatter("[%(name)s] %(levelname)s: %(message)s"))
+    _handler.addFilter(_RankZeroFilter())
+    _handler.setFormatter(_logging.Formatter("[%(name)s]%(hf_gradfix_rank)s %(levelname)s: %(message)s"))
     _logger.addHandler(_handler)
     _logger.setLevel(_logging.INFO)
     _logger.propagate = False
@@ -42,7 +67,15 @@ def __getattr__(name: str):
         from .integration.callback import GradFixCallback
 
         return GradFixCallback
-    if name in ("GradFixError", "install", "uninstall", "state_of"):
+    if name == "GradFixError":
+        from .errors import GradFixError
+
+        return GradFixError
+    if name == "state_of":
+        from .integration.state import state_of
+
+        return state_of
+    if name in ("install", "uninstall"):
         from .integration import trainer_fix
 
         return getattr(trainer_fix, name)

@@ -17,13 +17,17 @@ This module imports nothing (every capability may import it).
 from __future__ import annotations
 
 __all__ = [
-    "HfGradfixError", "InvalidArgumentError", "InvalidTypeError", "ModelLoadError", "NonFiniteError", "PatchError",
+    "GradFixError", "HfGradfixError", "InvalidArgumentError", "InvalidTypeError", "ModelLoadError", "NonFiniteError", "PatchError",
     "UsageError", "model_load_error",
 ]
 
 
 class HfGradfixError(Exception):
     """Base of every error hf_gradfix raises on purpose; the message says what is wrong and how to fix it."""
+
+
+class GradFixError(HfGradfixError, RuntimeError):
+    """hf_gradfix cannot make this trainer's loss exact; the message says why and what to do."""
 
 
 class InvalidArgumentError(HfGradfixError, ValueError):

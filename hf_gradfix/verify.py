@@ -45,11 +45,13 @@ import contextlib
 import copy
 import inspect
 import json
+import logging
 import math
 import os
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -60,6 +62,14 @@ from torch import nn
 from .loss.counting import IGNORE_INDEX as IGNORE
 from .loss.counting import CountRule
 from .errors import InvalidArgumentError, InvalidTypeError
+
+_log = logging.getLogger("hf_gradfix")
+
+
+def _progress(message: str, since: float | None = None) -> None:
+    """One progress line per phase on the plugin's log (stderr; rank 0 only unless HF_GRADFIX_ALL_RANKS=1)."""
+    took = f" [{time.perf_counter() - since:.1f} s]" if since is not None else ""
+    _log.info("verify: %s%s", message, took)
 
 __all__ = ["verify", "verify_trainer", "verdict_of", "VerifyReport", "StepResult", "HYPOTHESES", "tiny_model",
            "synthetic_samples", "BUGS", "plot_report"]
@@ -731,7 +741,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _data_ranks(trainer) -> list[bool] | None:
     """Per rank: whether it holds its own data (ranks of one tp x cp group train on the same batches: keep the one at
     tp = cp = 0), or None when every rank does."""
-    from hf_gradfix.integration.trainer_fix import state_of
+    from hf_gradfix.integration.state import state_of
 
     state = state_of(trainer)
     dims = state.nd.dims if state is not None and state.nd is not None else None
@@ -879,6 +889,8 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     saved_callbacks = list(trainer.callback_handler.callbacks)
     recorder = _Recorder()
     tmp = tempfile.mkdtemp(prefix="hf_gradfix_verify_")
+    t0 = time.perf_counter()
+    _progress(f"1/2 the run under test: {type(trainer).__name__}.train() for {steps} step(s), gradients recorded ...")
     with _saved_rng(), _no_dropout(model):
         try:
             args.max_grad_norm = 0.0  # clipping acts after the gradient is formed
@@ -907,7 +919,11 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
             model, trainable_ref = reference_model, [(n, ref_params[n]) for n, _ in trainable]
         else:
             trainable_ref = trainable
+        _progress(f"2/2 the reference: each step's exact gradient recomputed in plain PyTorch on the batches the "
+                  f"trainer drew (run under test took {time.perf_counter() - t0:.1f} s) ...")
+        t1 = time.perf_counter()
         report = _compare(trainer, model, recorded, returned, marks, grads, params_at, trainable_ref, tolerance)
+        _progress("done", since=t1)
         model = trainer.model
         if len(report.steps) < steps:
             report.notes.append(f"the trainer took {len(report.steps)} of the {steps} steps asked for (its data ran out)")
@@ -964,6 +980,7 @@ def _compare(trainer, model, recorded, returned, marks, grads, params_at, traina
                 p.copy_(params_at[step][n].to(p.device, p.dtype))
         step_notes: list[str] = []
         refs, loss_exact, facts = references(ctx, window, grad_accum=ga, notes=step_notes)
+        _progress(f"   reference step {step + 1}/{len(grads)} computed")
         for note in step_notes:
             if note not in notes:
                 notes.append(note)
@@ -1085,6 +1102,7 @@ def verify(
 
         # an ND mesh (tp / FSDP2 / cp) shards the model in place when the trainer is built: keep an unsharded copy
         unsharded = copy.deepcopy(model) if requested(cfg.parallel) else None
+        _progress(f"building the Trainer ({launched} rank(s), GA {grad_accum}, packing {'on' if cfg.packing.enabled else 'off'}) ...")
         trainer = base(model=model, args=args, train_dataset=_ListDataset(samples), data_collator=collator,
                        callbacks=[hf_gradfix.GradFixCallback(cfg)])
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # keep stdout for the report
@@ -1183,7 +1201,8 @@ def plot_loss_curves(path: str, model: Any = None, samples: Sequence[dict] | Non
 
     builder = model if (model is None or callable(model) and not isinstance(model, nn.Module)) else (lambda m=model: copy.deepcopy(m))
     curves = {}
-    for label, bug in (("stock Trainer, compute_loss override", "mean_of_means"), ("hf_gradfix", None)):
+    for k, (label, bug) in enumerate((("stock Trainer, compute_loss override", "mean_of_means"), ("hf_gradfix", None))):
+        _progress(f"loss curves {k + 1}/2: {label}, {steps} step(s) ...")
         rep = verify(builder, samples, config=config, steps=steps, grad_accum=grad_accum, batch_size=batch_size, inject=bug,
                      learning_rate=3e-3)
         curves[label] = ([s.step for s in rep.steps], [s.loss_logged for s in rep.steps], [s.loss_exact for s in rep.steps])

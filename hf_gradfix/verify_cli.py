@@ -41,6 +41,9 @@ def add_verify_arguments(ver: argparse.ArgumentParser) -> None:
                      help="relative gradient and loss error that counts as exact (default: 1e-05)")
     ver.add_argument("--json", action="store_true", help="print the report as JSON (the script's own output goes to stderr)")
     ver.add_argument("--plot", default=None, metavar="FILE.png", help="draw the run's error against every reference")
+    ver.add_argument("--all-ranks", action="store_true",
+                     help="under a multi-process launch, show every rank's log lines and Python warnings (default: rank 0's; "
+                          "same as HF_GRADFIX_ALL_RANKS=1)")
     built = ver.add_argument_group("built-in run (no script after --)")
     built.add_argument("--model", default=None, help="'tiny' (the default), a local directory or a hub id (causal LM)")
     built.add_argument("--config", default=None, help="YAML with the hf_gradfix section (default: $HF_GRADFIX_CONFIG)")
@@ -170,6 +173,19 @@ def _print_report(report: Any, ns: argparse.Namespace) -> None:
             print(f"plot: {ns.plot}")
 
 
+def _one_voice(all_ranks: bool) -> None:
+    """Under a launch every rank runs verify: rank 0 speaks (the plugin's log is filtered by rank in
+    ``hf_gradfix/__init__.py``; here the Python warnings too, which every rank would repeat), unless asked."""
+    import warnings
+
+    from . import ALL_RANKS_ENV
+
+    if all_ranks:
+        os.environ[ALL_RANKS_ENV] = "1"
+    elif int(os.environ.get("RANK", "0") or 0) != 0 and os.environ.get(ALL_RANKS_ENV, "") in ("", "0"):
+        warnings.simplefilter("ignore")
+
+
 def verify_main(argv: Sequence[str]) -> int:
     """``hf-gradfix verify ...``; returns the exit code (0 EXACT, 1 NOT EXACT, 2 nothing checked)."""
     argv = list(argv)
@@ -186,6 +202,7 @@ def verify_main(argv: Sequence[str]) -> int:
                                      "  hf-gradfix verify --model tiny --grad-accum 4 --steps 2   # the built-in run")
     add_verify_arguments(parser)
     ns = parser.parse_args(argv)
+    _one_voice(ns.all_ranks)
     for flag, value in (("--steps", ns.steps), ("--grad-accum", ns.grad_accum), ("--batch-size", ns.batch_size),
                         ("--plot-steps", ns.plot_steps)):
         if value is not None and value < 1:

@@ -3,5 +3,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+start=$SECONDS
+echo "== [demo +0s] 1/2 set up .venv (first run: a few minutes of pip; a line per package) =="
 bash scripts/setup_env.sh .venv demo
+echo "== [demo +$((SECONDS - start))s] 2/2 fine-tuning: reference, stock Trainer, hf_gradfix (a line per run) =="
 .venv/bin/python examples/finetune_demo.py "$@"
+echo "== [demo +$((SECONDS - start))s] done =="

@@ -133,7 +133,7 @@ def test_registration_is_idempotent_reversible_and_version_gated(monkeypatch):
     assert (propagator.op_strategy_funcs.get(forward), cp.custom_ops.get(forward)) == before
     monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
     monkeypatch.delenv("HF_GRADFIX_ALLOW_UNTESTED", raising=False)
-    with pytest.raises(cra.UnsupportedTorchError, match="written for torch 2.13, not 2.99.0"):
+    with pytest.raises(cra.UnsupportedTorchError, match="written for torch 2.13 / 2.14, not 2.99.0"):
         cra.register()
     assert not cra.registered()
 
@@ -325,7 +325,7 @@ def test_setup_refuses_cp_on_cpu_with_an_untested_torch(monkeypatch):
 
     monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
     monkeypatch.delenv("HF_GRADFIX_ALLOW_UNTESTED", raising=False)
-    with pytest.raises(nd.NDParallelError, match="written for torch 2.13, not 2.99.0"):
+    with pytest.raises(nd.NDParallelError, match="written for torch 2.13 / 2.14, not 2.99.0"):
         nd.setup(ND.fake_trainer(W.build_model(attn="sdpa"), world=2), ND.section(dp_shard=1, cp=2))
 
 

@@ -298,10 +298,24 @@ def _cpu_yaml(tmp_path):
 def test_two_ranks_through_hf_gradfix_launch(tmp_path, inject, code, expect):
     cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(_cpu_yaml(tmp_path)), "-m", "hf_gradfix",
            "verify", "--steps", "1"]
-    cmd += ["--inject", inject] if inject else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd += ["--inject", inject] if inject else ["--packing"]  # packing: the run whose notes every rank used to repeat
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HF_GRADFIX_ALL_RANKS", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert (proc.returncode != 0) == bool(code), proc.stderr[-2000:]
     assert "2 rank(s)" in proc.stdout and expect in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    # One voice: rank 0 prints the report, the plugin's log lines and Python warnings once; a line per phase.
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("[hf_gradfix]")]
+    assert ours and len(ours) == len(set(ours)), "\n".join(ours)
+    assert not any("[rank 1]" in line for line in ours), "\n".join(ours)
+    assert sum("UserWarning" in line for line in proc.stderr.splitlines()) <= 1, proc.stderr[-3000:]
+    for phase in ("verify: building the Trainer", "verify: 1/2 the run under test", "verify: 2/2 the reference",
+                  "verify: done"):
+        assert sum(phase in line for line in ours) == 1, (phase, ours)
+    assert proc.stdout.count(expect) == 1
+    if inject is None:
+        note = next(line for line in ours if "per_device_train_batch_size" in line)
+        assert "INFO" in note and "does not apply (expected with packing" in note, note
 
 
 @pytest.mark.distributed

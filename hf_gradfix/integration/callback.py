@@ -7,9 +7,10 @@ import sys
 from transformers import Trainer, TrainerCallback
 
 from ..config import GradFixConfig, config_to_dict, load_config
-from .trainer_fix import install, state_of
-from .versions import check_supported
 from ..errors import HfGradfixError
+from .patching import fix_trainer, swap_to_fixed_class
+from .state import state_of
+from .versions import check_supported
 
 
 class GradFixCallbackError(HfGradfixError, RuntimeError):
@@ -69,7 +70,7 @@ class GradFixCallback(TrainerCallback):
                     "add_callback after construction). Pass it at construction, Trainer(..., callbacks=[GradFixCallback(...)]), "
                     "or use hf_gradfix.patch()."
                 )
-            install(trainer, self.config, source="GradFixCallback")
+            fix_trainer(trainer, self.config, source="GradFixCallback")
         else:
             self._override_patch(trainer)
         from .nonfinite import attach
@@ -80,7 +81,6 @@ class GradFixCallback(TrainerCallback):
     def _override_patch(self, trainer: Trainer) -> None:
         """The rule for two configurations on one trainer: the callback's wins (see :mod:`.patching`)."""
         from .patching import _differences, warn_overridden
-        from .trainer_fix import fixed_class_for
 
         state = state_of(trainer)
         if state.source == "GradFixCallback" or state.config == self.config:
@@ -100,7 +100,7 @@ class GradFixCallback(TrainerCallback):
         state.config = self.config
         state.source = "GradFixCallback"
         if self.config.loss.enabled:
-            trainer.__class__ = fixed_class_for(type(trainer))
+            swap_to_fixed_class(trainer)
 
     def on_init_end(self, args, state, control, **kwargs):
         self._attach(state)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import GradFixError
+
 __all__ = ["check_launched_world"]
 
 
@@ -17,7 +19,6 @@ def check_launched_world(trainer: Any) -> None:
 
     >>> import types; check_launched_world(types.SimpleNamespace(accelerator=types.SimpleNamespace(num_processes=1)))
     """
-    from .trainer_fix import GradFixError
 
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
     accelerator = getattr(trainer, "accelerator", None)

@@ -42,7 +42,7 @@ from transformers import Trainer, TrainerCallback
 from ..diagnostics.noise_scale import NoiseScaleEstimate, NoiseScaleMonitor, plot_noise_scale
 from ..loss.counting import CountRule, count_targets, is_token_level
 from .callback import _find_trainer
-from .trainer_fix import _dp_world, state_of
+from .state import _dp_world, state_of
 from ..errors import HfGradfixError, InvalidArgumentError
 
 logger = logging.getLogger("hf_gradfix")

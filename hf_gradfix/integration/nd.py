@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from ..config.resolve import parallel_requested as requested  # noqa: F401  (the rule lives with the config)
 from ..config.schema import ParallelConfig
 from ..parallel.dims import ParallelDims
 from .versions import ALLOW_UNTESTED_ENV
@@ -102,15 +103,6 @@ class NDPlan:
 # ----------------------------------------------------------------------------------------------------------------
 # Degrees
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def requested(section: ParallelConfig) -> bool:
-    """True when the ``parallel`` section differs from its defaults (the defaults mean: leave the launch as is).
-
-    >>> requested(ParallelConfig()), requested(ParallelConfig(tp=2))
-    (False, True)
-    """
-    return dataclasses.asdict(section) != dataclasses.asdict(ParallelConfig())
 
 
 def _dims_from_section(section: ParallelConfig, world_size: int) -> ParallelDims:
@@ -541,7 +533,7 @@ def _cp_inputs_hook(trainer, plan: NDPlan):
     float64 = torch.float64 in model_dtype
 
     def _prepare_context_parallel_inputs(model, inputs):
-        from .trainer_fix import state_of
+        from .state import state_of
 
         state = state_of(trainer)
         if state is not None and not state.config.loss.enabled:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..config.schema import OptimizerConfig
+from ..errors import GradFixError
 from ..optim import ApolloAdamW, GaLoreAdamW, GaLoreAdamW8bit, LowRankAdamW, apollo_mini
 
 __all__ = ["build_low_rank_optimizer", "optimizer_requested", "check_optimizer_setup"]
@@ -104,7 +105,6 @@ def _kwargs_from_config(cfg: OptimizerConfig) -> dict:
 
 def check_optimizer_setup(trainer: Any, cfg: OptimizerConfig) -> None:
     """Refuse setups a low-rank optimizer cannot be exact in, before any work is done."""
-    from .trainer_fix import GradFixError
 
     args = trainer.args
     optim_name = str(getattr(args.optim, "value", args.optim))

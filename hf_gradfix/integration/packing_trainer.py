@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from ..config import ConfigError
 from ..config.schema import PackingConfig
+from .state import _nd_dims
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -117,14 +118,14 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     if _is_stream(trainer.train_dataset):
         return _streaming_train_dataloader(trainer, cfg, budget)
     if trainer.args.per_device_train_batch_size != 1:
-        logger.warning(
-            "hf_gradfix packing: one packed row of <= %d tokens is one micro-batch; per_device_train_batch_size=%d "
-            "is not used (raise packing.token_budget for larger micro-batches).",
+        # A note, not a problem: with packing the micro-batch is sized in tokens, not in sequences.
+        logger.info(
+            "hf_gradfix packing: each micro-batch is one packed row of <= %d tokens, so per_device_train_batch_size=%d "
+            "does not apply (expected with packing; raise packing.token_budget for larger micro-batches).",
             budget, trainer.args.per_device_train_batch_size,
         )
     dataset, check = _checked_dataset(trainer, cfg)
     lengths = check.lengths
-    from .trainer_fix import _nd_dims
 
     dims = _nd_dims(trainer)  # under an ND mesh accelerate splits batches over the data-parallel ranks only
     world = dims.dp if dims is not None else trainer.accelerator.num_processes
@@ -308,7 +309,6 @@ def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
     packed rows of different lengths cannot be concatenated)."""
     from ..packing.collator import PackedCollator
     from ..packing.stream import StreamingPacker
-    from .trainer_fix import _nd_dims
 
     if cfg.buffer_size < 2:
         raise ConfigError(

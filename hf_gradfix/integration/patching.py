@@ -73,8 +73,6 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
             return resolved  # idempotent: already installed, configuration updated
         from transformers import Trainer
 
-        from .trainer_fix import install
-
         original_init = Trainer.__init__
 
         @functools.wraps(original_init)
@@ -82,7 +80,7 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
             original_init(self, *args, **kwargs)
             # Only the outermost __init__ call installs (a subclass's __init__ may run more code after
             # super().__init__; install only swaps the class and attaches state, so order does not matter).
-            state = install(self, _config, source="patch()")
+            state = fix_trainer(self, _config, source="patch()")
             if state.source != "patch()":  # a GradFixCallback passed to the constructor installed first: it wins
                 warn_overridden(_config, state.config, winner=state.source, loser="patch()")
             from .nonfinite import attach
@@ -147,3 +145,23 @@ def warn_overridden(overridden: GradFixConfig | None, kept: GradFixConfig, *, wi
             winner, loser, "; ".join(f"hf_gradfix.{d}" for d in diffs),
         )
     return diffs
+
+
+def fix_trainer(trainer: Any, config: GradFixConfig, source: str) -> Any:
+    """Install the fixes on one trainer (idempotent) and return its state: the one way in for ``patch()`` and
+    ``GradFixCallback``, so that only this module reaches into :mod:`.trainer_fix`.
+
+    >>> callable(fix_trainer)
+    True
+    """
+    from .trainer_fix import install
+
+    return install(trainer, config, source)
+
+
+def swap_to_fixed_class(trainer: Any) -> None:
+    """Give an already installed trainer the loss-fixing class (used when a callback's configuration turns the
+    loss fix on over ``patch()``'s)."""
+    from .trainer_fix import fixed_class_for
+
+    trainer.__class__ = fixed_class_for(type(trainer))

@@ -25,142 +25,32 @@ import inspect
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import Trainer
 
 from ..config import GradFixConfig
-from ..errors import HfGradfixError
+from ..errors import GradFixError
 from ..loss.counting import CountRule, count_targets, mean_term_share
 from ..loss.probe import LossBehaviour, NonFiniteProbeError, ProbeError, detect_count_rule, probe_honors_num_items
+from .state import (  # noqa: F401  (re-exported: documented and imported from here by user code and tests)
+    _STATE_ATTR,
+    GradFixState,
+    _dp_world,
+    _EvalTotals,
+    _nd_dims,
+    _replicated_divisor,
+    _tp_size,
+    _Window,
+    state_of,
+)
 from .versions import transformers_major
 
 logger = logging.getLogger("hf_gradfix")
 
-_STATE_ATTR = "_gradfix"
-
-
-class GradFixError(HfGradfixError, RuntimeError):
-    """hf_gradfix cannot make this trainer's loss exact; the message says why and what to do."""
-
-
 class _ProbeDeferred(GradFixError):
     """The probe batch's loss was not finite: undecided, probe again on a later window (the run goes on as stock)."""
-
-
-# ----------------------------------------------------------------------------------------------------
-# Per-trainer state
-# ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Window:
-    global_count: float | None  # targets in the whole optimizer window on all data ranks; None: no labels
-    micro_batches: int
-
-
-@dataclass
-class _EvalTotals:
-    loss_sum: float = 0.0
-    targets: float = 0.0
-    aux_sum: float = 0.0
-    aux_batches: float = 0.0
-
-
-@dataclass
-class GradFixState:
-    """Everything hf_gradfix knows about one trainer. Attached as ``trainer._gradfix``."""
-
-    config: GradFixConfig
-    source: str
-    probed: bool = False
-    flags_set: bool = False
-    chain_is_default: bool = True
-    model: LossBehaviour | None = None  # the model's own loss
-    default: LossBehaviour | None = None  # what _GradFixDefaultLoss produces (model / compute_loss_func / smoother)
-    func: LossBehaviour | None = None  # compute_loss_func
-    chain: LossBehaviour | None = None  # the effective compute_loss (user override, TRL, ...)
-    aux_coef: float = 0.0
-    window: _Window | None = None
-    eval_totals: _EvalTotals | None = None
-    last_aux: float = 0.0
-    in_probe: bool = False
-    no_labels_logged: bool = False
-    disabled_reason: str | None = None  # set when a probe failed and on_undetermined is "warn"
-    stock_window: bool = False  # this optimizer window runs exactly as stock transformers (probe deferred)
-    deferred_logged: bool = False
-    packing_line: str | None = None  # what prepare_model_for_packing did, for the fix log
-    optimizer_line: str | None = None  # which low-rank optimizer create_optimizer built, for the fix log
-    saved_accepts_loss_kwargs: Any = None
-    nd: Any = None  # the ND-parallel plan (hf_gradfix.integration.nd.NDPlan) when a mesh is in force
-    fixes: list[str] = field(default_factory=list)
-
-    @property
-    def enabled(self) -> bool:
-        return self.config.loss.enabled and not self.in_probe and self.disabled_reason is None and not self.stock_window
-
-
-def state_of(trainer: Trainer) -> GradFixState | None:
-    """The :class:`GradFixState` of a fixed trainer (what the probes found, the fixes applied), or None.
-
-    ``state.fixes`` is filled on the trainer's first batch with labels (the probes are lazy).
-
-    >>> import hf_gradfix, transformers
-    >>> hf_gradfix.state_of(object.__new__(transformers.Trainer)) is None   # a trainer nobody fixed
-    True
-    """
-    return trainer.__dict__.get(_STATE_ATTR)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------------
-
-
-def _nd_dims(trainer: Trainer):
-    """The validated ND-parallel degrees (``ParallelDims``) of this trainer's mesh, or None."""
-    state = state_of(trainer)
-    plan = state.nd if state is not None else None
-    return plan.dims if plan is not None else None
-
-
-def _tp_size(trainer: Trainer) -> int:
-    dims = _nd_dims(trainer)
-    if dims is not None:
-        return dims.tp
-    get = getattr(trainer, "get_tp_size", None)
-    return int(get()) if callable(get) else 1
-
-
-def _dp_world(trainer: Trainer) -> int:
-    """Replicas whose gradients DDP/FSDP average: the Trainer's own ``num_processes // tp`` factor
-    (with a mesh: dp_replicate x dp_shard x cp, over which FSDP2 averages)."""
-    dims = _nd_dims(trainer)
-    if dims is not None:
-        return dims.dp_cp
-    return max(1, trainer.accelerator.num_processes // _tp_size(trainer))
-
-
-def _replicated_divisor(trainer: Trainer) -> int:
-    """Ranks that see the same batch (tp x cp x sp), mirroring transformers' own divisor.
-
-    The window count is all-reduced over the world; ranks of one tp group hold the same tokens (checked on the
-    first window by ``nd.check_window``) and CP counts full sequences before they are split, so dividing by
-    tp x cp gives the sum over the data-parallel ranks alone."""
-    dims = _nd_dims(trainer)
-    if dims is not None:
-        return dims.non_data_parallel
-    pc = getattr(trainer.accelerator, "parallelism_config", None)
-    if pc is not None and hasattr(pc, "non_data_parallel_size"):
-        return max(1, int(pc.non_data_parallel_size))
-    size = _tp_size(trainer)
-    for name in ("get_cp_size", "get_sp_size"):
-        get = getattr(trainer, name, None)
-        if callable(get):
-            size *= int(get())
-    return max(1, size)
 
 
 def _has_labels(batch: Any) -> bool:

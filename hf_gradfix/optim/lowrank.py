@@ -26,6 +26,7 @@ from torch import nn
 
 from . import projection as proj
 from ..errors import InvalidArgumentError, InvalidTypeError, NonFiniteError, UsageError
+from ..torch_private import require
 from .groups import OptimizerConfigError, low_rank_param_groups, select_targets
 
 __all__ = ["LowRankAdamW"]
@@ -51,6 +52,10 @@ def _sharded_dims(p: torch.Tensor) -> frozenset[int]:
     if not _is_dtensor(p):
         return frozenset()
     return frozenset(pl.dim for pl in p.placements if pl.is_shard())
+
+
+_FOREACH = ("_foreach_norm", "_foreach_mul_", "_foreach_lerp_", "_foreach_addcmul_", "_foreach_sqrt", "_foreach_div_",
+            "_foreach_add_", "_foreach_addcdiv_")
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -152,6 +157,8 @@ class LowRankAdamW(torch.optim.Optimizer):
         # Set by hf_gradfix's Trainer guard, which then owns the non-finite check (one warning, one decision).
         self.nonfinite_checked_by_caller = False
         groups, names = self._intake(params, targets, exclude, weight_decay, no_decay)
+        require(torch, _FOREACH, feature=type(self).__name__)  # torch private ops: one clear line if gone
+        require(torch._utils, ("_flatten_dense_tensors", "_unflatten_dense_tensors"), feature=type(self).__name__)
         super().__init__(groups, defaults)
         for group in self.param_groups:
             self._validate_group(group)

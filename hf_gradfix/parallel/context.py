@@ -159,7 +159,10 @@ def context_parallel_block(
     the duration (:mod:`hf_gradfix.parallel.cpu_ring_attention`). ``float64``: keep torch's ring merge in fp64."""
     import torch.nn.functional as F
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+    from ..torch_private import private
+
+    cp_attention = private("torch.distributed.tensor.experimental._context_parallel", "_attention",
+                           feature="context parallelism (parallel.cp > 1)")
 
     from . import cpu_ring_attention
 

@@ -17,7 +17,7 @@ torch's CP changes: the head-tail load balancer, all-gather / all-to-all rotatio
 
 **Private torch APIs** (``torch.distributed.tensor._ops.utils``, ``DTensor._op_dispatcher``,
 ``torch.distributed.tensor.experimental._context_parallel._attention``): written for and tested on torch
-2.13; :func:`register` refuses other versions with one line (``HF_GRADFIX_ALLOW_UNTESTED=1`` to try anyway).
+2.13 and 2.14; :func:`register` refuses other versions with one line (``HF_GRADFIX_ALLOW_UNTESTED=1`` to try anyway).
 Idempotent, reversible (:func:`unregister`). On CUDA nothing of this is needed (torch's own handlers run).
 
 >>> from hf_gradfix.parallel import cpu_ring_attention as cra
@@ -38,7 +38,7 @@ from ..errors import HfGradfixError, UsageError
 __all__ = ["register", "unregister", "registered", "TESTED_TORCH", "UnsupportedTorchError"]
 
 #: torch versions whose private CP internals this module was written against (``major.minor`` prefixes).
-TESTED_TORCH = ("2.13",)
+TESTED_TORCH = ("2.13", "2.14")  # 2.14.1: the whole CP suite passes (issue 20)
 ALLOW_UNTESTED_ENV = "HF_GRADFIX_ALLOW_UNTESTED"
 _SEQ_DIM = 2
 

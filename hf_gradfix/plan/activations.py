@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..torch_private import private
+
+_TRACE = "hf-gradfix plan (the traced activation model)"  # what needs torch's private fake-tensor APIs
 
 __all__ = ["ActivationTrace", "trace_activations", "decoder_layers", "TRACE_ATTENTION", "prepare_config",
            "fake_kernel_mode"]
@@ -143,7 +146,7 @@ def fake_kernel_mode():
     """A dispatch mode for fake-tensor traces: fp32 ``grouped_mm`` (MoE experts) runs as a bf16 shape stand-in,
     because the fake kernel accepts bf16 only; the result is fp32 with the real shape."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode", feature=_TRACE)
 
     grouped = getattr(torch.ops.aten, "_grouped_mm", None)
 
@@ -201,7 +204,8 @@ def trace_activations(config, *, micro_batch: int, seq_len: int, dtype: str = "b
 def data_dependent_refused(config):
     """Turn fake tensors' refusal of a data-dependent shape into the planner's error (e.g. MoE experts as a
     Python loop over ``nonzero`` routing, transformers 4.x: 5.x runs them as ``grouped_mm``)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    DataDependentOutputException = private("torch._subclasses.fake_tensor", "DataDependentOutputException", feature=_TRACE)
+    DynamicOutputShapeException = private("torch._subclasses.fake_tensor", "DynamicOutputShapeException", feature=_TRACE)
 
     from .estimate import PlanError
 
@@ -223,10 +227,10 @@ _CONFIGS: dict[str, Any] = {}  # cache key -> the config it was made from
 @functools.lru_cache(maxsize=64)
 def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attention: str) -> ActivationTrace:
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode", feature=_TRACE)
     from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode", feature=_TRACE)
+    tree_leaves = private("torch.utils._pytree", "tree_leaves", feature=_TRACE)
     from transformers import AutoModelForCausalLM
 
     config = prepare_config(_CONFIGS[key])
@@ -361,8 +365,8 @@ def _backward_working_set(ends: dict, known: set, by_layer: list[list]) -> int:
     saved tensors, released as autograd goes) plus every gradient temporary alive: the maximum over the step."""
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode", feature=_TRACE)
+    tree_leaves = private("torch.utils._pytree", "tree_leaves", feature=_TRACE)
 
     x, y = ends.get("input"), ends.get("output")
     if x is None or y is None or not (x.requires_grad and y.requires_grad):

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from typing import Sequence
 
 from .estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model_config, param_table, parse_memory
@@ -79,7 +80,7 @@ def _mesh_and_settings(ns, config):
     opt_name, rank, side, targets, exclude, min_size = "adamw", 128, "auto", None, (), 0
     lowrank, gap = False, 200
     if ns.config:
-        from ..cli import resolve_config
+        from ..config.resolve import resolve_config
 
         rc = resolve_config(ns.config, num_processes=ns.num_gpus, micro_batch=ns.micro_batch, seq_len=ns.seq_len,
                             grad_accum=ns.grad_accum, model_config=config)
@@ -217,7 +218,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         if ns.simulate or ns.timeline:
             from .simulate import simulate
 
-            sim = simulate(config, mesh, s)
+            started = time.perf_counter()
+            print(f"hf-gradfix plan: simulating one training step of rank 0 under fake tensors "
+                  f"({mesh.world_size} rank(s)) ...", file=sys.stderr, flush=True)
+            sim = simulate(config, mesh, s, progress=lambda line: print(
+                f"hf-gradfix plan: [{time.perf_counter() - started:.0f} s] {line}", file=sys.stderr, flush=True))
             out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}
             out["simulated"]["timeline"] = sim["timeline"].to_dict()
             if ns.timeline:

@@ -21,7 +21,10 @@ import contextlib
 import time
 from typing import Any
 
+from ..torch_private import private
 from .estimate import PlanError, Settings
+
+_SIM = "hf-gradfix plan --simulate"  # what needs torch's private fake-tensor and memory-tracker APIs
 
 __all__ = ["simulate"]
 
@@ -107,7 +110,7 @@ def _device_meshes_built_for_real():
     model is being sharded, i.e. inside ``FakeTensorMode``, where the mesh's rank tensor would become fake and
     the mesh unusable.  For the length of the trace, build those meshes outside fake mode (torch's own
     ``unset_fake_temporarily``); restored on exit."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    unset_fake_temporarily = private("torch._subclasses.fake_tensor", "unset_fake_temporarily", feature=_SIM)
     from torch.distributed.device_mesh import DeviceMesh
 
     original = DeviceMesh.__dict__.get("_concatenate")
@@ -127,18 +130,21 @@ def _device_meshes_built_for_real():
         DeviceMesh._concatenate = original
 
 
-def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = True) -> dict[str, Any]:
+def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = True,
+             progress: Any = None) -> dict[str, Any]:
     """Trace ``steps`` training steps of rank 0 (bytes): ``peak`` (total), ``at_peak`` (per component at that
     instant), ``after_step`` (what stays between steps: weights, optimizer state), ``max`` (each component's own
     maximum), ``phase`` (forward / backward / optimizer step), ``seconds``.  ``fake=False`` runs the same step
-    on real tensors (one process), which is how the fake trace itself is checked."""
+    on real tensors (one process), which is how the fake trace itself is checked.  ``progress``: called with one
+    line per phase (model built, each step), e.g. ``print``."""
+    say = progress or (lambda line: None)
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
+    FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode", feature=_SIM)
+    FSDPMemTracker = private("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", feature=_SIM)
+    MemTracker = private("torch.distributed._tools.mem_tracker", "MemTracker", feature=_SIM)
     settings.check()
     mesh.check_model(config)
     if mesh.cp > 1:
@@ -154,7 +160,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     sharded = mesh.dp_shard * mesh.cp > 1
     started_pg = False
     if sharded or mesh.tp > 1:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        FakeStore = private("torch.testing._internal.distributed.fake_pg", "FakeStore", feature=_SIM)
 
         if dist.is_initialized():
             raise PlanError("--simulate needs to start its own fake process group; one is already initialized")
@@ -235,6 +241,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                     fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
                 fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
             opt = _make_optimizer(model, settings)
+            say(f"model built{' and sharded' if sharded or mesh.tp > 1 else ''} under fake tensors "
+                f"({time.perf_counter() - t0:.1f} s); tracing {steps} step(s) ...")
             tokens = settings.seq_len // mesh.cp
             ids = torch.randint(0, config.vocab_size, (settings.micro_batch, tokens))
             tracker = (mixin(FSDPMemTracker)(model, opt) if sharded else mixin(MemTracker)())
@@ -257,6 +265,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                     del out  # the logits would otherwise live on into the next step's forward
                     opt.step()
                     opt.zero_grad()
+                    say(f"step {step + 1}/{steps} traced (forward, backward, optimizer step; "
+                        f"{time.perf_counter() - t0:.1f} s)")
                 tracker.timeline_on(False)
                 tracker.timeline_sample(("other", "after step"))
                 after_snap = tracker.get_tracker_snapshot()  # steady state, after the step

@@ -1,0 +1,185 @@
+"""Resolve a combined accelerate + hf_gradfix YAML into what a launch will run: world size, mesh, global batch.
+
+Shared by ``hf-gradfix config check`` / ``launch`` (:mod:`hf_gradfix.cli`) and ``hf-gradfix plan --config``
+(:mod:`hf_gradfix.plan.cli`); both import it from here (downward), and the run time applies the same
+``parallel`` rule (:func:`parallel_requested`).
+
+>>> import tempfile, os
+>>> f = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False); _ = f.write("num_processes: 2\\nhf_gradfix:\\n  loss: {}\\n"); f.close()
+>>> rc = resolve_config(f.name, micro_batch=2, seq_len=8)
+>>> rc.world_size, rc.mesh.dp, rc.global_batch_tokens
+(2, 2, 32)
+>>> os.unlink(f.name)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .loader import SECTION, read_config_file
+from .schema import ConfigError, GradFixConfig, ParallelConfig
+
+__all__ = ["ResolvedConfig", "parallel_requested", "resolve_config", "split_config"]
+
+
+def parallel_requested(section: ParallelConfig) -> bool:
+    """True when the ``parallel`` section differs from its defaults (the defaults mean: leave the launch as is).
+
+    >>> parallel_requested(ParallelConfig()), parallel_requested(ParallelConfig(tp=2))
+    (False, True)
+    """
+    return dataclasses.asdict(section) != dataclasses.asdict(ParallelConfig())
+
+
+_PC = "parallelism_config"
+_PC_PREFIX = "parallelism_config_"
+_PC_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+def split_config(path: str | os.PathLike) -> tuple[dict, dict | None]:
+    """``(accelerate's keys, the hf_gradfix section or None)`` of a YAML file, validated as a whole.
+
+    The same loader as ``hf_gradfix.patch(config=path)``: a file is accepted or refused the same way by the
+    library, ``config check`` and ``launch`` (raises :class:`~hf_gradfix.config.ConfigError`).
+
+    >>> import tempfile, os
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False); _ = f.write("num_processes: 2\\nhf_gradfix:\\n  packing: true\\n"); f.close()
+    >>> split_config(f.name)
+    ({'num_processes': 2}, {'packing': True})
+    >>> os.unlink(f.name)
+    """
+    cf = read_config_file(path)
+    return cf.accelerate, cf.section
+
+
+def _accelerate_sizes(acc: dict) -> dict[str, int]:
+    """Degrees from accelerate's ``parallelism_config`` section (already validated by the loader)."""
+    pc = acc.get(_PC) or {}
+    sizes: dict[str, int] = {}
+    for key, value in pc.items():
+        name = key[len(_PC_PREFIX):]
+        name = name[: -len("_size")] if name.endswith("_size") else name
+        if name in _PC_SIZES and value is not None:
+            sizes[name] = int(value)
+    return sizes
+
+
+@dataclass
+class ResolvedConfig:
+    """What a launch with this file will run."""
+
+    path: str
+    world_size: int
+    mesh: Any  # ParallelDims
+    mesh_source: str
+    gradfix: GradFixConfig
+    distributed_type: str
+    tokens_per_micro_batch: int | None
+    grad_accum: int
+    global_batch_tokens: int | None
+
+    def lines(self) -> list[str]:
+        g = self.gradfix
+        opt = g.optimizer
+        out = [
+            f"config            {self.path}",
+            f"launch            {self.distributed_type}, {self.world_size} process(es)",
+            f"mesh              {self.mesh.describe()} [from {self.mesh_source}]",
+            f"loss              {'exact token mean over the window and ' + str(self.mesh.dp_cp) + ' rank(s) holding different tokens' if g.loss.enabled else 'left to transformers'}",
+            f"packing           {'rows of <= %d tokens (%s)' % (g.packing.token_budget, g.packing.mode) if g.packing.enabled else 'off'}",
+            f"optimizer         {opt.name if opt.name != 'none' else 'the Trainer default'}"
+            + (f" (rank {opt.rank or 128}, gap {opt.update_proj_gap})" if opt.name != "none" else ""),
+        ]
+        if self.mesh.cp > 1:
+            out.insert(3, (
+                f"context parallel  cp={self.mesh.cp}: torch ring attention (sdpa, causal only), FSDP2 over dp_shard x cp; "
+                f"sequences padded to a multiple of {2 * self.mesh.cp}, labels shifted and counted before the split"
+            ))
+        if self.global_batch_tokens is not None:
+            out.append(
+                f"global batch      {self.global_batch_tokens:,} tokens = {self.tokens_per_micro_batch:,} per micro-batch "
+                f"x {self.grad_accum} accumulation x {self.mesh.dp} data-parallel rank(s)"
+            )
+        else:
+            out.append("global batch      pass --micro-batch and --seq-len (or enable packing) to compute it")
+        return out
+
+
+def resolve_config(
+    path: str | os.PathLike,
+    *,
+    num_processes: int | None = None,
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+    grad_accum: int = 1,
+    model_config: Any = None,
+) -> ResolvedConfig:
+    """Validate a combined YAML and resolve world size, mesh and global batch (raises ConfigError / ParallelDimsError)."""
+    from ..parallel import ParallelDims
+
+    path = str(path)
+    cf = read_config_file(path)
+    acc, section, gradfix = cf.accelerate, cf.section, cf.gradfix
+    if num_processes is not None and (isinstance(num_processes, bool) or not 1 <= int(num_processes) <= 2**20):
+        raise ConfigError(f"--num-processes {num_processes}: invalid value; it must be a whole number >= 1")
+    world = int(num_processes if num_processes is not None else (acc.get("num_processes") or 1))
+    acc_sizes = _accelerate_sizes(acc)
+    par = gradfix.parallel
+    ours_set = section is not None and parallel_requested(par)  # the run time's own rule (integration.nd uses it)
+    if ours_set:
+        mesh = ParallelDims(world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, cp=par.cp)
+        source = f"{SECTION}.parallel"
+        if acc_sizes:
+            theirs = {k: acc_sizes.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "cp")}
+            mine = {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp, "cp": mesh.cp}
+            if theirs != mine:
+                raise ConfigError(
+                    f"{path}: {SECTION}.parallel gives {mine} but accelerate's {_PC} gives {theirs}; keep one of them"
+                )
+    elif acc_sizes:
+        if acc_sizes.get("sp", 1) > 1:
+            raise ConfigError(f"{path}: {_PC}.{_PC_PREFIX}sp_size: DeepSpeed Ulysses sequence parallelism is not supported")
+        mesh = ParallelDims(world, **{k: acc_sizes.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "cp")})
+        source = f"accelerate {_PC}"
+    elif str(acc.get("distributed_type", "NO")).upper() == "FSDP":
+        mesh = ParallelDims(world)
+        source = "default: FSDP shards over every process"
+    else:
+        mesh = ParallelDims(world, dp_replicate=world, dp_shard=1)
+        source = "default: every process a data-parallel replica"
+    if model_config is not None:
+        mesh.check_model(model_config)
+    if mesh.cp > 1 and (str(acc.get("distributed_type", "")).upper() == "FSDP" or acc.get("fsdp_config")):
+        raise ConfigError(
+            f"{path}: cp={mesh.cp} with accelerate's FSDP plugin (distributed_type FSDP / fsdp_config): hf_gradfix shards "
+            "the model itself for context parallelism (FSDP2 over dp_shard x cp); use distributed_type MULTI_GPU without "
+            "fsdp_config"
+        )
+    if mesh.cp > 1 and gradfix.packing.enabled:
+        raise ConfigError(
+            f"{path}: {SECTION}.parallel.cp={mesh.cp} with packing enabled: context parallelism splits sequences with "
+            "torch's ring attention, which does not take packed (varlen) rows; disable packing or cp"
+        )
+    for flag, value in (("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: invalid value; it must be a whole number >= 1")
+    tokens = None
+    if gradfix.packing.enabled:
+        tokens = gradfix.packing.token_budget
+    elif micro_batch is not None and seq_len is not None:
+        tokens = micro_batch * seq_len
+    global_tokens = tokens * grad_accum * mesh.dp if tokens is not None else None
+    return ResolvedConfig(
+        path=path,
+        world_size=world,
+        mesh=mesh,
+        mesh_source=source,
+        gradfix=gradfix,
+        distributed_type=str(acc.get("distributed_type", "NO")),
+        tokens_per_micro_batch=tokens,
+        grad_accum=grad_accum,
+        global_batch_tokens=global_tokens,
+    )
