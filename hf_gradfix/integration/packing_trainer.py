@@ -234,7 +234,6 @@ def _rows_trained(trainer, global_step: int) -> int:
     """Global packed rows the Trainer has trained on after ``global_step`` optimizer steps of a stream (its own resume
     arithmetic: a dataset without length has ``max_steps`` update steps per epoch, each of ``gradient_accumulation_steps``
     batches of one row per data-parallel rank)."""
-    from .trainer_fix import _nd_dims
 
     dims = _nd_dims(trainer)
     world = dims.dp if dims is not None else trainer.accelerator.num_processes
