@@ -297,6 +297,20 @@ def test_lowrank_grads_trainer_ga_equals_full_gradient_galore(tmp_path, monkeypa
         assert len(norms) == 4 and all(n > 0 for n in norms)
 
 
+def test_noise_scale_callback_refuses_lowrank_grads(tmp_path, monkeypatch):
+    """The noise-scale callback's big-batch norm would be the projected one: it stops with the reason and the fix
+    at train start; with full gradients the same run measures."""
+    from hf_gradfix import GradientNoiseScaleCallback
+    from hf_gradfix.integration.gns import GradientNoiseScaleError
+
+    with pytest.raises(GradientNoiseScaleError, match="lowrank_grads: true.*lowrank_grads: false"):
+        _run("patch", tmp_path / "low", monkeypatch, opt_cfg=LOWRANK, callbacks=[GradientNoiseScaleCallback()])
+    hf_gradfix.unpatch()
+    gns = GradientNoiseScaleCallback()
+    _run("patch", tmp_path / "full", monkeypatch, opt_cfg=OPT, callbacks=[gns])
+    assert gns.history  # measured
+
+
 def test_lowrank_grads_trainer_clips_the_accumulators(tmp_path, monkeypatch):
     """max_grad_norm with lowrank_grads clips what the optimizer steps on (GaLoreAdamW.clip_grad_norm_): the Trainer's
     run equals a hand-written loop calling it, and differs from clipping only the remaining full gradients."""

@@ -331,6 +331,17 @@ def _check_setup(trainer: Trainer) -> None:
             f"GradientNoiseScaleCallback supports one process and DDP only: {why}, so the parameter hooks do not see "
             "whole micro-batch gradients. Remove the callback for this run, or measure on a DDP run."
         )
+    optimizer = getattr(trainer, "optimizer", None)
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps ours
+    if getattr(optimizer, "lowrank_grads", False):
+        # the micro-batch hooks would see full gradients while the window's gradient of every projected weight only
+        # exists projected (rank r): |G|^2 and tr(Sigma) would measure different things, so B_simple would be wrong
+        raise GradientNoiseScaleError(
+            "GradientNoiseScaleCallback cannot measure with optimizer.lowrank_grads: true: the accumulated gradient of "
+            "the projected weights is kept only in rank-r form, so the big-batch gradient norm is not the full one. "
+            "Measure the noise scale on a run with optimizer.lowrank_grads: false (same model and data), or remove "
+            "the callback."
+        )
 
 
 def _plan(trainer: Trainer, num_items, warn) -> tuple[str, CountRule | None, float | None]:
