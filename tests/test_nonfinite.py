@@ -96,7 +96,11 @@ def _run(config=None, optim="adamw_torch", patched=True):
         if patched:
             hf_gradfix.unpatch()
         handle.remove()
+    _LAST_WARNINGS[:] = caught
     return snaps.steps, [w for w in caught if issubclass(w.category, NonFiniteWarning)]
+
+
+_LAST_WARNINGS: list = []
 
 
 def _bit_equal(a: dict, b: dict) -> bool:
@@ -129,6 +133,16 @@ def test_skip_leaves_weights_and_optimizer_state_bit_equal(optim_section):
     assert steps[1]["lr"] == steps[0]["lr"], "the lr schedule advanced on a skipped step"
     assert _finite(steps[2]) and not _bit_equal(steps[2]["params"], steps[1]["params"])  # training goes on
     assert len(caught) == 1 and "optimizer step 2" in str(caught[0].message) and "micro-batch 2 of 2" in str(caught[0].message)
+
+
+@pytest.mark.parametrize("mode", ["warn", "skip"])
+def test_the_guard_leaves_the_lr_schedulers_step_wrapper_alone(mode):
+    """torch's LR scheduler warns "optimizer.step() has been overridden" when its wrapper on the optimizer is gone;
+    the guard (on in every patched run) used to remove it at every optimizer step, and the skip mode for good."""
+    _, caught = _run({"loss": {"on_nonfinite": mode}})
+    assert caught  # the guard saw the NaN step (warn: also the NaN steps after it)
+    overridden = [str(w.message) for w in _LAST_WARNINGS if "has been overridden" in str(w.message)]
+    assert not overridden, overridden
 
 
 def test_warn_is_stock_behaviour_with_a_warning_naming_step_and_micro_batch():

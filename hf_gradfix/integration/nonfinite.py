@@ -36,6 +36,17 @@ _ATTR = "_gradfix_nonfinite"
 MODES = ("warn", "skip", "error")
 
 
+_MISSING = object()
+
+
+def _put_back(optimizer: Any, previous: Any) -> None:
+    """Restore the instance-level ``step`` that was there before the skipped step (or none)."""
+    if previous is _MISSING:
+        optimizer.__dict__.pop("step", None)
+    else:
+        optimizer.step = previous
+
+
 class NonFiniteWarning(RuntimeWarning):
     """A step with a NaN/inf loss or gradient (``loss.on_nonfinite`` is ``warn`` or ``skip``)."""
 
@@ -158,10 +169,14 @@ class NonFiniteGuard(TrainerCallback):
     def _skip(self, optimizer: Any) -> None:
         if optimizer is None:
             return
+        # torch's LR scheduler keeps its own wrapper as the instance's ``step`` (it warns "optimizer.step() has been
+        # overridden" if that wrapper is gone), so ours replaces it for one call and then puts it back
+        previous = optimizer.__dict__.get("step", _MISSING)
 
         def _skipped_step(*args: Any, **kwargs: Any) -> None:
-            optimizer.__dict__.pop("step", None)  # one step only: the class's step is back
+            _put_back(optimizer, previous)  # one step only
 
+        _skipped_step._hf_gradfix_skip = previous
         optimizer.step = _skipped_step
         if hasattr(optimizer, "_is_overflow"):
             # accelerate's AcceleratedOptimizer: step_was_skipped -> neither the Trainer nor accelerate's
@@ -172,7 +187,9 @@ class NonFiniteGuard(TrainerCallback):
     def _restore(self, optimizer: Any) -> None:
         if optimizer is None:
             return
-        optimizer.__dict__.pop("step", None)
+        ours = optimizer.__dict__.get("step")
+        if ours is not None and hasattr(ours, "_hf_gradfix_skip"):  # only ever our own one-step replacement
+            _put_back(optimizer, ours._hf_gradfix_skip)
         if self._overflow_set:
             optimizer._is_overflow = False
             self._overflow_set = False
