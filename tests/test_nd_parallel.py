@@ -240,10 +240,13 @@ def section(**kw):
 def test_nd_docstring_examples():
     import doctest
 
+    from hf_gradfix.config import resolve
     from hf_gradfix.integration import nd
 
-    result = doctest.testmod(nd, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0
+    # the "is a parallel section requested" rule moved to the config capability (nd re-exports it as requested)
+    assert nd.requested is resolve.parallel_requested
+    results = [doctest.testmod(m, optionflags=doctest.ELLIPSIS) for m in (nd, resolve)]
+    assert all(r.failed == 0 for r in results) and sum(r.attempted for r in results) > 0
 
 
 def test_setup_leaves_a_launch_without_parallel_section_alone():
