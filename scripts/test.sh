@@ -12,7 +12,7 @@ phase "1/3 set up: .venv (transformers 5.x) and .venv-tf457 (transformers 4.57.x
 bash scripts/setup_env.sh .venv dev
 bash scripts/setup_env.sh .venv-tf457 peft "transformers>=4.57,<4.58" "pytest>=8" "datasets>=3"
 
-phase "2/3 transformers 5.x: full suite (about 25 min; pytest prints a dot per test and the percentage done)"
+phase "2/3 transformers 5.x: full suite (about 12-20 min on 2 cores; pytest prints a dot per test and the percentage done)"
 .venv/bin/python -m pytest -q -p no:cacheprovider --doctest-modules hf_gradfix tests "$@"
 
 phase "3/3 transformers 4.57.x: loss, ecosystem, packing, optimizer-integration, ND, TokenWindow and noise-scale tests (about 7 min)"
