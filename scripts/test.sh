@@ -1,20 +1,96 @@
 #!/usr/bin/env bash
 # Set up and run every test: the full suite on transformers 5.x, then the loss, packing, optimizer-integration and
-# ND-refusal tests on transformers 4.57.x. Both environments are set up first (a 5.x test checks the 4.57 refusal).
+# ND-refusal tests on transformers 4.57.x. Both environments are set up first (a 5.x test checks the 4.57 refusal),
+# at the versions of the lock files in requirements/ (what CI tested; scripts/lock.sh regenerates them).
+#
+#   bash scripts/test.sh              # the README's test command (CI runs it): locked versions, every test
+#   bash scripts/test.sh --quick      # a subset for iteration, under 5 minutes once the venvs exist (5.x only)
+#   bash scripts/test.sh --latest     # the newest releases, no lock, in .venv-latest*: prints how they drift from
+#                                     # the lock and which tests fail on them (how the lock gets bumped; not in CI)
+# Any other argument goes to pytest (e.g. -k packing, -x).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# shellcheck source=scripts/envs.sh
+source scripts/envs.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+mode=locked
+pytest_args=()
+for arg in "$@"; do
+    case "$arg" in
+        --quick) mode=quick ;;
+        --latest) mode=latest ;;
+        *) pytest_args+=("$arg") ;;
+    esac
+done
 start=$SECONDS
 phase() { echo "== [test +$((SECONDS - start))s] $* =="; }
 
-phase "1/3 set up: .venv (transformers 5.x) and .venv-tf457 (transformers 4.57.x)"
-bash scripts/setup_env.sh .venv dev
-bash scripts/setup_env.sh .venv-tf457 peft "transformers>=4.57,<4.58" "pytest>=8" "datasets>=3"
+# The 4.57 phase: the modules whose behaviour differs between transformers 4.57 and 5.x (TRL needs 5.x: -k "not trl").
+TF457_TESTS=(tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py
+    tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py
+    tests/test_packing_attention.py tests/test_packing_guard.py tests/test_packing_validate.py
+    tests/test_packing_stream.py tests/test_optim_trainer.py tests/test_nd_parallel.py tests/test_token_window.py
+    tests/test_noise_scale.py tests/test_plan.py tests/test_memory_timeline.py tests/test_ecosystem.py
+    tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py)
+# --quick: pure math, configuration, the packer, the loss fix through the Trainer, the CLI's parsers; no process
+# launches (the distributed marker) and no docs build. Measured in docs/testing.md.
+QUICK_TESTS=(tests/test_loss_math.py tests/test_config.py tests/test_bad_inputs.py tests/test_packing_binpack.py
+    tests/test_packing_sampler.py tests/test_packing_collator.py tests/test_packing_attention.py
+    tests/test_optim_unit.py tests/test_parallel_dims.py tests/test_exactness.py tests/test_entry_points.py
+    tests/test_layout.py)
 
-phase "2/3 transformers 5.x: full suite (about 12-20 min on 2 cores; pytest prints a dot per test and the percentage done)"
-.venv/bin/python -m pytest -q -p no:cacheprovider --doctest-modules hf_gradfix tests "$@"
+case "$mode" in
+quick)
+    phase "1/2 set up .venv (transformers 5.x, locked)"
+    HF_GRADFIX_LOCK="$TF5_LOCK" bash scripts/setup_env.sh "$TF5_VENV" "$TF5_EXTRAS" "${TF5_ARGS[@]}"
+    phase "2/2 quick subset on transformers 5.x (no process launches; the full run is bash scripts/test.sh)"
+    "$TF5_VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not distributed" "${QUICK_TESTS[@]}" "${pytest_args[@]}"
+    phase "done: the quick subset passed"
+    ;;
+locked)
+    phase "1/3 set up: $TF5_VENV (transformers 5.x) and $TF457_VENV (transformers 4.57.x), at the locked versions"
+    HF_GRADFIX_LOCK="$TF5_LOCK" bash scripts/setup_env.sh "$TF5_VENV" "$TF5_EXTRAS" "${TF5_ARGS[@]}"
+    HF_GRADFIX_LOCK="$TF457_LOCK" bash scripts/setup_env.sh "$TF457_VENV" "$TF457_EXTRAS" "${TF457_ARGS[@]}"
 
-phase "3/3 transformers 4.57.x: loss, ecosystem, packing, optimizer-integration, ND, TokenWindow and noise-scale tests (about 7 min)"
-.venv-tf457/bin/python -m pytest -q -p no:cacheprovider tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py tests/test_packing_attention.py tests/test_packing_guard.py tests/test_packing_validate.py tests/test_packing_stream.py tests/test_optim_trainer.py tests/test_nd_parallel.py tests/test_token_window.py tests/test_noise_scale.py tests/test_plan.py tests/test_memory_timeline.py tests/test_ecosystem.py tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py -k "not trl" "$@"
-phase "done: every phase passed"
+    phase "2/3 transformers 5.x: full suite (about 12-20 min on 2 cores; pytest prints a dot per test and the percentage done)"
+    "$TF5_VENV/bin/python" -m pytest -q -p no:cacheprovider --doctest-modules hf_gradfix tests "${pytest_args[@]}"
+
+    phase "3/3 transformers 4.57.x: loss, ecosystem, packing, optimizer-integration, ND, TokenWindow and noise-scale tests (about 7 min)"
+    "$TF457_VENV/bin/python" -m pytest -q -p no:cacheprovider "${TF457_TESTS[@]}" -k "not trl" "${pytest_args[@]}"
+    phase "done: every phase passed"
+    ;;
+latest)
+    # Fresh venvs every time: pip keeps what is installed, so only a new venv resolves the newest releases.
+    latest5=.venv-latest latest457=.venv-latest-tf457
+    phase "1/4 set up fresh $latest5 and $latest457 with the newest releases (no lock)"
+    rm -rf "$latest5" "$latest457"
+    HF_GRADFIX_LOCK= bash scripts/setup_env.sh "$latest5" "$TF5_EXTRAS" "${TF5_ARGS[@]}"
+    HF_GRADFIX_LOCK= bash scripts/setup_env.sh "$latest457" "$TF457_EXTRAS" "${TF457_ARGS[@]}"
+    phase "2/4 how the newest releases drift from the lock"
+    python3 scripts/lockfile.py drift "$latest5" "$TF5_LOCK"
+    python3 scripts/lockfile.py drift "$latest457" "$TF457_LOCK"
+    log5=$(mktemp) log457=$(mktemp)
+    phase "3/4 transformers 5.x, newest releases: full suite"
+    status5=0
+    HF_GRADFIX_TF457_PYTHON="$root/$latest457/bin/python" "$latest5/bin/python" -m pytest -q -p no:cacheprovider -rfE \
+        --doctest-modules hf_gradfix tests "${pytest_args[@]}" 2>&1 | tee "$log5" || status5=$?
+    phase "4/4 transformers 4.57.x, newest 4.57 release"
+    status457=0
+    "$latest457/bin/python" -m pytest -q -p no:cacheprovider -rfE "${TF457_TESTS[@]}" -k "not trl" "${pytest_args[@]}" \
+        2>&1 | tee "$log457" || status457=$?
+    phase "summary of the newest releases (the lock is bumped when both pass: bash scripts/lock.sh)"
+    python3 scripts/lockfile.py drift "$latest5" "$TF5_LOCK"
+    python3 scripts/lockfile.py drift "$latest457" "$TF457_LOCK"
+    for log in "$log5" "$log457"; do
+        grep -E "^(FAILED|ERROR) " "$log" | sed 's/^/[latest] /' || true
+        tail -n 1 "$log" | sed 's/^/[latest] /'
+    done
+    rm -f "$log5" "$log457"
+    if [ "$status5" -ne 0 ] || [ "$status457" -ne 0 ]; then
+        phase "the newest releases FAIL tests above (5.x exit $status5, 4.57 exit $status457): keep the lock, fix the tests or the code"
+        exit 1
+    fi
+    phase "done: the newest releases pass; bash scripts/lock.sh moves the lock to them"
+    ;;
+esac

@@ -533,6 +533,24 @@ def sample_loss_sum(model: nn.Module, sample: dict, task: str) -> tuple[torch.Te
     return ce, count
 
 
+def loss_honours_num_items(model: nn.Module, samples: Sequence[dict], task: str) -> bool:
+    """Measured, never assumed from a release: does the model's own loss divide its sum by ``num_items_in_batch``
+    when the Trainer passes it? (Stock transformers' gradient accumulation is exact only for such a model.)
+
+    The model is called on one collated batch with ``num_items_in_batch`` = 1 and = 2: a loss that honours it
+    halves. A forward that refuses the keyword, or ignores it, does not."""
+    batch = RecordingCollator(task, pad_id_of(model)).collate(samples)
+    losses = []
+    with torch.no_grad():
+        for k in (1, 2):
+            try:
+                out = model(**batch, num_items_in_batch=torch.tensor(k))
+            except TypeError:  # forward without **kwargs: the Trainer cannot pass the count at all
+                return False
+            losses.append(float(out.loss))
+    return abs(losses[0] - 2 * losses[1]) <= 1e-5 * abs(losses[0])
+
+
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """{name: grad clone} for every trainable parameter (a missing grad counts as zeros)."""
     out = {}

@@ -294,7 +294,8 @@ def test_setup_refuses_a_non_transformers_model_and_a_mismatching_accelerate_con
         nd.setup(fake_trainer(pc=ParallelismConfig(dp_shard_size=4)), section(dp_shard=2, tp=2))
 
 
-TF457 = H.REPO_ROOT / ".venv-tf457" / "bin" / "python"
+# the 4.57 environment of the test command; test.sh --latest points it at its own fresh venv
+TF457 = Path(os.environ.get("HF_GRADFIX_TF457_PYTHON", H.REPO_ROOT / ".venv-tf457" / "bin" / "python"))
 
 
 @pytest.mark.skipif(not TF457.exists(), reason="no .venv-tf457 (transformers 4.57) environment")

@@ -122,15 +122,19 @@ def test_guard_verdict_agrees_with_the_gradient_ground_truth(arch, impl):
 
 @pytest.mark.parametrize("arch", ["roberta_causal", "xlm_roberta_causal"])
 def test_offset_positions_are_detected_and_used(arch):
+    """RoBERTa-family positions start at padding_idx + 1. Whether this release's attention keeps packed sequences
+    apart at all is measured here (transformers 4.57's RoBERTa attention ignored packing on every path, 5.x does
+    not): the guard's verdict must follow that measurement; where it passes, it must have found the offset."""
     # a table longer than the row: on transformers 4.57 RoBERTa cannot run a row longer than its table at all
     model = _model(arch, REF, max_position_embeddings=80)
+    start = COMMON["pad_token_id"] + 1
     report = check_model_packs_correctly(model, token_budget=BUDGET, raise_on_failure=False)
-    if not TF5:  # transformers 4.57: RoBERTa's own attention classes ignore packing on every path; refused, rightly
-        assert not report.passed and "attend to each other" in report.reason
-        assert packed_gradient_error(model, COMMON["pad_token_id"] + 1) > 1e-3
+    err_at_offset = packed_gradient_error(model, start)  # the measurement, at the model's own first position
+    assert report.passed == (err_at_offset <= GRAD_TOL), (err_at_offset, report)
+    if not report.passed:  # this release mixes packed sequences even at the right positions: refused, rightly
+        assert err_at_offset > 1e-3 and "attend to each other" in report.reason
         return
-    assert report.passed and report.position_ids_start == COMMON["pad_token_id"] + 1
-    assert packed_gradient_error(model, report.position_ids_start) <= GRAD_TOL
+    assert report.position_ids_start == start
     # the old blind spot: 0-based packed positions train something else than the model unpacked
     assert packed_gradient_error(model, 0) > 0.1
     # an explicit wrong start is refused (the guard compares against the model's own default positions)
@@ -166,8 +170,6 @@ def test_probe_layout():
 def test_the_trainer_packs_an_offset_position_model_exactly():
     """RobertaForCausalLM through Trainer + packing (varlen, reference attention): every step equals the unpacked
     ground truth (each sample alone, its own default positions), which needs positions restarted at 2."""
-    if not TF5:
-        pytest.skip("transformers 4.57: RoBERTa's attention ignores packing on every path (the guard refuses it)")
     samples = H.make_samples("causal", n=12, seed=0, prompt_mask_frac=0.3)
     config = transformers.RobertaConfig(
         vocab_size=H.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -178,8 +180,18 @@ def test_the_trainer_packs_an_offset_position_model_exactly():
     model = transformers.RobertaForCausalLM._from_config(config, attn_implementation="sdpa")
     from test_packing_trainer import _train, _windows
 
+    # whether this release's RoBERTa keeps packed sequences apart on the path the Trainer packs with (varlen: the
+    # reference kernel on CPU) is measured, not assumed (4.57's did not)
+    set_attention_implementation(model, REF)
+    keeps_apart = check_model_packs_correctly(model, token_budget=64, raise_on_failure=False).passed
+    assert keeps_apart == (packed_gradient_error(model, config.pad_token_id + 1, lengths=(7, 30, 11, 9)) <= GRAD_TOL)
+    set_attention_implementation(model, "sdpa")
     hf_gradfix.patch({"packing": {"enabled": True, "token_budget": 64}})
     try:
+        if not keeps_apart:  # the Trainer refuses it before the first step, with the guard's line
+            with pytest.raises(PackingCheckError, match="^RobertaForCausalLM cannot "):
+                _train(model, samples, ga=2)
+            return
         trainer, grads = _train(model, samples, ga=2)
     finally:
         hf_gradfix.unpatch()

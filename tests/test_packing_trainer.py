@@ -82,13 +82,21 @@ def test_stock_padding_free_without_restarted_positions_would_be_wrong():
     assert report.passed and report.control_diff > 1e-2
 
 
+class _AllOnesMaskLlama(transformers.LlamaForCausalLM):
+    """A model that mixes packed sequences in every transformers release: it always passes an all-ones
+    attention_mask (a common custom-model bug), which switches sdpa's packed-sequence detection off."""
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        return super().forward(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+
+
 def test_guard_refuses_a_model_that_mixes_packed_sequences():
-    config = transformers.OPTConfig(vocab_size=97, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
-                                    word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.0, attention_dropout=0.0)
-    model = transformers.OPTForCausalLM._from_config(config, attn_implementation="sdpa")
+    config = H.build_model("llama", attn_implementation="sdpa").config
+    torch.manual_seed(0)
+    model = _AllOnesMaskLlama._from_config(config, attn_implementation="sdpa")
     hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "mode": "rows"}})
     try:
-        with pytest.raises(PackingCheckError, match="OPTForCausalLM"):
+        with pytest.raises(PackingCheckError, match="_AllOnesMaskLlama cannot .*sequences attend to each other"):
             _train(model, H.make_samples("causal", n=8, seed=0))
     finally:
         hf_gradfix.unpatch()
