@@ -32,7 +32,7 @@ TF457_TESTS=(tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_
     tests/test_packing_attention.py tests/test_packing_guard.py tests/test_packing_validate.py
     tests/test_packing_stream.py tests/test_optim_trainer.py tests/test_nd_parallel.py tests/test_token_window.py
     tests/test_noise_scale.py tests/test_plan.py tests/test_memory_timeline.py tests/test_ecosystem.py
-    tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py)
+    tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py tests/test_lock.py)
 # --quick: pure math, configuration, the packer, the loss fix through the Trainer, the CLI's parsers; no process
 # launches (the distributed marker) and no docs build. Measured in docs/testing.md.
 QUICK_TESTS=(tests/test_loss_math.py tests/test_config.py tests/test_bad_inputs.py tests/test_packing_binpack.py
@@ -73,11 +73,11 @@ latest)
     log5=$(mktemp) log457=$(mktemp)
     phase "3/4 transformers 5.x, newest releases: full suite"
     status5=0
-    HF_GRADFIX_TF457_PYTHON="$root/$latest457/bin/python" "$latest5/bin/python" -m pytest -q -p no:cacheprovider -rfE \
+    HF_GRADFIX_LATEST=1 HF_GRADFIX_TF457_PYTHON="$root/$latest457/bin/python" "$latest5/bin/python" -m pytest -q -p no:cacheprovider -rfE \
         --doctest-modules hf_gradfix tests "${pytest_args[@]}" 2>&1 | tee "$log5" || status5=$?
     phase "4/4 transformers 4.57.x, newest 4.57 release"
     status457=0
-    "$latest457/bin/python" -m pytest -q -p no:cacheprovider -rfE "${TF457_TESTS[@]}" -k "not trl" "${pytest_args[@]}" \
+    HF_GRADFIX_LATEST=1 "$latest457/bin/python" -m pytest -q -p no:cacheprovider -rfE "${TF457_TESTS[@]}" -k "not trl" "${pytest_args[@]}" \
         2>&1 | tee "$log457" || status457=$?
     phase "summary of the newest releases (the lock is bumped when both pass: bash scripts/lock.sh)"
     python3 scripts/lockfile.py drift "$latest5" "$TF5_LOCK"
