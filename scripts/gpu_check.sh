@@ -67,8 +67,9 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_
 "$py" - <<'PY'
 import importlib, inspect
 import os
-names = ["torch", "transformers", "accelerate", "peft", "hf_gradfix", "datasets", "trl", "galore_torch", "flash_attn"]
-for name in names + os.environ.get("GPU_CHECK_EXTRA_IMPORTS", "").split():
+names = os.environ.get("GPU_CHECK_IMPORTS", "torch transformers accelerate peft hf_gradfix datasets trl galore_torch "
+                       "flash_attn").split()
+for name in names:
     try:
         m = importlib.import_module(name)
         print(f"[gpu_check] import {name}: {getattr(m, '__version__', 'ok')} from {os.path.dirname(m.__file__ or '?')}")
