@@ -1,30 +1,34 @@
-"""The CUDA paths, proven in one run: FlashAttention 2 packing, half precision, the guard, memory, throughput.
+"""The CUDA paths, proven in one run on the lent GPU machine (offline): FlashAttention packing through torch's own
+varlen kernel (and flash-attn 2 where installed), half precision, the guard, throughput, memory.
 
-    bash scripts/gpu_check.sh                       # sets up .venv-gpu, then runs this file (every section)
-    bash scripts/gpu_check.sh --only packing,trainer,guard,optim            # or in two commands of < 10 min:
-    bash scripts/gpu_check.sh --only plan,throughput --merge                # adds its sections to the same file
-    python benchmarks/gpu_check.py --quick          # smaller sizes (a smoke run, ~1 min)
+    bash scripts/gpu_check.sh                  # --profile full: every section, in order of value, ~6.5 min
+    bash scripts/gpu_check.sh --profile rerun  # the smaller second call (quick sizes, ~2.5 min)
+    python benchmarks/gpu_check.py --device cpu --only guard --quick   # the logic on CPU (what the tests run)
 
 Without CUDA it prints one line (``gpu_check: skipped: ...``) and exits 0 without writing anything, so a CPU
 machine never overwrites results a GPU produced. Every measurement is a function that also runs on CPU (the
-reference varlen kernel, fp32, tiny sizes); ``tests/test_gpu_check.py`` runs them there.
+reference varlen kernel, or a stand-in for torch's kernel, fp32, tiny sizes); ``tests/test_gpu_check.py`` runs them.
+With ``--out-dir`` the results (``gpu-check.md``, ``gpu-check.json``) are rewritten after every section, and every
+section has a time budget (``PROFILES``): a section stopped at its budget keeps the rows it finished.
 
-Sections (each a row of the results table, ``passed`` / ``FAILED`` / ``measured`` / ``skipped: why``):
+Sections, in the order they run (each a row of the results table, ``passed`` / ``FAILED`` / ``measured`` /
+``timeout`` / ``skipped: why``):
 
-1. **packing**: packed-vs-separate logits and gradients through ``flash_attention_2`` (bf16 and fp16) and through
-   the reference varlen kernel on CUDA (fp32), on Llama, Qwen2 (sliding window on layer 1), Mistral (sliding
-   window) and Gemma 2 (sliding window + attention softcap + final softcap). Tolerances: see
-   :func:`half_precision_verdict`.
-2. **trainer**: ``hf_gradfix.patch(packing)`` + ``transformers.Trainer`` on CUDA against the unpacked ground truth
-   of the windows the sampler drew (``tests/harness.py``): fp32 through the reference kernel (rel. gradient error
-   <= 1e-5), and bf16 autocast through FA2 (half-precision rule).
-3. **guard**: ``check_model_packs_correctly`` on CUDA accepts FA2 / the reference and refuses OPT on sdpa.
-4. **plan**: ``hf-gradfix plan`` (closed form and ``--simulate``) against ``torch.cuda.max_memory_allocated`` of
-   the same step (a Llama-3.2-1B-shaped model), per component.
-5. **throughput**: real tokens/s over one epoch of the same samples: padded batches vs hf_gradfix packing
-   (varlen, FA2) vs TRL's padding-free collator (FA2), against the padding-waste limit 1 / (1 - waste).
+1. **packing**: packed-vs-separate logits and gradients through torch's varlen kernel (``flash_varlen_torch``,
+   bf16 and fp16), ``flash_attention_2`` where installed (bf16 and fp16), and the reference varlen kernel (fp32),
+   on Llama, Qwen2 (sliding window on layer 1), Mistral (sliding window) and Gemma 2 (sliding window + attention
+   softcap + final softcap: torch's kernel has no softcap, so those calls run on the reference kernel, counted in
+   ``torch_varlen_calls``). Tolerances: see :func:`half_precision_verdict`.
+2. **guard**: ``check_model_packs_correctly`` on CUDA accepts torch's kernel / FA2 / the reference and refuses OPT.
+3. **trainer**: ``hf_gradfix.patch(packing)`` + ``transformers.Trainer`` on CUDA against the unpacked ground truth
+   of the windows the sampler drew (``tests/harness.py``): bf16 autocast through what the Trainer picks ("auto":
+   FA2, else torch's kernel; half-precision rule), and fp32 through the reference kernel (<= 1e-5).
+4. **throughput**: real tokens/s over one epoch of the same samples: padded batches vs hf_gradfix packing vs TRL's
+   padding-free collator (through FA2, else torch's kernel), against the padding-waste limit 1 / (1 - waste).
+5. **plan**: ``hf-gradfix plan`` (closed form; ``--simulate`` with ``--plan-trace``) against
+   ``torch.cuda.max_memory_allocated`` of the same step (a Llama-3.2-1B-shaped model), per component.
 6. **optim**: ``opt.step()`` time and memory of AdamW, galore-torch, our GaLore (svd / randomized), APOLLO and
-   APOLLO-Mini on 7B-shaped layers (hidden 4096, intermediate 11008).
+   APOLLO-Mini on 7B-shaped layers (hidden 4096, intermediate 11008): the low-rank state's memory.
 
 Not provable on one GPU (said in the results file): multi-rank DDP / FSDP2 / TP / CP exactness over NCCL, the
 rank-balanced packed sampler across ranks, FSDP2 all-gather memory. Those are proven on CPU over gloo only.
@@ -56,7 +60,7 @@ for _p in (REPO, REPO / "tests", REPO / "benchmarks"):
         sys.path.insert(0, str(_p))
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu-check.md"
-SECTIONS = ("packing", "trainer", "guard", "plan", "throughput", "optim")
+SECTIONS = ("packing", "guard", "trainer", "throughput", "plan", "optim")  # in order of value
 FP32_TOL = 1e-5  # relative error, fp32 (the project's exactness bar)
 HALF_FACTOR = 2.0  # packed half-precision error may be at most this multiple of the unpacked run's error
 CONTROL_FACTOR = 10.0  # sequence mixing must be at least this multiple of the unpacked error (the check can fail)
@@ -97,33 +101,51 @@ def flash_attn_status() -> tuple[bool, str]:
     return True, f"flash-attn {version}"
 
 
-FLASH_ATTN_VERSIONS = ("2.8.3", "2.8.2", "2.7.4.post1")  # releases with prebuilt Linux wheels, newest first
+def torch_varlen_status(device: str) -> tuple[bool, str]:
+    """(usable on ``device``, one line): torch's own varlen FlashAttention (``torch_private.varlen_attention``), or a
+    kernel a test substituted (``use_torch_varlen_kernel``); on CUDA a device of compute capability >= 8.0."""
+    from hf_gradfix.packing.attention import _KERNEL_OVERRIDE, torch_varlen_kernel
+    from hf_gradfix.torch_private import varlen_attention
+
+    kernel = torch_varlen_kernel()
+    if kernel is None:
+        return False, varlen_attention().why
+    line = "substituted kernel" if _KERNEL_OVERRIDE else varlen_attention().why
+    dev = torch.device(device)
+    if dev.type not in kernel.device_types:
+        return False, f"{line}: runs on {'/'.join(kernel.device_types)}, not {dev.type}"
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev.index)[0] < 8:
+        return False, f"{line}: needs compute capability >= 8.0"
+    return True, line
 
 
-def flash_attn_wheel_urls(torch_version: str | None = None, cuda: str | None = None, python: str | None = None,
-                          cxx11_abi: bool | None = None, machine: str | None = None) -> list[str]:
-    """Prebuilt flash-attn wheels (GitHub releases of Dao-AILab/flash-attention) that would match this torch, CUDA
-    major version, Python and C++ ABI, newest first; ``[]`` without CUDA. Defaults: the running interpreter.
-    ``scripts/gpu_check.sh`` tries them in order with ``pip install --no-deps`` and keeps the first that imports.
+def import_galore_torch() -> tuple[bool, str]:
+    """(importable, one line). galore-torch 1.0's ``__init__`` imports its 8-bit optimizer, hence bitsandbytes
+    (a 60+ MB wheel with CUDA libraries, too large to carry to the offline GPU machine); the check uses only
+    ``GaLoreAdamW``, so where bitsandbytes is missing the package's modules are loaded without its ``__init__``."""
+    import importlib.util
+    import types
 
-    >>> flash_attn_wheel_urls("2.8.0+cu128", "12.8", "3.12", True, "x86_64")[0].rsplit("/", 1)[1]
-    'flash_attn-2.8.3+cu12torch2.8cxx11abiTRUE-cp312-cp312-linux_x86_64.whl'
-    >>> flash_attn_wheel_urls("2.13.0+cpu", None, "3.12", True, "x86_64")
-    []
-    """
-    torch_version = torch_version or torch.__version__
-    cuda = cuda if cuda is not None else (torch.version.cuda if torch_version == torch.__version__ else None)
-    if not cuda:
-        return []
-    python = python or f"{sys.version_info.major}.{sys.version_info.minor}"
-    if cxx11_abi is None:
-        cxx11_abi = bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", False))
-    machine = machine or platform.machine()
-    tmm = ".".join(torch_version.split("+")[0].split(".")[:2])
-    cp = "cp" + python.replace(".", "")
-    name = "flash_attn-{v}+cu" + cuda.split(".")[0] + f"torch{tmm}cxx11abi{'TRUE' if cxx11_abi else 'FALSE'}-{cp}-{cp}-linux_{machine}.whl"
-    return [f"https://github.com/Dao-AILab/flash-attention/releases/download/v{v}/" + name.format(v=v)
-            for v in FLASH_ATTN_VERSIONS]
+    try:
+        import galore_torch  # noqa: F401
+
+        return True, "galore-torch"
+    except ModuleNotFoundError as e:
+        if e.name != "bitsandbytes":
+            return False, f"galore-torch not installed ({e.name} missing)"
+    except Exception as e:
+        return False, f"galore-torch does not import ({type(e).__name__}: {str(e)[:120]})"
+    sys.modules.pop("galore_torch", None)
+    spec = importlib.util.find_spec("galore_torch")
+    package = types.ModuleType("galore_torch")
+    package.__path__ = list(spec.submodule_search_locations)  # a package without running its __init__
+    sys.modules["galore_torch"] = package
+    try:
+        package.GaLoreAdamW = importlib.import_module("galore_torch.adamw").AdamW
+    except Exception as e:
+        sys.modules.pop("galore_torch", None)
+        return False, f"galore-torch's GaLoreAdamW does not import ({type(e).__name__}: {str(e)[:120]})"
+    return True, "galore-torch (GaLoreAdamW only: bitsandbytes absent)"
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -204,11 +226,13 @@ def arch_config(arch: str, *, hidden: int = 256, heads: int = 4, layers: int = 2
 def _build(config, attn: str, dtype: torch.dtype, device: str, state: dict | None = None):
     import transformers
 
-    from hf_gradfix.packing.attention import REFERENCE_VARLEN_ATTENTION, set_attention_implementation
+    from hf_gradfix.packing.attention import (REFERENCE_VARLEN_ATTENTION, TORCH_VARLEN_ATTENTION,
+                                              set_attention_implementation)
 
     torch.manual_seed(0)
+    later = (REFERENCE_VARLEN_ATTENTION, TORCH_VARLEN_ATTENTION, "flash_attention_2")
     model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager" if attn in (REFERENCE_VARLEN_ATTENTION, "flash_attention_2") else attn)
+        config, attn_implementation="eager" if attn in later else attn)
     if state is not None:
         model.load_state_dict(state)
     model = model.to(device=device, dtype=dtype)
@@ -250,7 +274,8 @@ def packed_vs_separate(arch: str, attn: str, dtype: torch.dtype, device: str, *,
     the same row without restarted positions and boundaries), the branch the reference kernel took, and the verdict
     of :func:`half_precision_verdict` on logits and on gradients.
     """
-    from hf_gradfix.packing.attention import reference_branch_counts, reset_reference_branch_counts
+    from hf_gradfix.packing.attention import (reference_branch_counts, reset_reference_branch_counts,
+                                              reset_torch_varlen_counts, torch_varlen_counts)
     from hf_gradfix.packing.collator import PackedCollator, check_packed_batch
 
     config = arch_config(arch, **(config_kw or {}))
@@ -268,8 +293,10 @@ def packed_vs_separate(arch: str, attn: str, dtype: torch.dtype, device: str, *,
     model = _build(config, attn, dtype, device, state)
     sep_logits, sep_grads = _separate(model, seqs)
     reset_reference_branch_counts()
+    reset_torch_varlen_counts()
     pk_logits, pk_grads = _packed(model, batch)
     branches = reference_branch_counts()
+    torch_kernel = torch_varlen_counts()
     with torch.no_grad():  # the bug this guards against: the same row, sequences attending to each other
         mixed = model(input_ids=batch["input_ids"], use_cache=False).logits[0].float()
     out = dict(arch=arch, attn=attn, dtype=str(dtype).replace("torch.", ""), device=str(device), lengths=list(lengths),
@@ -277,7 +304,7 @@ def packed_vs_separate(arch: str, attn: str, dtype: torch.dtype, device: str, *,
                            control=rel(mixed, truth_logits), packed_vs_separate=rel(pk_logits, sep_logits)),
                grads=dict(packed=rel_grads(pk_grads, truth_grads), separate=rel_grads(sep_grads, truth_grads),
                           packed_vs_separate=rel_grads(pk_grads, sep_grads)),
-               reference_branches=branches)
+               reference_branches=branches, torch_varlen_calls=torch_kernel)
     ok_l, why_l = half_precision_verdict(out["logits"]["packed"], out["logits"]["separate"], out["logits"]["control"], dtype)
     ok_g, why_g = half_precision_verdict(out["grads"]["packed"], out["grads"]["separate"], None, dtype)
     if dtype == torch.float32:  # fp32 also states the control could fail
@@ -289,20 +316,34 @@ def packed_vs_separate(arch: str, attn: str, dtype: torch.dtype, device: str, *,
 
 
 def section_packing(device: str, quick: bool) -> dict:
-    from hf_gradfix.packing.attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention
+    """Torch's varlen kernel first (the path a GPU without flash-attn trains on), then FA2, then the fp32 reference,
+    each over the four architectures (a stopped run keeps the rows it finished)."""
+    from hf_gradfix.packing.attention import (REFERENCE_VARLEN_ATTENTION, TORCH_VARLEN_ATTENTION,
+                                              register_reference_varlen_attention, register_torch_varlen_attention)
 
     register_reference_varlen_attention()
+    register_torch_varlen_attention()
     fa_ok, fa_line = flash_attn_status()
-    runs: list[tuple[str, torch.dtype]] = [(REFERENCE_VARLEN_ATTENTION, torch.float32)]
+    tv_ok, tv_line = torch_varlen_status(device)
+    runs: list[tuple[str, torch.dtype]] = []
+    if tv_ok:
+        runs += [(TORCH_VARLEN_ATTENTION, torch.bfloat16), (TORCH_VARLEN_ATTENTION, torch.float16)]
     if fa_ok:
         runs += [("flash_attention_2", torch.bfloat16), ("flash_attention_2", torch.float16)]
+    runs.append((REFERENCE_VARLEN_ATTENTION, torch.float32))
     kw = dict(lengths=(13, 29, 5, 21), config_kw=dict(hidden=64, heads=2, window=8)) if quick else {}
-    rows = [packed_vs_separate(arch, attn, dtype, device, **kw) for arch in ARCHS for attn, dtype in runs]
+    rows = _section_rows()
+    for attn, dtype in runs:
+        for arch in ARCHS:
+            rows.append(packed_vs_separate(arch, attn, dtype, device, **kw))
     passed = all(r["passed"] for r in rows)
     summary = f"{sum(r['passed'] for r in rows)}/{len(rows)} (arch x attention x dtype) exact"
+    if not tv_ok:
+        summary += f"; torch varlen not run: {tv_line}"
     if not fa_ok:
         summary += f"; FA2 not run: {fa_line}"
-    return dict(status="passed" if passed else "FAILED", summary=summary, rows=rows, flash_attn=fa_line)
+    return dict(status="passed" if passed else "FAILED", summary=summary, rows=rows, flash_attn=fa_line,
+                torch_varlen=tv_line)
 
 
 # ---------------------------------------------------------------------------------------------- 2. trainer
@@ -394,14 +435,16 @@ def section_trainer(device: str, quick: bool) -> dict:
     from hf_gradfix.packing.attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention
 
     register_reference_varlen_attention()
-    rows = [packed_trainer_vs_ground_truth(device, REFERENCE_VARLEN_ATTENTION)]
     fa_ok, fa_line = flash_attn_status()
-    if fa_ok:
+    tv_ok, tv_line = torch_varlen_status(device)
+    rows = _section_rows()
+    if fa_ok or tv_ok:  # "auto": what the packed Trainer picks here (FA2, else torch's varlen kernel)
         rows.append(packed_trainer_vs_ground_truth(device, "auto", amp_bf16=True))
+    rows.append(packed_trainer_vs_ground_truth(device, REFERENCE_VARLEN_ATTENTION))
     ok = all(r["passed"] for r in rows)
     summary = "; ".join(f"{r['attention']}{' bf16' if r['amp_bf16'] else ' fp32'}: {r['why']}" for r in rows)
-    if not fa_ok:
-        summary += f"; FA2 not run: {fa_line}"
+    if not (fa_ok or tv_ok):
+        summary += f"; no flash kernel: {fa_line}; {tv_line}"
     return dict(status="passed" if ok else "FAILED", summary=summary, rows=rows)
 
 
@@ -434,13 +477,23 @@ def guard_on(device: str, attn: str, dtype: torch.dtype, arch: str = "llama") ->
 def section_guard(device: str, quick: bool) -> dict:
     from hf_gradfix.packing.attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention
 
+    from hf_gradfix.packing.attention import TORCH_VARLEN_ATTENTION, register_torch_varlen_attention
+
     register_reference_varlen_attention()
-    rows = [guard_on(device, REFERENCE_VARLEN_ATTENTION, torch.float32), guard_on(device, "sdpa", torch.float32, "opt")]
+    register_torch_varlen_attention()
     fa_ok, fa_line = flash_attn_status()
-    if fa_ok:
-        rows += [guard_on(device, "flash_attention_2", torch.bfloat16, a) for a in ("llama", "mistral", "gemma2")]
+    tv_ok, tv_line = torch_varlen_status(device)
+    rows = _section_rows()
+    for ok_here, attn in ((tv_ok, TORCH_VARLEN_ATTENTION), (fa_ok, "flash_attention_2")):
+        if ok_here:
+            for arch in ("llama", "mistral", "gemma2"):
+                rows.append(guard_on(device, attn, torch.bfloat16, arch))
+    rows.append(guard_on(device, REFERENCE_VARLEN_ATTENTION, torch.float32))
+    rows.append(guard_on(device, "sdpa", torch.float32, "opt"))
     ok = all(r["passed"] for r in rows)
     summary = ", ".join(f"{r['arch']}/{r['attn']}/{r['dtype']} {'refused' if r['refused'] else 'accepted'}" for r in rows)
+    if not tv_ok:
+        summary += f"; torch varlen not run: {tv_line}"
     if not fa_ok:
         summary += f"; FA2 not run: {fa_line}"
     return dict(status="passed" if ok else "FAILED", summary=summary, rows=rows)
@@ -569,9 +622,9 @@ def compare_memory(closed: dict[str, float], traced: dict[str, Any], measured: d
 
 
 def plan_vs_allocator(config, device: str, *, seq_len: int = 2048, micro_batch: int = 1, dtype: str = "bf16-pure",
-                      recompute: str = "none", optimizer: str = "adamw", mem=None) -> dict:
+                      recompute: str = "none", optimizer: str = "adamw", mem=None, trace: bool = True) -> dict:
     """``hf-gradfix plan`` (closed form and ``--simulate``, one process) against :func:`measure_training_step`
-    (``mem``: passed on, for tests on CPU)."""
+    (``mem``: passed on, for tests on CPU; ``trace=False`` skips ``--simulate``, 1-4 minutes of host CPU at 1B)."""
     from hf_gradfix.parallel import ParallelDims
     from hf_gradfix.plan import Settings, estimate
     from hf_gradfix.plan.simulate import simulate
@@ -582,7 +635,7 @@ def plan_vs_allocator(config, device: str, *, seq_len: int = 2048, micro_batch: 
     plan = estimate(config, mesh, settings)
     closed = dict(plan.components, peak=plan.peak)
     t0 = time.perf_counter()
-    traced = simulate(config, mesh, settings)
+    traced = simulate(config, mesh, settings) if trace else {}
     trace_s = time.perf_counter() - t0
     measured = measure_training_step(config, settings, device, mem=mem)
     rows = compare_memory(closed, traced, measured)
@@ -592,16 +645,17 @@ def plan_vs_allocator(config, device: str, *, seq_len: int = 2048, micro_batch: 
                 trace_seconds=round(trace_s, 1), peak_phase=measured["peak_phase"],
                 summary=(f"{dtype} {optimizer} seq {seq_len} x {micro_batch} recompute {recompute}: measured peak "
                          f"{measured['peak'] / 2**30:.2f} GiB; closed form {peak['closed_err']:+.1%}, "
-                         f"--simulate {peak['traced_err']:+.1%}"))
+                         + (f"--simulate {peak['traced_err']:+.1%}" if trace else "--simulate not run")))
 
 
 PLAN_CASES = [dict(dtype="bf16-pure"), dict(dtype="bf16-pure", optimizer="galore_adamw")]
 PLAN_MORE_CASES = [dict(dtype="amp-bf16"), dict(dtype="bf16-pure", recompute="full")]
 
 
-def section_plan(device: str, quick: bool, more: bool = False) -> dict:
+def section_plan(device: str, quick: bool, more: bool = False, trace: bool = False) -> dict:
     """The 1B model in bf16 with AdamW and with GaLore (``more``: also amp-bf16 and full recomputation). Each
-    ``--simulate`` trace takes 1-4 minutes of host CPU for a 1B model (fake tensors, one thread)."""
+    ``--simulate`` trace takes 1-4 minutes of host CPU for a 1B model (fake tensors, one thread): off unless
+    ``trace`` (``--plan-trace``), so the closed form meets the allocator inside one device call."""
     if quick:
         from hf_gradfix.plan import load_model_config
 
@@ -609,10 +663,10 @@ def section_plan(device: str, quick: bool, more: bool = False) -> dict:
     else:
         config = llama_1b_config()
         cases = PLAN_CASES + (PLAN_MORE_CASES if more else [])
-    rows = []
+    rows = _section_rows()
     for case in cases:
         try:
-            rows.append(plan_vs_allocator(config, device, **case))
+            rows.append(plan_vs_allocator(config, device, **case, trace=trace or quick))
         except Exception as e:  # one case failing (e.g. out of memory) should not hide the others
             error = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(dict(settings=case, error=error, summary=f"{case}: {error}"))
@@ -624,7 +678,8 @@ def section_plan(device: str, quick: bool, more: bool = False) -> dict:
 # ---------------------------------------------------------------------------------------------- 5. throughput
 def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 2000, budget: int = 4096,
                batch: int = 8, sigma: float = 1.0, model_kw: dict | None = None, warmup_steps: int = 3,
-               arms: tuple[str, ...] = ("padded", "padded-sdpa", "packed", "trl-padding-free")) -> dict:
+               arms: tuple[str, ...] = ("padded", "packed", "padded-sdpa", "trl-padding-free"),
+               keep: dict | None = None) -> dict:
     """Real tokens/s over one epoch of the same samples (``bench_packing_throughput``'s lognormal lengths):
 
     - ``padded``: stock Trainer, random batches of ``batch`` samples padded to the longest (``attn``, mask; FA2
@@ -636,10 +691,10 @@ def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 200
 
     Every arm sees every sample exactly once, so real tokens are the same; time = the epoch's ``trainer.train()``
     wall time after a short warm-up run in the same process. The padded arm's padding waste gives the limit a
-    padding-free path can reach, 1 / (1 - waste).
+    padding-free path can reach, 1 / (1 - waste). ``keep``: a dict that receives each arm's result as it finishes
+    (a stopped run keeps them). Without TRL importable, its arm is reported as skipped.
     """
     import transformers
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     import bench_packing_throughput as B
     import hf_gradfix
@@ -659,7 +714,15 @@ def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 200
         counted["real"] += int(out["attention_mask"].sum())
         return out
 
-    trl_collate = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    trl_collate = None
+    if "trl-padding-free" in arms:
+        try:
+            from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+            trl_collate = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+        except Exception as e:  # not installed, or a TRL that does not import with this transformers
+            arms = tuple(a for a in arms if a != "trl-padding-free")
+            skipped_trl = f"{type(e).__name__}: {str(e)[:160]}"
 
     def build(attn):
         torch.manual_seed(0)
@@ -695,7 +758,9 @@ def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 200
             hf_gradfix.unpatch()
             _free(device)
 
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = keep if keep is not None else {}
+    if trl_collate is None and "skipped_trl" in locals():
+        results["trl-padding-free"] = dict(skipped=skipped_trl)
     for arm in arms:
         if warmup_steps:
             run(arm, max_steps=warmup_steps)  # kernels, allocator, autotuning: paid outside the timed epoch
@@ -712,28 +777,40 @@ def throughput(device: str, attn: str, dtype: torch.dtype, *, samples: int = 200
         base = results["padded"]["real_tokens_per_s"]
         out.update(padding_waste=waste, limit=limit)
         for arm, r in results.items():
+            if "real_tokens_per_s" not in r:
+                continue
             r["vs_padded"] = r["real_tokens_per_s"] / base
             r["of_limit"] = r["vs_padded"] / limit
     return out
 
 
 def section_throughput(device: str, quick: bool) -> dict:
+    """Packed vs padded through a flash kernel: flash-attn 2 where installed, else torch's varlen kernel."""
+    from hf_gradfix.packing.attention import TORCH_VARLEN_ATTENTION, register_torch_varlen_attention
+
     fa_ok, fa_line = flash_attn_status()
-    if not fa_ok:
-        return dict(status=f"skipped: {fa_line}", summary="packed vs padded on a GPU needs FA2 (varlen kernel)")
+    tv_ok, tv_line = torch_varlen_status(device)
+    if not (fa_ok or tv_ok):
+        return dict(status=f"skipped: {fa_line}; {tv_line}", summary="packed vs padded on a GPU needs a varlen kernel")
+    attn = "flash_attention_2" if fa_ok else register_torch_varlen_attention(TORCH_VARLEN_ATTENTION)
     kw = dict(samples=200, budget=1024, model_kw=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                                      num_attention_heads=4, num_key_value_heads=2)) if quick else {}
-    r = throughput(device, "flash_attention_2", torch.bfloat16, **kw)
-    arms = r["arms"]
-    summary = (f"padding waste {r['padding_waste']:.1%} -> limit {r['limit']:.2f}x; " +
-               ", ".join(f"{a} {v['vs_padded']:.2f}x ({v['of_limit']:.0%} of limit)" for a, v in arms.items() if a != "padded"))
-    return dict(status="measured", summary=summary, rows=[r])
+                                                      num_attention_heads=4, num_key_value_heads=2)) if quick else \
+        dict(samples=1000)
+    arms: dict[str, Any] = {}
+    _section_rows().append(dict(attn=attn, arms=arms, partial=True))  # what a stopped run keeps
+    r = throughput(device, attn, torch.bfloat16, keep=arms, **kw)
+    _section_rows()[:] = [r]
+    summary = (f"{attn}: padding waste {r['padding_waste']:.1%} -> limit {r['limit']:.2f}x; " +
+               ", ".join(f"{a} {v['vs_padded']:.2f}x ({v['of_limit']:.0%} of limit)" if "vs_padded" in v
+                         else f"{a} {v.get('skipped', '?')}" for a, v in r["arms"].items() if a != "padded"))
+    return dict(status="measured", summary=summary, rows=_section_rows())
 
 
 # ---------------------------------------------------------------------------------------------- 6. optimizers
 def optimizer_cost(device: str, *, arms=("adamw", "galore-torch", "svd", "randomized", "apollo", "apollo-mini"),
                    hidden: int = 4096, intermediate: int = 11008, layers: int = 2, heads: int = 32, vocab: int = 32000,
-                   rank: int | None = None, steps: int = 12, gap: int = 10, batch: int = 1, seq: int = 512) -> dict:
+                   rank: int | None = None, steps: int = 12, gap: int = 10, batch: int = 1, seq: int = 512,
+                   keep: dict | None = None) -> dict:
     """``opt.step()`` time and memory per arm (``bench_optim.build_optimizer``), one arm at a time on a fresh copy
     of the same fp32 model (``bench_optim.build_model``; default: two Llama-7B-shaped layers).
 
@@ -751,7 +828,7 @@ def optimizer_cost(device: str, *, arms=("adamw", "galore-torch", "svd", "random
     base = BO.build_model(ns, 0).to(device)  # built once (a 7B-shaped init on the host takes a while)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
-    results = {}
+    results = keep if keep is not None else {}
     for arm in arms:
         model = copy.deepcopy(base)
         opt = BO.build_optimizer(arm, model, ns)
@@ -799,14 +876,16 @@ def optimizer_cost(device: str, *, arms=("adamw", "galore-torch", "svd", "random
 def section_optim(device: str, quick: bool) -> dict:
     arms = ["adamw", "svd", "randomized", "apollo", "apollo-mini"]
     missing = []
-    try:
-        import galore_torch  # noqa: F401
-
+    ok, line = import_galore_torch()
+    if ok:
         arms.insert(1, "galore-torch")
-    except ImportError:
-        missing.append("galore-torch not installed")
+    else:
+        missing.append(line)
     kw = dict(hidden=128, intermediate=344, heads=4, vocab=512, seq=64, steps=6, gap=3) if quick else {}
-    r = optimizer_cost(device, arms=tuple(arms), **kw)
+    keep: dict[str, Any] = {}
+    _section_rows().append(dict(arms=keep, partial=True))
+    r = optimizer_cost(device, arms=tuple(arms), keep=keep, **kw)
+    _section_rows()[:] = [r]
     summary = ", ".join(f"{a} step {v['step_ms']:.1f} ms ({v.get('step_vs_adamw', 1):.2f}x), state "
                         f"{v['state_bytes'] / 2**20:.0f} MiB ({v.get('state_vs_adamw', 1):.2f}x)" for a, v in r["arms"].items())
     if missing:
@@ -836,10 +915,11 @@ def environment(device: str) -> dict:
     import transformers
 
     env = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-               transformers=transformers.__version__, device=device, flash_attn=flash_attn_status()[1])
+               transformers=transformers.__version__, device=device, flash_attn=flash_attn_status()[1],
+               torch_varlen=torch_varlen_status(device)[1])
     from importlib.metadata import PackageNotFoundError, version
 
-    for name in ("trl", "accelerate", "galore-torch", "apollo-torch"):
+    for name in ("trl", "datasets", "accelerate", "peft", "galore-torch", "apollo-torch"):
         try:
             env[name] = version(name)
         except PackageNotFoundError:
@@ -851,21 +931,90 @@ def environment(device: str) -> dict:
     return env
 
 
-def run_sections(device: str, sections, quick: bool = False, log=print) -> dict:
-    """Run ``sections`` on ``device``; a section that raises is recorded as ``error`` with its traceback."""
+class SectionTimeout(BaseException):
+    """A section ran past its time budget (a BaseException: the sections' own ``except Exception`` cannot eat it)."""
+
+
+_ROWS: list[list] = [[]]
+
+
+def _section_rows() -> list:
+    """The running section's row list: rows appended here survive the section being stopped at its budget."""
+    return _ROWS[-1]
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise :class:`SectionTimeout` in the main thread after ``seconds`` (``None`` or <= 0: no limit). Python code
+    is interrupted between bytecodes; a CUDA kernel already launched finishes first (they are short here)."""
+    import signal
+
+    if not seconds or seconds <= 0:
+        yield
+        return
+
+    def fire(signum, frame):
+        raise SectionTimeout(f"stopped at its {seconds:.0f} s budget")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+#: ``--profile``: sections in order of value, each with its time budget in seconds (a stopped section keeps its rows).
+#: ``full`` fits one device call (``timeout_s`` 480, device machine warm or not); ``rerun`` is the smaller second call.
+PROFILES: dict[str, dict[str, Any]] = {
+    "full": dict(quick=False, budget_s=390, sections={"packing": 75, "guard": 30, "trainer": 60, "throughput": 100,
+                                                      "plan": 70, "optim": 55}),
+    "rerun": dict(quick=True, budget_s=150, sections={"packing": 40, "guard": 20, "trainer": 40, "throughput": 35,
+                                                      "optim": 15}),
+}
+
+
+def run_sections(device: str, sections, quick: bool = False, log=print, budgets: dict[str, float] | None = None,
+                 total_s: float | None = None, on_section: Callable[[dict], None] | None = None) -> dict:
+    """Run ``sections`` on ``device`` in order. A section that raises is recorded as ``error`` with its traceback;
+    one that outlives its budget (``budgets[name]``, cut to what is left of ``total_s``) as ``timeout`` with the
+    rows it finished. ``on_section(results)`` runs after each section (the driver writes the files there)."""
     results = dict(environment=environment(device), sections={}, not_provable_on_one_gpu=NOT_PROVABLE_ON_ONE_GPU,
                    started=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), quick=quick)
+    start = time.perf_counter()
     for name in sections:
+        budget = (budgets or {}).get(name)
+        if total_s is not None:
+            left = total_s - (time.perf_counter() - start)
+            if left < 5:
+                results["sections"][name] = dict(status="skipped: no time left", summary=f"{total_s:.0f} s spent",
+                                                 seconds=0.0)
+                log(f"gpu_check: {name}: skipped: no time left")
+                continue
+            budget = min(budget, left) if budget else left
         t0 = time.perf_counter()
+        _ROWS.append([])
         try:
-            res = RUNNERS[name](device, quick)
+            with time_limit(budget):
+                res = RUNNERS[name](device, quick)
+        except SectionTimeout as e:
+            rows = _section_rows()
+            res = dict(status="timeout", summary=f"{e}; {len(rows)} row(s) finished", rows=list(rows))
+            _free(device)
         except Exception as e:
             res = dict(status="error", summary=f"{type(e).__name__}: {str(e)[:300]}",
-                       traceback=traceback.format_exc()[-4000:])
+                       traceback=traceback.format_exc()[-4000:], rows=list(_section_rows()))
             _free(device)
+        finally:
+            _ROWS.pop()
         res["seconds"] = round(time.perf_counter() - t0, 1)
+        if budget:
+            res["budget_s"] = round(budget, 1)
         results["sections"][name] = res
         log(f"gpu_check: {name}: {res['status']} ({res['seconds']} s): {res['summary']}")
+        if on_section is not None:
+            on_section(results)
     return results
 
 
@@ -953,22 +1102,31 @@ def write_results(results: dict, path: str | Path) -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                    help="sections in order of value with time budgets: full (one device call) or rerun (smaller)")
+    ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="the results file (markdown + a JSON block)")
+    ap.add_argument("--out-dir", default=None,
+                    help="write gpu-check.md and gpu-check.json here after every section (overrides --out)")
+    ap.add_argument("--budget-s", type=float, default=None, help="seconds for all sections together")
     ap.add_argument("--device", default="cuda", help="cpu runs the logic on the reference kernel (tests)")
     ap.add_argument("--plan-all", action="store_true", help="plan: also amp-bf16 and full recomputation (+4-8 min)")
+    ap.add_argument("--plan-trace", action="store_true", help="plan: also --simulate (1-4 min of host CPU per case)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other sections of an existing --out file (to run sections in separate commands)")
-    ap.add_argument("--flash-attn-wheels", action="store_true", help="print the matching flash-attn wheel URLs, exit")
     ns = ap.parse_args(argv)
-    if ns.flash_attn_wheels:
-        print("\n".join(flash_attn_wheel_urls()))
-        return 0
-    sections = [s.strip() for s in ns.only.split(",") if s.strip()]
+    profile = PROFILES.get(ns.profile or "", {})
+    budgets = dict(profile.get("sections", {}))
+    if ns.only:
+        sections = [s.strip() for s in ns.only.split(",") if s.strip()]
+    else:
+        sections = list(budgets) if budgets else list(SECTIONS)
     unknown = [s for s in sections if s not in RUNNERS]
     if unknown:
         ap.error(f"--only: unknown section(s) {unknown}; choose from {','.join(SECTIONS)}")
+    quick = ns.quick or bool(profile.get("quick"))
+    total_s = ns.budget_s if ns.budget_s is not None else profile.get("budget_s")
     if ns.device == "cuda":
         reason = skip_reason()
         if reason:
@@ -978,14 +1136,22 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    if ns.plan_all:
-        RUNNERS["plan"] = lambda device, quick: section_plan(device, quick, more=True)
-    results = run_sections(ns.device, sections, ns.quick)
-    if ns.merge and Path(ns.out).exists():
-        results = merge_results(read_results(ns.out), results)
-    path = write_results(results, ns.out)
+    if ns.plan_all or ns.plan_trace:
+        more, trace = ns.plan_all, ns.plan_trace
+        RUNNERS["plan"] = lambda device, quick: section_plan(device, quick, more=more, trace=trace)
+    out = Path(ns.out_dir) / "gpu-check.md" if ns.out_dir else Path(ns.out)
+    old = read_results(out) if (ns.merge and out.exists()) else None
+
+    def save(results: dict) -> None:  # after every section: a run stopped later still returns what it measured
+        merged = merge_results(old, results) if old is not None else results
+        write_results(merged, out)
+        if ns.out_dir:
+            (Path(ns.out_dir) / "gpu-check.json").write_text(json.dumps(merged, indent=1, default=str), encoding="utf-8")
+
+    results = run_sections(ns.device, sections, quick, budgets=budgets, total_s=total_s, on_section=save)
+    save(results)
     bad = [n for n, s in results["sections"].items() if s["status"] in ("FAILED", "error")]
-    print(f"gpu_check: wrote {path}; " + (f"FAILED: {', '.join(bad)}" if bad else "no failures"))
+    print(f"gpu_check: wrote {out}; " + (f"FAILED: {', '.join(bad)}" if bad else "no failures"))
     return 1 if bad else 0
 
 

@@ -8,6 +8,7 @@ Skip path (documented choice): without CUDA both the script and the driver print
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -31,7 +32,7 @@ SMALL = dict(lengths=(13, 29, 5, 21), config_kw=dict(hidden=64, heads=2, window=
 # ------------------------------------------------------------------------------------------ the skip path
 @NO_CUDA
 def test_script_without_cuda_prints_one_line_exits_0_and_writes_nothing():
-    venv = H.REPO_ROOT / ".venv-gpu"
+    venv = H.REPO_ROOT / "benchmarks" / "results" / "gpu-check"  # the default output folder
     results = H.REPO_ROOT / "benchmarks" / "results" / "gpu-check.md"
     before = (venv.exists(), results.stat().st_mtime if results.exists() else None)
     env = {**os.environ, "PYTHON": sys.executable, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
@@ -41,7 +42,7 @@ def test_script_without_cuda_prints_one_line_exits_0_and_writes_nothing():
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: skipped: no CUDA device"), lines
     after = (venv.exists(), results.stat().st_mtime if results.exists() else None)
-    assert after == before  # no venv created, no results written
+    assert after == before  # no output folder created, no results written
 
 
 @NO_CUDA
@@ -58,12 +59,153 @@ def test_driver_rejects_an_unknown_section():
         G.main(["--only", "packing,flashy", "--device", "cpu"])
 
 
-def test_flash_attn_wheel_names_follow_the_release_assets():
-    urls = G.flash_attn_wheel_urls("2.7.1+cu126", "12.6", "3.10", False, "x86_64")
-    assert urls[0] == ("https://github.com/Dao-AILab/flash-attention/releases/download/v2.8.3/"
-                       "flash_attn-2.8.3+cu12torch2.7cxx11abiFALSE-cp310-cp310-linux_x86_64.whl")
-    assert len(urls) == len(G.FLASH_ATTN_VERSIONS)
-    assert G.flash_attn_wheel_urls("2.13.0+cpu", "", "3.11", True, "x86_64") == []
+# ------------------------------------------------------------------------------------------ offline preparation
+def _fake_wheel(folder, name="hgf_probe", version="0.1"):
+    """A minimal pure-Python wheel, built here without network."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": "VALUE = 42\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+    return path
+
+
+def _script(name, *args, **env):
+    full = {**os.environ, "PYTHON": sys.executable, **{k: str(v) for k, v in env.items()}}
+    return subprocess.run(["bash", str(H.REPO_ROOT / "scripts" / name), *args], env=full, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_wheels_size_check_counts_the_folder_and_the_repository(tmp_path):
+    wheels = tmp_path / "w"
+    _fake_wheel(wheels)
+    (wheels / "big-1.0-py3-none-any.whl").write_bytes(b"\0" * 3_000_000)
+    ok = _script("gpu_wheels.sh", "--check-only", GPU_WHEELS_DIR=wheels)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    line = ok.stdout.strip().splitlines()[-1]
+    assert "2 wheels, 2.86 MiB" in line and "of the 64.00 MiB carry limit" in line
+    repo_mib = float(line.split("repository ")[1].split(" MiB")[0])
+    assert 0.5 < repo_mib < 30  # the repository's own files count too
+    over = _script("gpu_wheels.sh", "--check-only", GPU_WHEELS_DIR=wheels,
+                   GPU_CARRY_LIMIT_BYTES=int((repo_mib + 1.0) * 2**20))
+    assert over.returncode == 1 and "over the carry limit" in over.stdout
+
+
+def test_wheels_refuse_two_versions_of_one_package(tmp_path):
+    wheels = tmp_path / "w"
+    _fake_wheel(wheels, version="0.1")
+    _fake_wheel(wheels, version="0.2")
+    r = _script("gpu_wheels.sh", "--check-only", GPU_WHEELS_DIR=wheels)
+    assert r.returncode == 1 and "several versions of: hgf_probe" in r.stdout
+
+
+def test_wheels_dry_run_names_the_gpu_machines_python_and_pins(tmp_path):
+    r = _script("gpu_wheels.sh", "--dry-run", GPU_WHEELS_DIR=tmp_path / "none")
+    assert r.returncode == 0, r.stderr
+    cmd = r.stdout.splitlines()[0]
+    for flag in ("download", "--no-deps", "--only-binary=:all:", "--python-version 3.12", "manylinux2014_x86_64",
+                 "scripts/gpu_wheels.txt"):
+        assert flag in cmd, (flag, cmd)
+    pins = [line for line in (H.REPO_ROOT / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert all("==" in p for p in pins) and {p.split("==")[0] for p in pins} >= {"trl", "datasets", "galore-torch"}
+    assert not (tmp_path / "none").exists()  # a dry run downloads nothing
+
+
+def test_offline_install_into_a_scratch_target(tmp_path):
+    """gpu_check.sh's install step on its own: pip install --no-index --target from the carried folder, then the
+    imports it reports come from the working tree (hf_gradfix) and the scratch target (the wheels)."""
+    wheels, site = tmp_path / "w", tmp_path / "site"
+    _fake_wheel(wheels)
+    r = _script("gpu_check.sh", "--install-only", GPU_WHEELS_DIR=wheels, GPU_SITE=site,
+                GPU_CHECK_IMPORTS="hf_gradfix hgf_probe", GPU_CHECK_LOG_DIR=tmp_path / "log",
+                PIP_INDEX_URL="http://127.0.0.1:9/nowhere")  # any index access would fail
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "installed 1 wheels" in r.stdout and (site / "hgf_probe" / "__init__.py").exists()
+    assert f"import hgf_probe: ok from {site / 'hgf_probe'}" in r.stdout
+    assert f"import hf_gradfix: 0.1.0 from {H.REPO_ROOT / 'hf_gradfix'}" in r.stdout
+    assert "varlen_attn(" in r.stdout and (tmp_path / "log" / "gpu-check.log").exists()
+
+
+# ------------------------------------------------------------------------------------------ time bounds
+def test_a_section_past_its_budget_keeps_its_finished_rows():
+    import time
+
+    def slow(device, quick):
+        rows = G._section_rows()
+        for i in range(100):
+            rows.append({"i": i})
+            time.sleep(0.05)
+        return dict(status="passed", summary="never", rows=rows)
+
+    written = []
+    G.RUNNERS["slow_test"] = slow
+    G.RUNNERS["fast_test"] = lambda device, quick: dict(status="passed", summary="ok")
+    try:
+        t0 = time.perf_counter()
+        results = G.run_sections("cpu", ["slow_test", "fast_test"], quick=True, log=lambda *_: None,
+                                 budgets={"slow_test": 0.5, "fast_test": 60},
+                                 on_section=lambda r: written.append(list(r["sections"])))
+        assert time.perf_counter() - t0 < 30
+    finally:
+        del G.RUNNERS["slow_test"], G.RUNNERS["fast_test"]
+    sec = results["sections"]["slow_test"]
+    assert sec["status"] == "timeout" and "budget" in sec["summary"]
+    assert 3 <= len(sec["rows"]) < 100 and sec["budget_s"] == 0.5
+    assert results["sections"]["fast_test"]["status"] == "passed"  # the next section still ran
+    assert written == [["slow_test"], ["slow_test", "fast_test"]]  # results written after every section
+
+
+def test_sections_past_the_total_budget_are_skipped_not_run():
+    results = G.run_sections("cpu", ["guard", "packing"], quick=True, log=lambda *_: None, total_s=3)
+    assert all(s["status"] == "skipped: no time left" for s in results["sections"].values())
+
+
+def test_profiles_fit_one_device_call_each():
+    """full: the section budgets fit its total, which fits the script's 430 s bound and a run call of 480 s;
+    rerun: 150 s inside 170 s. 15 minutes of device time: start (1-2 min) + 480 + 200 s, with room to spare."""
+    full, rerun = G.PROFILES["full"], G.PROFILES["rerun"]
+    assert list(full["sections"]) == list(G.SECTIONS)  # every section, in order of value
+    assert sum(full["sections"].values()) <= full["budget_s"] + 30 and full["budget_s"] + 30 <= 430
+    assert rerun["quick"] and rerun["budget_s"] + 15 <= 170
+    assert list(rerun["sections"])[:3] == ["packing", "guard", "trainer"]
+
+
+def test_driver_writes_incrementally_under_out_dir(tmp_path, monkeypatch):
+    monkeypatch.setitem(G.RUNNERS, "guard", lambda device, quick: dict(status="passed", summary="stand-in"))
+    assert G.main(["--device", "cpu", "--only", "guard", "--quick", "--out-dir", str(tmp_path)]) == 0
+    back = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert back["sections"]["guard"]["status"] == "passed"
+    assert G.read_results(tmp_path / "gpu-check.md")["sections"]["guard"]["status"] == "passed"
+
+
+def test_galore_torch_imports_without_bitsandbytes(monkeypatch):
+    """galore-torch's __init__ imports bitsandbytes (too large to carry): GaLoreAdamW is loaded without it."""
+    pytest.importorskip("galore_torch")
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_bnb(name, *args, **kwargs):
+        if name.startswith("bitsandbytes"):
+            raise ModuleNotFoundError("No module named 'bitsandbytes'", name="bitsandbytes")
+        return real_import(name, *args, **kwargs)
+
+    for mod in [m for m in sys.modules if m.startswith(("galore_torch", "bitsandbytes"))]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setattr(builtins, "__import__", no_bnb)
+    ok, line = G.import_galore_torch()
+    assert ok and "bitsandbytes absent" in line
+    import galore_torch
+
+    assert galore_torch.GaLoreAdamW.__name__ == "AdamW"
 
 
 # ------------------------------------------------------------------------------------------ 1. packing

@@ -1,6 +1,6 @@
 """Padding-free packing: bin packing, a rank-balanced batch sampler, an online packer for streams, up-front
-dataset validation, a varlen collator, a reference varlen attention for CPU, and a guard that refuses models
-which mix packed sequences.
+dataset validation, a varlen collator, varlen attention (torch's own FlashAttention kernel, and a reference for
+CPU), and a guard that refuses models which mix packed sequences.
 
 ``binpack``, ``sampler``, ``stream``, ``validate`` and ``collator`` need only torch/numpy; ``attention`` and
 ``guard`` import transformers and are loaded on first use.
@@ -20,7 +20,8 @@ from .validate import PackedDataError, validate_packing_dataset
 
 
 def __getattr__(name: str):
-    if name in ("register_reference_varlen_attention", "select_varlen_attention", "set_attention_implementation", "REFERENCE_VARLEN_ATTENTION"):
+    if name in ("register_reference_varlen_attention", "register_torch_varlen_attention", "select_varlen_attention",
+                "set_attention_implementation", "REFERENCE_VARLEN_ATTENTION", "TORCH_VARLEN_ATTENTION"):
         from . import attention
 
         return getattr(attention, name)
@@ -41,6 +42,7 @@ __all__ = [
     "check_packed_batch",
     "pack",
     "register_reference_varlen_attention",
+    "register_torch_varlen_attention",
     "select_varlen_attention",
     "set_attention_implementation",
     "check_model_packs_correctly",

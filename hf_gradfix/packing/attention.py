@@ -1,4 +1,5 @@
-"""Attention paths for padding-free packing: real FlashAttention 2 where it can run, else a pure-PyTorch reference.
+"""Attention paths for padding-free packing: FlashAttention 2 where flash-attn is installed, else torch's own varlen
+FlashAttention kernel (``torch.nn.attention.varlen.varlen_attn``, no package needed), else a pure-PyTorch reference.
 
 :func:`reference_flash_attn_varlen_func` has the semantics of ``flash_attn.flash_attn_varlen_func`` (flash-attn
 2.x): sequences concatenated along the first axis and delimited by int32 ``cu_seqlens``; causal masking aligned
@@ -17,6 +18,12 @@ key length exceeds ``w``). :func:`register_reference_varlen_attention` registers
 path: no 4-D mask, kwargs passed through) but does not match ``^flash_attention_\\d$`` (which would trigger the
 flash-attn package and device checks).
 
+:func:`torch_varlen_attention_forward` is the same dispatch around :func:`torch_flash_attn_varlen_func`, which maps
+flash-attn's arguments onto torch's kernel (CUDA, fp16/bf16, torch >= 2.11) and computes what that kernel lacks
+(softcapping, dropout, fp32...) on the reference kernel; :func:`register_torch_varlen_attention` registers it as
+:data:`TORCH_VARLEN_ATTENTION`. :func:`select_varlen_attention` picks flash-attn 2, then torch's kernel, then the
+reference.
+
 transformers 5.x treats every attention name that contains ``"flash"`` and is not ``flash_attention_<N>`` as a
 hub kernel when a model is *built* with it (``from_pretrained(..., attn_implementation=NAME)`` raises
 "Could not find the currently requested flash attention implementation"); build the model with ``sdpa`` and
@@ -26,16 +33,21 @@ switch with :func:`set_attention_implementation`, which works on transformers 4.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidArgumentError, InvalidTypeError
+from ..torch_private import varlen_attention
+
+logger = logging.getLogger("hf_gradfix")
 
 __all__ = [
     "REFERENCE_VARLEN_ATTENTION",
@@ -44,6 +56,17 @@ __all__ = [
     "register_reference_varlen_attention",
     "unregister_reference_varlen_attention",
     "select_varlen_attention",
+    "choose_varlen_attention",
+    "TORCH_VARLEN_ATTENTION",
+    "TorchVarlenKernel",
+    "torch_varlen_kernel",
+    "use_torch_varlen_kernel",
+    "reference_varlen_attn",
+    "torch_flash_attn_varlen_func",
+    "torch_varlen_attention_forward",
+    "register_torch_varlen_attention",
+    "torch_varlen_counts",
+    "reset_torch_varlen_counts",
     "set_attention_implementation",
     "use_attention_implementation",
     "reference_branch_counts",
@@ -51,6 +74,8 @@ __all__ = [
 ]
 
 REFERENCE_VARLEN_ATTENTION = "flash_varlen_reference"
+#: torch's own varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``), registered like the reference.
+TORCH_VARLEN_ATTENTION = "flash_varlen_torch"
 
 # How often each dispatch branch of reference_varlen_attention_forward ran (one count per layer call).
 _BRANCH_COUNTS: Counter[str] = Counter()
@@ -261,7 +286,8 @@ def reference_varlen_attention_forward(
        its minimum (transformers' own ``prepare_fa_kwargs_from_position_ids``);
     4. otherwise dense attention, causal over each whole row.
 
-    Counts the branch taken (:func:`reference_branch_counts`).
+    Counts the branch taken (:func:`reference_branch_counts`). :func:`torch_varlen_attention_forward` is the same
+    dispatch around torch's own FlashAttention kernel.
 
     >>> import types
     >>> mod = types.SimpleNamespace(is_causal=True, training=False)
@@ -272,8 +298,30 @@ def reference_varlen_attention_forward(
     >>> out.shape
     torch.Size([1, 5, 4, 8])
     """
+    return _varlen_attention_forward(
+        reference_flash_attn_varlen_func, module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+        softcap, is_causal, s_aux, **kwargs
+    )
+
+
+def _varlen_attention_forward(
+    kernel: Callable[..., torch.Tensor],
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``flash_attention_forward`` dispatch around ``kernel`` (``flash_attn_varlen_func``'s signature)."""
     if kwargs.get("block_table") is not None or kwargs.get("cache") is not None:
-        raise NotImplementedError("reference varlen attention: paged attention / continuous batching not supported")
+        raise NotImplementedError("varlen attention: paged attention / continuous batching not supported")
     batch, _, q_len, _ = query.shape
     if any(d == 0 for d in query.shape):
         raise InvalidArgumentError("reference varlen attention: query has a zero dimension")
@@ -321,7 +369,7 @@ def reference_varlen_attention_forward(
         cu_q = F.pad(torch.cumsum(lens_q, 0, dtype=torch.int32), (1, 0))
         idx_q = q_mask.reshape(-1).nonzero().view(-1)
         qf = q.reshape(-1, *q.shape[2:])[idx_q]
-        out_f = reference_flash_attn_varlen_func(
+        out_f = kernel(
             qf, kf, vf, cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), **fa_kwargs
         )
         out = out_f.new_zeros(batch * q_len, n_heads, d_v)
@@ -333,7 +381,7 @@ def reference_varlen_attention_forward(
     if all(x is not None for x in (cu_q, cu_k, max_q, max_k)):
         _BRANCH_COUNTS["cu_seq_lens"] += 1
         qf, kf, vf = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
-        out = reference_flash_attn_varlen_func(qf, kf, vf, cu_q, cu_k, max_q, max_k, **fa_kwargs)
+        out = kernel(qf, kf, vf, cu_q, cu_k, max_q, max_k, **fa_kwargs)
         return out.view(batch, -1, n_heads, d_v), None
 
     position_ids = kwargs.get("position_ids")
@@ -341,18 +389,243 @@ def reference_varlen_attention_forward(
         _BRANCH_COUNTS["position_ids"] += 1
         cu, max_len = _cu_from_position_ids(position_ids)
         qf, kf, vf = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
-        out = reference_flash_attn_varlen_func(qf, kf, vf, cu, cu, max_len, max_len, **fa_kwargs)
+        out = kernel(qf, kf, vf, cu, cu, max_len, max_len, **fa_kwargs)
         return out.view(batch, -1, n_heads, d_v), None
 
     _BRANCH_COUNTS["dense"] += 1
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q_len
     cu_k = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * k_len
     qf, kf, vf = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
-    out = reference_flash_attn_varlen_func(qf, kf, vf, cu_q, cu_k, q_len, k_len, **fa_kwargs)
+    out = kernel(qf, kf, vf, cu_q, cu_k, q_len, k_len, **fa_kwargs)
     return out.view(batch, q_len, n_heads, d_v), None
 
 
+# ------------------------------------------------------------------------------------------ torch's own kernel
+@dataclasses.dataclass(frozen=True)
+class TorchVarlenKernel:
+    """torch's varlen FlashAttention kernel as :func:`torch_flash_attn_varlen_func` calls it.
+
+    ``fn`` has the signature of ``torch.nn.attention.varlen.varlen_attn`` (``(q, k, v, cu_seq_q, cu_seq_k, max_q,
+    max_k, *, scale, window_size[, enable_gqa])``, window ``(left, right)`` with ``right = 0`` for causal);
+    ``enable_gqa``: it takes that keyword (else key/value heads are repeated to the query heads first);
+    ``device_types`` / ``dtypes`` / ``max_head_dim``: what it runs (other inputs take the reference kernel).
+    """
+
+    fn: Callable[..., torch.Tensor]
+    enable_gqa: bool
+    device_types: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+    max_head_dim: int = 256
+
+
+_KERNEL_OVERRIDE: list[TorchVarlenKernel] = []  # tests substitute a kernel here (use_torch_varlen_kernel)
+# Calls of torch_flash_attn_varlen_func: "kernel", or the reason the reference kernel ran instead.
+_TORCH_COUNTS: Counter[str] = Counter()
+_WARNED: set[str] = set()
+
+
+def torch_varlen_kernel() -> TorchVarlenKernel | None:
+    """torch's ``varlen_attn`` where this torch has the keywords packing needs (``torch_private.varlen_attention``),
+    or the kernel a test substituted; ``None`` otherwise.
+
+    >>> kernel = torch_varlen_kernel()
+    >>> kernel is None or kernel.device_types == ("cuda",)
+    True
+    """
+    if _KERNEL_OVERRIDE:
+        return _KERNEL_OVERRIDE[-1]
+    found = varlen_attention()
+    return TorchVarlenKernel(found.fn, found.enable_gqa) if found.fn is not None else None
+
+
+@contextlib.contextmanager
+def use_torch_varlen_kernel(kernel: TorchVarlenKernel) -> Iterator[TorchVarlenKernel]:
+    """Run :func:`torch_flash_attn_varlen_func` on ``kernel`` inside the block (tests: a CPU stand-in with
+    ``varlen_attn``'s signature, to check the argument mapping without CUDA).
+
+    >>> k = TorchVarlenKernel(reference_varlen_attn, enable_gqa=True, device_types=("cpu",))
+    >>> with use_torch_varlen_kernel(k):
+    ...     torch_varlen_kernel() is k
+    True
+    """
+    _KERNEL_OVERRIDE.append(kernel)
+    try:
+        yield kernel
+    finally:
+        _KERNEL_OVERRIDE.remove(kernel)
+
+
+def reference_varlen_attn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn``'s semantics on the reference kernel (any device and dtype): a
+    stand-in for tests. Like torch, it refuses different query and key/value head counts without ``enable_gqa``.
+
+    >>> q = torch.randn(5, 2, 8); kv = torch.randn(5, 2, 8); cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    >>> torch.equal(reference_varlen_attn(q, kv, kv, cu, cu, 3, 3, window_size=(-1, 0)),
+    ...             reference_flash_attn_varlen_func(q, kv, kv, cu, cu, 3, 3, causal=True))
+    True
+    """
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise InvalidArgumentError(
+            f"Expect query and key/value to have the same number of heads but got Hq={query.shape[1]} and "
+            f"Hkv={key.shape[1]}. Try setting enable_gqa=True for GQA."
+        )
+    return reference_flash_attn_varlen_func(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale,
+                                            window_size=tuple(window_size))
+
+
+def _torch_kernel_cannot(kernel: TorchVarlenKernel | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         dropout_p: float, softcap: float, alibi_slopes: Any, block_table: Any, s_aux: Any,
+                         return_attn_probs: bool) -> str | None:
+    """Why torch's kernel cannot compute this call exactly (``None``: it can). What it lacks, the reference does."""
+    if kernel is None:
+        return varlen_attention().why
+    if q.device.type not in kernel.device_types:
+        return f"{q.device.type} tensors (the kernel runs on {'/'.join(kernel.device_types)})"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in kernel.dtypes:
+        names = "/".join(str(d).replace("torch.", "") for d in kernel.dtypes)
+        return f"{q.dtype} inputs (the kernel takes {names}: train in bf16/fp16 or with mixed precision)"
+    if q.shape[-1] > kernel.max_head_dim or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:
+        return f"head_dim {q.shape[-1]} (the kernel takes multiples of 8 up to {kernel.max_head_dim})"
+    if softcap and softcap > 0:
+        return "attention logit softcapping (torch's varlen kernel has no softcap; flash-attn 2 has)"
+    if dropout_p and dropout_p > 0:
+        return "attention dropout (torch's varlen kernel has none)"
+    if alibi_slopes is not None:
+        return "ALiBi slopes"
+    if s_aux is not None:
+        return "attention sinks (s_aux)"
+    if block_table is not None:
+        return "paged key/value (block_table)"
+    if return_attn_probs:
+        return "return_attn_probs"
+    return None
+
+
+def torch_flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``flash_attn_varlen_func`` (flash-attn 2.x semantics) on torch's own FlashAttention kernel
+    (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.11, CUDA, fp16/bf16): no flash-attn package needed.
+
+    The mapping: ``softmax_scale`` -> ``scale``; ``causal`` and ``window_size=(left, right)`` -> ``window_size=
+    (left, 0)`` (torch's kernel is flash-attn 2's, causal bottom-right aligned, so this is the same mask);
+    grouped-query heads -> ``enable_gqa`` (or, where torch lacks it, key/value heads repeated to the query heads).
+    What the kernel cannot compute exactly (softcapping, dropout, ALiBi, sinks, fp32 inputs, CPU tensors, head
+    dims it lacks) runs on :func:`reference_flash_attn_varlen_func` instead, with one warning per reason: slower,
+    never different. Counts in :func:`torch_varlen_counts`.
+    """
+    kernel = torch_varlen_kernel()
+    why = _torch_kernel_cannot(kernel, q, k, v, dropout_p, softcap, alibi_slopes, block_table, s_aux,
+                               return_attn_probs)
+    if why is not None:
+        _TORCH_COUNTS[why] += 1
+        if why not in _WARNED:
+            _WARNED.add(why)
+            logger.warning("hf_gradfix packing: torch's varlen FlashAttention cannot compute %s; those attention calls "
+                           "run on the exact pure-PyTorch reference kernel instead (slower).", why)
+        return reference_flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs,
+            block_table=block_table, s_aux=s_aux,
+        )
+    assert kernel is not None
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    cu_q = cu_seqlens_q.to(torch.int32)
+    cu_k = cu_seqlens_k.to(torch.int32)
+    max_q = int(max_seqlen_q) if max_seqlen_q is not None else int(cu_q.diff().max())
+    max_k = int(max_seqlen_k) if max_seqlen_k is not None else int(cu_k.diff().max())
+    options: dict[str, Any] = dict(scale=softmax_scale, window_size=(left, right))
+    if k.shape[1] != q.shape[1]:
+        if kernel.enable_gqa:
+            options["enable_gqa"] = True
+        else:  # torch 2.11: no enable_gqa; the repeat is exact (a copy of K/V per query-head group)
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    _TORCH_COUNTS["kernel"] += 1
+    return kernel.fn(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+
+
+def torch_varlen_counts() -> dict[str, int]:
+    """Calls of :func:`torch_flash_attn_varlen_func` since the last reset: ``"kernel"`` (torch's kernel ran), or
+    the reason the reference kernel ran instead.
+
+    >>> reset_torch_varlen_counts(); torch_varlen_counts()
+    {}
+    """
+    return dict(_TORCH_COUNTS)
+
+
+def reset_torch_varlen_counts() -> None:
+    """Zero the counters of :func:`torch_varlen_counts` (and show each fallback warning again)."""
+    _TORCH_COUNTS.clear()
+    _WARNED.clear()
+
+
+def torch_varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """An ``AttentionInterface`` function: :func:`reference_varlen_attention_forward`'s dispatch (transformers'
+    ``flash_attention_forward``) around :func:`torch_flash_attn_varlen_func`.
+
+    Under autocast, fp32 query/key/value (RoPE's fp32 cos/sin promote the query) are cast to the autocast dtype
+    first, as transformers' flash-attn path does (``fa_peft_integration_check``).
+    """
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type) and torch.float32 in (query.dtype, key.dtype, value.dtype):
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    return _varlen_attention_forward(
+        torch_flash_attn_varlen_func, module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+        softcap, is_causal, s_aux, **kwargs
+    )
+
+
 # ------------------------------------------------------------------------------------------ registration
+_OUR_FUNCTIONS = (reference_varlen_attention_forward, torch_varlen_attention_forward)
+
+
 def _interfaces() -> tuple[Any, Any]:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -371,6 +644,20 @@ def _check_name(name: str) -> None:
         raise InvalidArgumentError(f"attention name {name!r} looks like a hub kernel or paged name; use a plain identifier")
 
 
+def _register(name: str, function: Callable[..., Any]) -> str:
+    _check_name(name)
+    attn_iface, (mask_iface, all_masks) = _interfaces()
+    existing = attn_iface._global_mapping.get(name)
+    if existing is not None and existing is not function:
+        raise InvalidArgumentError(f"attention name {name!r} is already registered to {existing!r}")
+    attn_iface.register(name, function)
+    # As transformers' hub-kernel integration does: the flash mask function returns None without padding and the
+    # 2-D padding mask otherwise (never a 4-D mask the kernel could not use).
+    mask_iface.register(name, all_masks["flash_attention_2"])
+    _REGISTERED.add(name)
+    return name
+
+
 def register_reference_varlen_attention(name: str = REFERENCE_VARLEN_ATTENTION) -> str:
     """Register :func:`reference_varlen_attention_forward` (and the ``flash_attention_2`` mask function) globally.
 
@@ -385,21 +672,23 @@ def register_reference_varlen_attention(name: str = REFERENCE_VARLEN_ATTENTION) 
     >>> AttentionInterface._global_mapping[name] is reference_varlen_attention_forward
     True
     """
-    _check_name(name)
-    attn_iface, (mask_iface, all_masks) = _interfaces()
-    existing = attn_iface._global_mapping.get(name)
-    if existing is not None and existing is not reference_varlen_attention_forward:
-        raise InvalidArgumentError(f"attention name {name!r} is already registered to {existing!r}")
-    attn_iface.register(name, reference_varlen_attention_forward)
-    # As transformers' hub-kernel integration does: the flash mask function returns None without padding and the
-    # 2-D padding mask otherwise (never a 4-D mask the kernel could not use).
-    mask_iface.register(name, all_masks["flash_attention_2"])
-    _REGISTERED.add(name)
-    return name
+    return _register(name, reference_varlen_attention_forward)
+
+
+def register_torch_varlen_attention(name: str = TORCH_VARLEN_ATTENTION) -> str:
+    """Register :func:`torch_varlen_attention_forward` (torch's own varlen FlashAttention, no flash-attn package)
+    and the ``flash_attention_2`` mask function, as :func:`register_reference_varlen_attention` does. Registering
+    needs no GPU; calls the kernel cannot serve (CPU, fp32...) run on the reference kernel.
+
+    >>> register_torch_varlen_attention()
+    'flash_varlen_torch'
+    """
+    return _register(name, torch_varlen_attention_forward)
 
 
 def unregister_reference_varlen_attention(name: str = REFERENCE_VARLEN_ATTENTION) -> bool:
-    """Remove a name registered by :func:`register_reference_varlen_attention`; ``True`` if it was registered.
+    """Remove a name registered by :func:`register_reference_varlen_attention` (or
+    :func:`register_torch_varlen_attention`); ``True`` if it was registered.
 
     transformers' interfaces have no public unregister; this removes the entries from their global mappings
     (only if they are the ones this module registered).
@@ -411,7 +700,7 @@ def unregister_reference_varlen_attention(name: str = REFERENCE_VARLEN_ATTENTION
     False
     """
     attn_iface, (mask_iface, _) = _interfaces()
-    if attn_iface._global_mapping.get(name) is not reference_varlen_attention_forward:
+    if attn_iface._global_mapping.get(name) not in _OUR_FUNCTIONS:
         return False
     attn_iface._global_mapping.pop(name, None)
     mask_iface._global_mapping.pop(name, None)
@@ -431,17 +720,47 @@ def _flash_attn_2_usable(device: torch.device | str | None) -> bool:
     return bool(is_flash_attn_2_available())
 
 
+def _torch_varlen_usable(device: torch.device | str | None) -> bool:
+    """torch's varlen kernel exists here and the CUDA device can run FlashAttention (compute capability >= 8.0)."""
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    if not torch.cuda.is_available() or torch_varlen_kernel() is None:
+        return False
+    index = torch.device(device).index if device is not None else None
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
+def choose_varlen_attention(*, flash_attn_2: bool, torch_varlen: bool) -> str:
+    """The order of preference: flash-attn 2 where it is usable, else torch's own varlen FlashAttention, else the
+    pure-PyTorch reference (CPU, or a GPU without either).
+
+    >>> choose_varlen_attention(flash_attn_2=True, torch_varlen=True)
+    'flash_attention_2'
+    >>> choose_varlen_attention(flash_attn_2=False, torch_varlen=True)
+    'flash_varlen_torch'
+    >>> choose_varlen_attention(flash_attn_2=False, torch_varlen=False)
+    'flash_varlen_reference'
+    """
+    if flash_attn_2:
+        return "flash_attention_2"
+    return TORCH_VARLEN_ATTENTION if torch_varlen else REFERENCE_VARLEN_ATTENTION
+
+
 def select_varlen_attention(device: torch.device | str | None = None) -> str:
-    """The attention implementation for packed (varlen) training here: ``"flash_attention_2"`` if flash-attn is
-    installed and CUDA is available (and ``device``, if given, is a CUDA device), else the registered reference
-    (:data:`REFERENCE_VARLEN_ATTENTION`).
+    """The attention implementation for packed (varlen) training here (:func:`choose_varlen_attention`):
+    ``"flash_attention_2"`` if flash-attn is installed and CUDA is available (and ``device``, if given, is a CUDA
+    device); else :data:`TORCH_VARLEN_ATTENTION` where torch has its own varlen FlashAttention and the GPU runs it;
+    else :data:`REFERENCE_VARLEN_ATTENTION`. The two names are registered on the way.
 
     >>> select_varlen_attention("cpu")
     'flash_varlen_reference'
     """
-    if _flash_attn_2_usable(device):
-        return "flash_attention_2"
-    return register_reference_varlen_attention()
+    name = choose_varlen_attention(flash_attn_2=_flash_attn_2_usable(device), torch_varlen=_torch_varlen_usable(device))
+    if name == TORCH_VARLEN_ATTENTION:
+        return register_torch_varlen_attention()
+    if name == REFERENCE_VARLEN_ATTENTION:
+        return register_reference_varlen_attention()
+    return name
 
 
 def _set_on_every_config(model: torch.nn.Module, config: Any, attn_implementation: str) -> None:

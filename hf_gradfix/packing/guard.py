@@ -18,7 +18,13 @@ from typing import Any, Literal
 
 import torch
 
-from .attention import REFERENCE_VARLEN_ATTENTION, register_reference_varlen_attention, use_attention_implementation
+from .attention import (
+    REFERENCE_VARLEN_ATTENTION,
+    TORCH_VARLEN_ATTENTION,
+    register_reference_varlen_attention,
+    register_torch_varlen_attention,
+    use_attention_implementation,
+)
 from .collator import PackedCollator
 from ..errors import HfGradfixError, InvalidArgumentError
 
@@ -158,7 +164,8 @@ def check_model_packs_correctly(
     Args:
         model: a transformers model (causal LM or base model); run in eval mode under ``no_grad``, then restored.
         attn_implementation: run the probe with this implementation (restored afterwards); ``None``: the model's
-            current one. :data:`~hf_gradfix.packing.attention.REFERENCE_VARLEN_ATTENTION` is registered on demand.
+            current one. :data:`~hf_gradfix.packing.attention.REFERENCE_VARLEN_ATTENTION` and
+            :data:`~hf_gradfix.packing.attention.TORCH_VARLEN_ATTENTION` are registered on demand.
         mode: pack as :class:`~hf_gradfix.packing.collator.PackedCollator` will in training: ``"varlen"`` (one
             row, ``position_ids`` + ``cu_seq_lens``) or ``"rows"`` (two rows, the shorter one tail-padded).
         token_budget: tokens per packed row in training; ``None``: twice the config's position table, between
@@ -201,6 +208,8 @@ def check_model_packs_correctly(
         raise InvalidArgumentError(f"position_ids_start must be a non-negative int or None, got {position_ids_start!r}")
     if attn_implementation == REFERENCE_VARLEN_ATTENTION:
         register_reference_varlen_attention()
+    elif attn_implementation == TORCH_VARLEN_ATTENTION:
+        register_torch_varlen_attention()
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
 
