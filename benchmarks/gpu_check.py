@@ -19,7 +19,7 @@ Sections, in the order they run (each a row of the results table, ``passed`` / `
    on Llama, Qwen2 (sliding window on layer 1), Mistral (sliding window) and Gemma 2 (sliding window + attention
    softcap + final softcap: torch's kernel has no softcap, so those calls run on the reference kernel, counted in
    ``torch_varlen_calls``). Tolerances: see :func:`half_precision_verdict`.
-2. **guard**: ``check_model_packs_correctly`` on CUDA accepts torch's kernel / FA2 / the reference and refuses OPT.
+2. **guard**: ``check_model_packs_correctly`` on CUDA accepts torch's kernel / FA2 / the reference and refuses a model planted to mix packed sequences (all-ones mask).
 3. **trainer**: ``hf_gradfix.patch(packing)`` + ``transformers.Trainer`` on CUDA against the unpacked ground truth
    of the windows the sampler drew (``tests/harness.py``): bf16 autocast through what the Trainer picks ("auto":
    FA2, else torch's kernel; half-precision rule), and fp32 through the reference kernel (<= 1e-5).
@@ -449,19 +449,29 @@ def section_trainer(device: str, quick: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- 3. guard
-def guard_on(device: str, attn: str, dtype: torch.dtype, arch: str = "llama") -> dict:
-    """``check_model_packs_correctly`` on ``device``: Llama-family models must pass, OPT (its mask ignores
-    position_ids) on sdpa must be refused."""
-    import transformers
+def _all_ones_mask(model):
+    """Turn ``model`` into one that mixes packed sequences in every transformers release (the control the guard
+    must refuse): its forward always passes an all-ones attention_mask, which switches sdpa's packed-sequence
+    detection off. A planted fault, not a fact about one architecture in one release."""
+    forward = model.forward
 
+    def mixing_forward(input_ids=None, attention_mask=None, **kwargs):
+        return forward(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+
+    model.forward = mixing_forward
+    return model
+
+
+def guard_on(device: str, attn: str, dtype: torch.dtype, arch: str = "llama") -> dict:
+    """``check_model_packs_correctly`` on ``device``: Llama-family models must pass; ``arch="mixing_control"``
+    (a Llama forced to pass an all-ones mask, on sdpa) must be refused."""
     from hf_gradfix.packing.guard import PackingCheckError, check_model_packs_correctly
 
-    if arch == "opt":
-        config = transformers.OPTConfig(vocab_size=97, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                                        num_attention_heads=2, word_embed_proj_dim=64, init_std=0.2, dropout=0.0)
-    else:
-        config = arch_config(arch, hidden=64, heads=2, window=4)
+    expected_refusal = arch == "mixing_control"
+    config = arch_config("llama" if expected_refusal else arch, hidden=64, heads=2, window=4)
     model = _build(config, attn, dtype, device)
+    if expected_refusal:
+        model = _all_ones_mask(model)
     try:
         report = check_model_packs_correctly(model)
         refused, message = False, ""
@@ -469,7 +479,6 @@ def guard_on(device: str, attn: str, dtype: torch.dtype, arch: str = "llama") ->
     except PackingCheckError as e:
         refused, message = True, str(e).splitlines()[0]
         max_diff, control = e.report.max_diff, e.report.control_diff
-    expected_refusal = arch == "opt"
     return dict(arch=arch, attn=attn, dtype=str(dtype).replace("torch.", ""), refused=refused, message=message,
                 max_diff=max_diff, control_diff=control, passed=refused == expected_refusal)
 
@@ -489,7 +498,7 @@ def section_guard(device: str, quick: bool) -> dict:
             for arch in ("llama", "mistral", "gemma2"):
                 rows.append(guard_on(device, attn, torch.bfloat16, arch))
     rows.append(guard_on(device, REFERENCE_VARLEN_ATTENTION, torch.float32))
-    rows.append(guard_on(device, "sdpa", torch.float32, "opt"))
+    rows.append(guard_on(device, "sdpa", torch.float32, "mixing_control"))
     ok = all(r["passed"] for r in rows)
     summary = ", ".join(f"{r['arch']}/{r['attn']}/{r['dtype']} {'refused' if r['refused'] else 'accepted'}" for r in rows)
     if not tv_ok:

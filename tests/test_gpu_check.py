@@ -262,12 +262,13 @@ def test_packed_trainer_against_the_unpacked_ground_truth_on_this_device():
     assert r["attention"] == REF and r["steps"] == 3 and max(r["grad_rel_err"]) <= 1e-5
 
 
-def test_guard_section_accepts_the_reference_and_refuses_opt():
+def test_guard_section_accepts_the_reference_and_refuses_the_mixing_control():
     sec = G.section_guard("cpu", quick=True)
     assert sec["status"] == "passed", sec
     by_arch = {r["arch"]: r for r in sec["rows"]}
-    assert not by_arch["llama"]["refused"] and by_arch["opt"]["refused"]
-    assert "OPTForCausalLM cannot be trained on packed sequences" in by_arch["opt"]["message"]
+    assert not by_arch["llama"]["refused"] and by_arch["mixing_control"]["refused"]
+    assert "LlamaForCausalLM cannot be trained on packed sequences" in by_arch["mixing_control"]["message"]
+    assert "sequences attend to each other" in by_arch["mixing_control"]["message"]
 
 
 # ------------------------------------------------------------------------------------------ 4. plan
