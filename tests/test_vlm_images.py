@@ -114,5 +114,20 @@ def test_vlm_with_images_is_exact(bs, ga, tmp_path):
 
 
 def test_vlm_with_images_is_wrong_on_stock(tmp_path):
-    errs = _run(False, 1, 4, samples(8), tmp_path)
-    assert max(errs) > 1e-2, errs
+    """Stock's verdict is measured, not assumed from a release: stock transformers can be exact only when its
+    Trainer passes the count to the model (``model_accepts_loss_kwargs``; Qwen2.5-VL declares
+    ``accepts_loss_kwargs=False``) and the model's loss divides by it."""
+    data = samples(8)
+    model = build()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    passes_count = bool(transformers.Trainer(model=model, args=args).model_accepts_loss_kwargs)
+    with torch.no_grad():
+        batch = collate(data[:2])
+        halves = [float(model(**batch, num_items_in_batch=torch.tensor(k)).loss) for k in (1, 2)]
+    honours = abs(halves[0] - 2 * halves[1]) <= 1e-5 * abs(halves[0])
+    errs = _run(False, 1, 4, data, tmp_path)
+    print(f"stock passes the count: {passes_count}, the loss honours it: {honours}; stock errors {errs}")
+    if passes_count and honours:
+        assert max(errs) <= 1e-5, errs
+    else:
+        assert max(errs) > 1e-2, errs
