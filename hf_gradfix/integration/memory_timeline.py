@@ -8,7 +8,8 @@ peak of each recorded step, split by category, is added to the Trainer's next tr
 (``memory/peak_MiB``, ``memory/peak_<category>_MiB``, ``memory/step``), so ``state.log_history`` and every
 reporter (TensorBoard, W&B, trackio) see it.  ``plot_path`` writes the picture of the last recorded step at the
 end of training; ``predict=True`` also traces the planner's fake-tensor step for the same model, batch shape and
-optimizer (:func:`hf_gradfix.plan.simulate.simulate`) and draws it beside the measurement.
+optimizer (:func:`hf_gradfix.plan.simulate.simulate`), with the run's ``gradient_accumulation_steps`` (every
+micro-batch after the first runs with the accumulated gradients alive), and draws it beside the measurement.
 
 Other steps run untouched: the tracker is a ``TorchDispatchMode`` entered only for the recorded steps.  For a
 hand-written or ``TokenWindow`` loop use :class:`hf_gradfix.diagnostics.MemoryTimelineRecorder` directly.
@@ -46,8 +47,9 @@ class MemoryTimelineCallback(TrainerCallback):
         steps: which optimizer steps to record (default: the first, which creates the optimizer state, and the
             second, the steady state).
         plot_path: write the last recorded step's picture there at the end of training (matplotlib).
-        predict: also trace the planner's prediction (fake tensors, one process) for the same configuration and
-            put it beside the measurement: in the picture and as ``predicted`` (the planner's timeline).
+        predict: also trace the planner's prediction (fake tensors, one process) for the same configuration
+            (the largest micro-batch shape seen in the recorded steps, the run's gradient accumulation) and put it
+            beside the measurement: in the picture and as ``predicted`` (the planner's timeline).
         log_prefix: prefix of the logged keys.
 
     ``timelines`` holds the recorded steps; ``predicted`` the planner's timeline when ``predict``."""
@@ -155,7 +157,9 @@ class MemoryTimelineCallback(TrainerCallback):
     def _note_shape(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None and getattr(ids, "dim", lambda: 0)() == 2:
-            self._shape = (int(ids.shape[0]), int(ids.shape[1]))
+            # the largest micro-batch of the recorded steps (padded shapes vary): the peak is where it runs
+            micro, seq = self._shape or (0, 0)
+            self._shape = (max(micro, int(ids.shape[0])), max(seq, int(ids.shape[1])))
 
     # -- the planner's prediction ----------------------------------------------------------------------------------
     def _predict(self) -> None:
