@@ -395,3 +395,37 @@ def test_stream_ending_inside_a_window_under_ddp_is_stepped_on_both_ranks(tmp_pa
     model = H.build_model("llama", attn_implementation="sdpa")
     for r in (0, 1):
         _check_run(model, ranks[0]["init"], windows, ranks[r]["grads"], ranks[0]["logged"])
+
+
+@pytest.mark.parametrize("where", ["inside the second pass", "at the end of the second pass"])
+def test_resume_in_a_later_pass_continues_that_pass_like_the_straight_run(where, tmp_path):
+    """A ``datasets`` stream whose row order changes with the epoch (``set_epoch``), GA 4, 4 windows per pass (the
+    last one 2 rows): a checkpoint in the second pass continues that pass from its saved position with the
+    second pass's order, then the third pass follows; micro-batches and weights equal the straight run's (before:
+    the stream was re-read from the start of the pass and its first windows trained twice)."""
+    samples = _samples(40, seed=1, hi=40)
+    stream = _streams(samples)["datasets_streaming"]
+    per_pass = len(_epoch_windows(stream, 4, epochs=1))
+    stop = per_pass + 2 if where == "inside the second pass" else 2 * per_pass
+
+    def train(out, max_steps, resume=None):
+        model = H.build_model("llama", attn_implementation="sdpa")
+        args = _args(out, learning_rate=0.5, lr_scheduler_type="constant", gradient_accumulation_steps=4,
+                     max_steps=max_steps, save_strategy="steps", save_steps=stop)
+        trainer = _RecordingTrainer(model=model, args=args, train_dataset=stream)
+        trainer.seen = []
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 16}})
+    try:
+        straight = train(tmp_path / "a", 2 * per_pass + 2)
+        head = train(tmp_path / "b", stop)
+        resumed = train(tmp_path / "b", 2 * per_pass + 2, resume=str(tmp_path / "b" / f"checkpoint-{stop}"))
+    finally:
+        hf_gradfix.unpatch()
+    assert len(head.seen) + len(resumed.seen) == len(straight.seen)
+    for k, (a, b) in enumerate(zip(straight.seen[len(head.seen):], resumed.seen)):
+        assert torch.equal(a, b), f"micro-batch {k} after the resume differs"
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name
