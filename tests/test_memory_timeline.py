@@ -74,7 +74,6 @@ def test_simulated_step_equals_the_measured_step_per_category(optimizer, grad_ac
     category's maximum over the step and the peak (a stale output of the previous step, for one, shows here).
     With gradient accumulation the measured step runs all its micro-batches (the later ones with the accumulated
     gradients alive: before, the trace ran one micro-batch and its peak was 10-17 % low)."""
-    from hf_gradfix.plan.simulate import TRACED_MICRO_BATCHES
 
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +83,6 @@ def test_simulated_step_equals_the_measured_step_per_category(optimizer, grad_ac
     cfg = load_model_config("tiny-llama")
     s = Settings(seq_len=64, micro_batch=2, dtype="fp32", optimizer=optimizer, rank=8, grad_accum=grad_accum)
     pred = simulate(cfg, ParallelDims(1), s)["timeline"]
-    assert pred.micro_batch_count == min(grad_accum, TRACED_MICRO_BATCHES) and pred.meta["grad_accum"] == grad_accum
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if optimizer == "adamw"
@@ -101,10 +99,13 @@ def test_simulated_step_equals_the_measured_step_per_category(optimizer, grad_ac
             opt.step()
             opt.zero_grad()
     meas = rec.last
-    assert meas.micro_batch_count == grad_accum
     for c, v in meas.category_max().items():
         assert pred.category_max()[c] == pytest.approx(v, rel=1e-3, abs=64), c
     assert pred.peak == pytest.approx(meas.peak, rel=1e-3) and pred.peak_label == meas.peak_label
+    from hf_gradfix.plan.simulate import TRACED_MICRO_BATCHES
+
+    assert meas.micro_batch_count == grad_accum
+    assert pred.micro_batch_count == min(grad_accum, TRACED_MICRO_BATCHES) and pred.meta["grad_accum"] == grad_accum
     if grad_accum > 1:  # the peak is in a later micro-batch, with every gradient alive
         assert pred.peak_micro_batch > 1 and meas.peak_micro_batch > 1
         assert pred.at_peak["gradients"] == sum(p.numel() * 4 for p in model.parameters())
@@ -340,8 +341,8 @@ def test_callback_prediction_follows_gradient_accumulation(ga, tmp_path):
     trainer, cb = _trainer_with_timeline(tmp_path, ga, plot=ga == 3 and importlib.util.find_spec("matplotlib") is not None)
     trainer.train()
     pred, meas = cb.predicted, cb.timelines[0]
-    assert meas.micro_batch_count == ga and pred.meta["grad_accum"] == ga
     assert abs(pred.peak / meas.peak - 1) < 0.05, (pred.peak, meas.peak)
+    assert meas.micro_batch_count == ga and pred.meta["grad_accum"] == ga
     if ga > 1:  # the later micro-batches hold the accumulated gradients: the peak is in one of them
         assert meas.peak_micro_batch > 1 and meas.at_peak["gradients"] > 0 and pred.at_peak["gradients"] > 0
     if cb.plot_path is not None:
