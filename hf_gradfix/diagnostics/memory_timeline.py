@@ -592,11 +592,11 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
     ax.set_xticks([(e["x0"] + e["x1"]) / 2 for e in ticks], [_short(e["label"]) for e in ticks], fontsize=7)
     xlabel = "the step's events (F3 / B3: forward / backward of decoder layer 3)"
     if accumulating:
-        xlabel += (f"; {tl.micro_batch_count} micro-batches (fw 2 / bw 2: the second), gradients accumulate from "
-                   "the first backward on")
+        xlabel += (f"\ngradient accumulation: {tl.micro_batch_count} micro-batches (fw 2 / bw 2: the second), "
+                   "the gradients live from the first backward on")
         ga = tl.meta.get("grad_accum")
         if ga and ga > tl.micro_batch_count:
-            xlabel += f"; micro-batches {tl.micro_batch_count + 1}-{ga} repeat the last one (not traced)"
+            xlabel += f"; micro-batches {tl.micro_batch_count + 1}-{ga} repeat the last (not traced)"
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(unit)
     # the peak, and what is live there
@@ -638,7 +638,7 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
     rows = 1 if len(items) <= 8 else 2
     fig.legend(handles=items, fontsize=7.5, loc="lower center", ncol=math.ceil(len(items) / rows), frameon=False)
     ax.set_title(title or tl.title or f"memory over one training step ({tl.source})", fontsize=10)
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.93, bottom=0.17 if rows == 1 else 0.2)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.93, bottom=(0.17 if rows == 1 else 0.2) + 0.03 * accumulating)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
