@@ -27,6 +27,7 @@ def samples():
 
 
 STREAM_BUFFER, STREAM_STEPS = 8, 2
+END_GA = 3  # "stream_end": the stream's last window of each pass is shorter than GA; two passes
 
 
 def stream():
@@ -37,7 +38,14 @@ def stream():
     return datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=3)
 
 
-def main(out: str, streaming: bool = False) -> None:
+def _stream_end_steps() -> int:
+    from hf_gradfix.packing.stream import StreamingPacker
+
+    rows = len(list(StreamingPacker(stream(), BUDGET, buffer_size=STREAM_BUFFER, num_replicas=2)))
+    return 2 * -(-rows // (2 * END_GA))
+
+
+def main(out: str, streaming: bool = False, stream_end: bool = False) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
     hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": STREAM_BUFFER}})
@@ -45,12 +53,13 @@ def main(out: str, streaming: bool = False) -> None:
     init = {k: v.clone() for k, v in model.state_dict().items()}
     capture = H.GradCapture()
     args = transformers.TrainingArguments(
-        output_dir=f"{out}/trainer{rank}", optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=GA,
+        output_dir=f"{out}/trainer{rank}", optim="sgd", learning_rate=0.0, max_grad_norm=0.0,
+        gradient_accumulation_steps=END_GA if stream_end else GA,
         per_device_train_batch_size=1, num_train_epochs=1, logging_steps=1, report_to="none", use_cpu=True,
         save_strategy="no", disable_tqdm=True, seed=SEED, remove_unused_columns=False,
-        max_steps=STREAM_STEPS if streaming else -1,
+        max_steps=_stream_end_steps() if stream_end else STREAM_STEPS if streaming else -1,
     )
-    dataset = stream() if streaming else H.TokenDataset(samples())
+    dataset = stream() if streaming or stream_end else H.TokenDataset(samples())
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[capture])
     trainer.train()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -60,4 +69,5 @@ def main(out: str, streaming: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], streaming=len(sys.argv) > 2 and sys.argv[2] == "stream")
+    mode = sys.argv[2] if len(sys.argv) > 2 else ""
+    main(sys.argv[1], streaming=mode == "stream", stream_end=mode == "stream_end")

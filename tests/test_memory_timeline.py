@@ -68,35 +68,47 @@ def test_simulated_timeline_sums_and_peaks_where_the_tracker_says(mesh_kw):
         assert tl.category_max()["comm_buffers"] > 0
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "galore_adamw"])
-def test_simulated_step_equals_the_measured_step_per_category(optimizer):
+@pytest.mark.parametrize("optimizer,grad_accum", [("adamw", 1), ("galore_adamw", 1), ("adamw", 3), ("sgd", 6)])
+def test_simulated_step_equals_the_measured_step_per_category(optimizer, grad_accum):
     """The planner's fake-tensor step against the same step on real tensors, recorded by the recorder: each
-    category's maximum over the step and the peak (a stale output of the previous step, for one, shows here)."""
+    category's maximum over the step and the peak (a stale output of the previous step, for one, shows here).
+    With gradient accumulation the measured step runs all its micro-batches (the later ones with the accumulated
+    gradients alive: before, the trace ran one micro-batch and its peak was 10-17 % low)."""
+
     from transformers import AutoModelForCausalLM
 
     from hf_gradfix.optim import GaLoreAdamW
     from hf_gradfix.plan.simulate import simulate
 
     cfg = load_model_config("tiny-llama")
-    s = Settings(seq_len=64, micro_batch=2, dtype="fp32", optimizer=optimizer, rank=8)
+    s = Settings(seq_len=64, micro_batch=2, dtype="fp32", optimizer=optimizer, rank=8, grad_accum=grad_accum)
     pred = simulate(cfg, ParallelDims(1), s)["timeline"]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=1e-4) if optimizer == "sgd"
            else GaLoreAdamW(model, lr=1e-4, rank=8))
     rec = MemoryTimelineRecorder(model, opt)
     for step in range(2):
-        ids = torch.randint(0, cfg.vocab_size, (2, 64))
+        batches = [torch.randint(0, cfg.vocab_size, (2, 64)) for _ in range(grad_accum)]
         with rec.step() if step else contextlib.nullcontext():
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            del out
+            for ids in batches:
+                out = model(input_ids=ids, labels=ids)
+                out.loss.backward()
+                del out
             opt.step()
             opt.zero_grad()
     meas = rec.last
     for c, v in meas.category_max().items():
         assert pred.category_max()[c] == pytest.approx(v, rel=1e-3, abs=64), c
     assert pred.peak == pytest.approx(meas.peak, rel=1e-3) and pred.peak_label == meas.peak_label
+    from hf_gradfix.plan.simulate import TRACED_MICRO_BATCHES
+
+    assert meas.micro_batch_count == grad_accum
+    assert pred.micro_batch_count == min(grad_accum, TRACED_MICRO_BATCHES) and pred.meta["grad_accum"] == grad_accum
+    if grad_accum > 1:  # the peak is in a later micro-batch, with every gradient alive
+        assert pred.peak_micro_batch > 1 and meas.peak_micro_batch > 1
+        assert pred.at_peak["gradients"] == sum(p.numel() * 4 for p in model.parameters())
 
 
 def _fsdp2_worker(rank: int, world: int, path: str, port: int) -> None:
@@ -162,16 +174,24 @@ def test_recorder_on_fsdp2_equals_the_trace(tmp_path):
 
 def test_cli_timeline_png_and_json(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    png = tmp_path / "timeline.png"
-    assert plan_main(["--model", "tiny-llama", "--seq-len", "64", "--micro-batch", "2", "--dtype", "fp32",
-                      "--timeline", str(png), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    tl = out["simulated"]["timeline"]
-    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert tl["peak"] == out["simulated"]["peak"]
-    for ev in tl["events"]:  # every event's split sums to its total
-        assert sum(ev["max"].values()) == ev["max_total"]
-    assert any(ev["label"] == "backward layer 0" for ev in tl["events"])
+    out = {}
+    for ga in (1, 3):
+        png = tmp_path / f"timeline{ga}.png"
+        assert plan_main(["--model", "tiny-llama", "--seq-len", "64", "--micro-batch", "2", "--dtype", "fp32",
+                          "--grad-accum", str(ga), "--timeline", str(png), "--json"]) == 0
+        out[ga] = json.loads(capsys.readouterr().out)
+        tl = out[ga]["simulated"]["timeline"]
+        assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+        assert tl["peak"] == out[ga]["simulated"]["peak"]
+        for ev in tl["events"]:  # every event's split sums to its total
+            assert sum(ev["max"].values()) == ev["max_total"]
+        # gradient accumulation: one forward and backward per micro-batch, each event tagged with its micro-batch
+        assert tl["micro_batches"] == ga
+        assert [ev["micro_batch"] for ev in tl["events"] if ev["label"] == "backward layer 0"] == list(range(1, ga + 1))
+    # micro-batches 2.. run with the accumulated gradients alive: the peak rises by (up to) the gradients' size
+    one, three = out[1]["simulated"], out[3]["simulated"]
+    assert three["timeline"]["peak_micro_batch"] > 1 and three["at_peak"]["gradients"] > one["at_peak"]["gradients"]
+    assert three["peak"] > one["peak"]
 
 
 # -- measured: a TokenWindow loop ------------------------------------------------------------------------------------
@@ -288,6 +308,82 @@ def test_callback_puts_the_prediction_beside_it(trainer_run):
     # the same model state: weights and AdamW state after the step, byte for byte
     assert pred.at(len(pred.totals) - 1)["parameters"] == meas.at(len(meas.totals) - 1)["parameters"]
     assert pred.at(len(pred.totals) - 1)["optimizer_state"] == meas.at(len(meas.totals) - 1)["optimizer_state"]
-    # the whole peak within 25 % (the trace has one micro-batch of the same padded shape; see
-    # benchmarks/memory_timeline.py for the per-category errors)
-    assert abs(pred.peak / meas.peak - 1) < 0.25
+    # the whole peak within 5 % (the trace runs the step's micro-batches at the largest padded shape; the measured
+    # ones vary in length): before, one micro-batch was traced, 10 % low at GA 2
+    assert abs(pred.peak / meas.peak - 1) < 0.05
+    assert pred.micro_batch_count == meas.micro_batch_count == 2
+
+
+def _trainer_with_timeline(tmp, ga: int, *, plot: bool = False, steps=(2,), max_steps: int = 2, lengths=(24, 24)):
+    datasets = pytest.importorskip("datasets")
+    from hf_gradfix import MemoryTimelineCallback
+
+    tk = _offline_tokenizer()
+    g = torch.Generator().manual_seed(ga)
+    texts = [" ".join(str(int(t)) for t in torch.randint(4, H.VOCAB, (int(n),), generator=g))
+             for n in torch.randint(lengths[0], lengths[1] + 1, (2 * ga * max_steps,), generator=g)]
+    ds = datasets.Dataset.from_dict({"text": texts}).map(lambda b: tk(b["text"]), batched=True, remove_columns=["text"])
+    model = H.build_model("llama", attn_implementation="sdpa")
+    cb = MemoryTimelineCallback(steps=steps, plot_path=tmp / f"ga{ga}.png" if plot else None, predict=True)
+    args = transformers.TrainingArguments(str(tmp / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=ga,
+                                          max_steps=max_steps, logging_steps=1, report_to="none", save_strategy="no",
+                                          use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb],
+                                   data_collator=transformers.DataCollatorForLanguageModeling(tk, mlm=False))
+    return trainer, cb
+
+
+@pytest.mark.parametrize("ga", [1, 3, 8])
+def test_callback_prediction_follows_gradient_accumulation(ga, tmp_path):
+    """The predicted peak within 5 % of the measured one at GA 1, 3, 8 (GA 2: the module's Trainer run; before:
+    -1 %, -10 %, -18 %); the picture names each micro-batch. (Micro-batches of varying length are predicted at the
+    largest: above the measured peak, by 7 % here with lengths 16-40.)"""
+    trainer, cb = _trainer_with_timeline(tmp_path, ga, plot=ga == 3 and importlib.util.find_spec("matplotlib") is not None)
+    trainer.train()
+    pred, meas = cb.predicted, cb.timelines[0]
+    assert abs(pred.peak / meas.peak - 1) < 0.05, (pred.peak, meas.peak)
+    assert meas.micro_batch_count == ga and pred.meta["grad_accum"] == ga
+    if ga > 1:  # the later micro-batches hold the accumulated gradients: the peak is in one of them
+        assert meas.peak_micro_batch > 1 and meas.at_peak["gradients"] > 0 and pred.at_peak["gradients"] > 0
+    if cb.plot_path is not None:
+        assert (tmp_path / "ga3.png").stat().st_size > 10_000
+
+
+def test_callback_prediction_of_micro_batches_of_varying_length(tmp_path):
+    """Predicted at the largest micro-batch throughout: near the measured peak, mostly above it."""
+    trainer, cb = _trainer_with_timeline(tmp_path, 3, lengths=(16, 40))
+    trainer.train()
+    assert 0.97 <= cb.predicted.peak / cb.timelines[0].peak < 1.1
+
+
+def test_callback_lifecycle_second_train_and_an_exception_inside_a_recorded_step(tmp_path):
+    """A second train() records its step too (kept after the first run's; the log hook re-installed and removed),
+    and an exception inside a recorded step leaves no memory tracker active: the next run records normally."""
+    from hf_gradfix.torch_private import private
+
+    modes = private("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack", feature="this test")
+    trainer, cb = _trainer_with_timeline(tmp_path, 2, steps=(1,), max_steps=1)
+    trainer.train()
+    trainer.train()
+    assert [tl.step for tl in cb.timelines] == [1, 1]
+    assert "log" not in trainer.__dict__  # the callback's log wrapper is gone after each run
+    assert [h["memory/step"] for h in trainer.state.log_history if "memory/step" in h] == [1]  # this run's log
+
+    calls = {"n": 0}
+
+    def boom(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # inside the recorded step, after its first micro-batch
+            raise RuntimeError("boom")
+
+    hook = trainer.model.register_forward_pre_hook(boom, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.train()
+    finally:
+        hook.remove()
+    assert not modes() and not cb.recorder.recording  # no tracker left pushed: later ops run untracked
+    trainer.train()
+    assert not modes()
+    assert [tl.step for tl in cb.timelines] == [1, 1, 1]
+    assert cb.timelines[-1].micro_batch_count == 2

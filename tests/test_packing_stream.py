@@ -218,3 +218,214 @@ def test_streamed_packed_training_under_ddp_is_exact(tmp_path):
         for r in (0, 1):
             assert H.rel_err(ranks[r]["grads"][k], gt) <= GRAD_TOL, f"rank {r} step {k}: {H.rel_err(ranks[r]['grads'][k], gt):.3e}"
         assert abs(ranks[0]["logged"][k] - gt_loss) / gt_loss <= LOSS_TOL
+
+
+# ------------------------------------------------------------------ lifecycle: the end of a stream inside a window
+def _epoch_windows(stream, ga, epochs, buffer_size=16, world=1):
+    """The optimizer windows of a whole run over a finite stream, pass by pass (each pass as ``set_epoch`` makes it):
+    ``ga * world`` rows each, the last window of a pass shorter (what a map-style epoch does)."""
+    packer = StreamingPacker(stream, BUDGET, buffer_size=buffer_size, num_replicas=world)
+    windows = []
+    for epoch in range(epochs):
+        packer.set_epoch(epoch)
+        rows = list(packer)
+        windows += [rows[k : k + ga * world] for k in range(0, len(rows), ga * world)]
+    return windows
+
+
+def _check_run(model, init, windows, grads, logged):
+    model.load_state_dict(init)
+    assert len(grads) == len(windows), (len(grads), len(windows))
+    errors = []
+    for k, (window, g) in enumerate(zip(windows, grads)):
+        gt_loss, gt = H.ground_truth(model, [s for row in window for s in row], "causal")
+        errors.append(H.rel_err(g, gt))
+        assert errors[-1] <= GRAD_TOL, f"step {k} ({len(window)} rows): {errors[-1]:.3e}"
+        assert abs(logged[k] - gt_loss) / gt_loss <= LOSS_TOL, f"step {k}: logged {logged[k]} vs {gt_loss}"
+    return errors
+
+
+@pytest.mark.parametrize("kind,ga", [("torch", 3), ("datasets_streaming", 4)])
+def test_stream_ending_inside_a_window_steps_that_window_in_its_epoch(kind, ga, tmp_path, caplog):
+    """14 packed rows per pass, GA 3 / 4: the last window of every pass holds 2 rows. It is stepped in its pass,
+    normalized by its own target count (before: its gradient went into the next pass's first step, error 0.65-2.1,
+    logged loss 2x), over three passes; the empty windows after the end log nothing about missing labels."""
+    samples = _samples(40, seed=1, hi=40)
+    stream = _streams(samples)[kind]
+    windows = _epoch_windows(stream, ga, epochs=3)
+    assert len(windows[-1]) < ga  # the last window of a pass is shorter than GA
+    max_steps = len(windows) - 1  # ends one window before the end of the third pass
+    model = H.build_model("llama", attn_implementation="sdpa")
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    capture = H.GradCapture()
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 16}})
+    try:
+        trainer = Trainer(model=model, args=_args(tmp_path, gradient_accumulation_steps=ga, max_steps=max_steps),
+                          train_dataset=stream, callbacks=[capture])
+        with caplog.at_level("INFO", logger="hf_gradfix"):
+            trainer.train()
+    finally:
+        hf_gradfix.unpatch()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    _check_run(model, init, windows[:max_steps], capture.grads, logged)
+    assert trainer.state.global_step == max_steps
+    assert "carry no 'labels'" not in caplog.text
+
+
+def test_stream_end_is_stepped_with_the_loss_fix_off_too(tmp_path):
+    """packing alone (loss.enabled: false, the Trainer's own count): the short last window is stepped in its pass."""
+    samples = _samples(40, seed=1, hi=40)
+    stream = _streams(samples)["torch"]
+    windows = _epoch_windows(stream, 3, epochs=2)
+    model = H.build_model("llama", attn_implementation="sdpa")
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    capture = H.GradCapture()
+    hf_gradfix.patch({"loss": {"enabled": False}, "packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 16}})
+    try:
+        trainer = Trainer(model=model, args=_args(tmp_path, gradient_accumulation_steps=3, max_steps=len(windows)),
+                          train_dataset=stream, callbacks=[capture])
+        trainer.train()
+    finally:
+        hf_gradfix.unpatch()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    _check_run(model, init, windows, capture.grads, logged)
+
+
+def test_plain_stream_without_packing_ending_inside_a_window_is_stepped(tmp_path):
+    """The same edge without packing: an IterableDataset of padded micro-batches under the loss fix."""
+    samples = _samples(10, seed=4, hi=30)
+    stream = TorchStream(samples)
+    model = H.build_model("llama", attn_implementation="sdpa")
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    capture = H.GradCapture()
+    hf_gradfix.patch()
+    try:
+        trainer = Trainer(model=model, args=_args(tmp_path, gradient_accumulation_steps=4, max_steps=6),
+                          train_dataset=stream, data_collator=H.RecordingCollator("causal").collate, callbacks=[capture])
+        trainer.train()
+    finally:
+        hf_gradfix.unpatch()
+    # 10 samples, one per micro-batch, GA 4: windows of 4, 4, 2 per pass
+    cut = [(0, 4), (4, 8), (8, 10)]
+    windows = [[[samples[i] for i in range(a, b)]] for _ in range(2) for a, b in cut]
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    _check_run(model, init, windows, capture.grads, logged)
+
+
+def test_a_second_trainer_and_a_second_train_on_the_same_model_are_exact(tmp_path):
+    """Lifecycle: train() twice on one Trainer, then a new Trainer on the same model and stream (lr 0, so the ground
+    truth of every run is the same): each run steps every window of every pass exactly, the short last one too."""
+    samples = _samples(40, seed=1, hi=40)
+    stream = _streams(samples)["torch"]
+    windows = _epoch_windows(stream, 3, epochs=2)
+    model = H.build_model("llama", attn_implementation="sdpa")
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 16}})
+    try:
+        captures = []
+        capture = H.GradCapture()
+        first = Trainer(model=model, args=_args(tmp_path / "a", gradient_accumulation_steps=3, max_steps=len(windows)),
+                        train_dataset=stream, callbacks=[capture])
+        first.train()
+        captures.append((capture, [h["loss"] for h in first.state.log_history if "loss" in h]))
+        capture.grads = []
+        first.train()
+        captures.append((capture, [h["loss"] for h in first.state.log_history if "loss" in h]))
+        capture = H.GradCapture()
+        second = Trainer(model=model, args=_args(tmp_path / "b", gradient_accumulation_steps=3, max_steps=len(windows)),
+                         train_dataset=stream, callbacks=[capture])
+        second.train()
+        captures.append((capture, [h["loss"] for h in second.state.log_history if "loss" in h]))
+    finally:
+        hf_gradfix.unpatch()
+    for capture, logged in captures:
+        _check_run(model, init, windows, capture.grads, logged[-len(windows):])
+
+
+def test_resume_at_the_end_of_a_pass_continues_like_the_straight_run(tmp_path):
+    """A checkpoint saved right after the short last window of the first pass; the resumed run trains the second pass
+    as the uninterrupted run does (bit-equal weights, lr > 0)."""
+    samples = _samples(40, seed=1, hi=40)
+    stream = _streams(samples)["torch"]
+    per_pass = len(_epoch_windows(stream, 3, epochs=1))
+
+    def train(out, max_steps, resume=None):
+        model = H.build_model("llama", attn_implementation="sdpa")
+        args = _args(out, learning_rate=0.5, lr_scheduler_type="constant", gradient_accumulation_steps=3, max_steps=max_steps,
+                     save_strategy="steps", save_steps=per_pass)
+        trainer = _RecordingTrainer(model=model, args=args, train_dataset=stream)
+        trainer.seen = []
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 16}})
+    try:
+        straight = train(tmp_path / "a", 2 * per_pass)
+        train(tmp_path / "b", per_pass)
+        resumed = train(tmp_path / "b", 2 * per_pass, resume=str(tmp_path / "b" / f"checkpoint-{per_pass}"))
+    finally:
+        hf_gradfix.unpatch()
+    half = len(straight.seen) // 2
+    assert len(resumed.seen) == half
+    for a, b in zip(straight.seen[half:], resumed.seen):
+        assert torch.equal(a, b)
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name
+
+
+@pytest.mark.distributed
+def test_stream_ending_inside_a_window_under_ddp_is_stepped_on_both_ranks(tmp_path):
+    """2 processes, GA 3: the last window of each pass holds fewer rows than 3 per rank; both ranks step it in its
+    pass with the all-reduced gradient of the rows both trained, normalized by their global target count."""
+    import os
+    import subprocess
+    import sys
+
+    import ddp_packing_worker as W
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path), "stream_end"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "carry no 'labels'" not in proc.stderr
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    windows = _epoch_windows(W.stream(), W.END_GA, epochs=2, buffer_size=W.STREAM_BUFFER, world=2)
+    assert len(windows[-1]) < 2 * W.END_GA
+    model = H.build_model("llama", attn_implementation="sdpa")
+    for r in (0, 1):
+        _check_run(model, ranks[0]["init"], windows, ranks[r]["grads"], ranks[0]["logged"])
+
+
+@pytest.mark.parametrize("where", ["inside the second pass", "at the end of the second pass"])
+def test_resume_in_a_later_pass_continues_that_pass_like_the_straight_run(where, tmp_path):
+    """A ``datasets`` stream whose row order changes with the epoch (``set_epoch``), GA 4, 4 windows per pass (the
+    last one 2 rows): a checkpoint in the second pass continues that pass from its saved position with the
+    second pass's order, then the third pass follows; micro-batches and weights equal the straight run's (before:
+    the stream was re-read from the start of the pass and its first windows trained twice)."""
+    samples = _samples(40, seed=1, hi=40)
+    stream = _streams(samples)["datasets_streaming"]
+    per_pass = len(_epoch_windows(stream, 4, epochs=1))
+    stop = per_pass + 2 if where == "inside the second pass" else 2 * per_pass
+
+    def train(out, max_steps, resume=None):
+        model = H.build_model("llama", attn_implementation="sdpa")
+        args = _args(out, learning_rate=0.5, lr_scheduler_type="constant", gradient_accumulation_steps=4,
+                     max_steps=max_steps, save_strategy="steps", save_steps=stop)
+        trainer = _RecordingTrainer(model=model, args=args, train_dataset=stream)
+        trainer.seen = []
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": 16}})
+    try:
+        straight = train(tmp_path / "a", 2 * per_pass + 2)
+        head = train(tmp_path / "b", stop)
+        resumed = train(tmp_path / "b", 2 * per_pass + 2, resume=str(tmp_path / "b" / f"checkpoint-{stop}"))
+    finally:
+        hf_gradfix.unpatch()
+    assert len(head.seen) + len(resumed.seen) == len(straight.seen)
+    for k, (a, b) in enumerate(zip(straight.seen[len(head.seen):], resumed.seen)):
+        assert torch.equal(a, b), f"micro-batch {k} after the resume differs"
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name

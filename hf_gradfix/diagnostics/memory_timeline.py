@@ -68,7 +68,10 @@ class MemoryTimeline:
 
     ``series[c][i]``: bytes of category ``c`` live at sample ``i``; ``totals[i]``: the tracker's own total there
     (the categories sum to it); ``labels[i]`` / ``phases[i]``: the event and phase (forward, backward,
-    optimizer, other) the sample belongs to; ``allocated[i]``: ``torch.cuda.memory_allocated()`` (CUDA only)."""
+    optimizer, other) the sample belongs to; ``allocated[i]``: ``torch.cuda.memory_allocated()`` (CUDA only);
+    ``micro_batches[i]``: the micro-batch (1, 2, ... within the step; 0 before the first forward) whose forward,
+    backward or aftermath the sample belongs to: with gradient accumulation every later micro-batch runs with
+    the accumulated gradients alive."""
 
     labels: list[str]
     phases: list[str]
@@ -79,6 +82,7 @@ class MemoryTimeline:
     allocated: list[int] | None = None
     step: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    micro_batches: list[int] | None = None
 
     # -- summary -------------------------------------------------------------------------------------------------
     @property
@@ -98,6 +102,16 @@ class MemoryTimeline:
     def peak_phase(self) -> str:
         return self.phases[self.peak_index]
 
+    @property
+    def peak_micro_batch(self) -> int | None:
+        """The micro-batch the peak happens in (None when not recorded)."""
+        return self.micro_batches[self.peak_index] if self.micro_batches else None
+
+    @property
+    def micro_batch_count(self) -> int:
+        """Micro-batches (forward passes) in the step."""
+        return max(self.micro_batches) if self.micro_batches else 1
+
     def at(self, i: int) -> dict[str, int]:
         return {c: self.series[c][i] for c in CATEGORIES}
 
@@ -116,10 +130,12 @@ class MemoryTimeline:
         out: list[dict[str, Any]] = []
         start = 0
         for i in range(1, len(self.labels) + 1):
-            if i == len(self.labels) or self.labels[i] != self.labels[start]:
+            if i == len(self.labels) or self.labels[i] != self.labels[start] or (
+                    self.micro_batches and self.micro_batches[i] != self.micro_batches[start]):
                 top = max(range(start, i), key=lambda j: (self.totals[j], -j))
                 out.append({"label": self.labels[start], "phase": self.phases[start], "first": start, "last": i - 1,
-                            "max_total": self.totals[top], "max": self.at(top), "end": self.at(i - 1)})
+                            "max_total": self.totals[top], "max": self.at(top), "end": self.at(i - 1),
+                            **({"micro_batch": self.micro_batches[start]} if self.micro_batches else {})})
                 start = i
         return out
 
@@ -128,6 +144,7 @@ class MemoryTimeline:
         return {"source": self.source, "title": self.title, "samples": len(self.totals), "step": self.step,
                 "peak": self.peak, "peak_label": self.peak_label, "peak_phase": self.peak_phase,
                 "at_peak": self.at_peak, "category_max": self.category_max(), "events": self.events(),
+                "micro_batches": self.micro_batch_count, "peak_micro_batch": self.peak_micro_batch,
                 **({"allocated_max": max(self.allocated)} if self.allocated else {}), **self.meta}
 
     def plot(self, path: str, **kwargs: Any) -> str:
@@ -157,6 +174,8 @@ def timeline_tracker_class(base: type) -> type:
             self._tl_totals: list[int] = []
             self._tl_alloc: list[int] | None = [] if getattr(device, "type", "cpu") == "cuda" else None
             self._tl_pass = ("", False)  # (phase of the current pass, a decoder layer seen in it)
+            self._tl_micro = 0  # micro-batches begun in this step (the root module's forward, counted)
+            self._tl_micro_of: list[int] = []
 
         def timeline_on(self, on: bool = True) -> None:
             self._tl_on = on
@@ -212,17 +231,23 @@ def timeline_tracker_class(base: type) -> type:
             self._tl_totals.append(total)
             self._tl_labels.append(name)
             self._tl_phases.append(phase)
+            self._tl_micro_of.append(self._tl_micro)
             if self._tl_alloc is not None:
                 import torch
 
                 self._tl_alloc.append(torch.cuda.memory_allocated(self._tl_device))
 
-        def _pre_fw_hook(self, module, inputs):  # noqa: D401
-            # the root module's forward again within one step (gradient accumulation): a new pass, new stats
+        def _root_forward_begins(self, module) -> None:
+            # the root module's forward: a new micro-batch; again within one step (gradient accumulation): new stats
             name = self._mod_tracker.get_known_fqn(module)
-            if (module in self.memory_tracking and not self._mod_tracker.is_bw
-                    and set(self._mod_tracker.parents) - {name} == {"Global"}):
-                self.reset_mod_stats()
+            if not self._mod_tracker.is_bw and set(self._mod_tracker.parents) - {name} == {"Global"}:
+                if self._tl_on:
+                    self._tl_micro += 1
+                if module in self.memory_tracking:
+                    self.reset_mod_stats()
+
+        def _pre_fw_hook(self, module, inputs):  # noqa: D401
+            self._root_forward_begins(module)
             super()._pre_fw_hook(module, inputs)
 
         if hasattr(base, "_fsdp_state_pre_forward"):  # FSDPMemTracker: the same, at FSDP2's pre-forward
@@ -230,10 +255,7 @@ def timeline_tracker_class(base: type) -> type:
                 inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
 
                 def pre_forward(*args, **kwargs):
-                    name = self._mod_tracker.get_known_fqn(fsdp_mod)
-                    if (fsdp_mod in self.memory_tracking and not self._mod_tracker.is_bw
-                            and set(self._mod_tracker.parents) - {name} == {"Global"}):
-                        self.reset_mod_stats()
+                    self._root_forward_begins(fsdp_mod)
                     return inner(*args, **kwargs)
 
                 return pre_forward
@@ -248,7 +270,8 @@ def timeline_tracker_class(base: type) -> type:
                                   phases=list(self._tl_phases),
                                   series={c: list(v) for c, v in self._tl_series.items()},
                                   totals=list(self._tl_totals),
-                                  allocated=list(self._tl_alloc) if self._tl_alloc is not None else None, **kw)
+                                  allocated=list(self._tl_alloc) if self._tl_alloc is not None else None,
+                                  micro_batches=list(self._tl_micro_of), **kw)
 
     _TimelineTracker.__name__ = f"Timeline{base.__name__}"
     return _TimelineTracker
@@ -424,6 +447,39 @@ def _event_x(tl: MemoryTimeline) -> tuple[list[float], list[dict[str, Any]]]:
 
 
 def _aligned(other: MemoryTimeline, events: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """``other``'s samples placed on ``events``' x, event by event with the same label in the same micro-batch.
+    Where ``other`` has fewer micro-batches (the planner traces at most a few: the later ones are all alike), its
+    last micro-batch is drawn again on each later one; the optimizer step goes on the optimizer step.  Events
+    without a match are left out (the line breaks there)."""
+    if not other.micro_batches or not any("micro_batch" in e for e in events):
+        return _aligned_from_end(other, events)
+    last = other.micro_batch_count
+    mine: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for ev in other.events():
+        mine.setdefault((ev["label"], ev["micro_batch"]), []).append(ev)
+    seen: dict[tuple[str, int], int] = {}
+    xs, ys = [], []
+    prev_x1 = None
+    for target in events:
+        mb = target.get("micro_batch", 0)
+        n = seen.get((target["label"], mb), 0)
+        seen[(target["label"], mb)] = n + 1
+        candidates = mine.get((target["label"], min(mb, last)), [])
+        if n >= len(candidates):
+            continue
+        ev = candidates[n]
+        if prev_x1 is not None and abs(target["x0"] - prev_x1) > 1e-9:
+            xs.append(float("nan"))  # not adjacent in this timeline: break the line
+            ys.append(float("nan"))
+        prev_x1 = target["x1"]
+        k = ev["last"] - ev["first"] + 1
+        w = target["x1"] - target["x0"]
+        xs.extend(target["x0"] + w * (j + 0.5) / k for j in range(k))
+        ys.extend(other.totals[ev["first"]:ev["last"] + 1])
+    return xs, ys
+
+
+def _aligned_from_end(other: MemoryTimeline, events: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
     """``other``'s samples placed on ``events``' x: each of its events on the event with the same label, matched
     from the end (so a one-micro-batch prediction lines up with the last micro-batch and the optimizer step of a
     step with gradient accumulation); events without a match are left out."""
@@ -503,16 +559,20 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
     ax.set_xlim(0, x_end)
     # phase bands along the top, layer / event ticks along the bottom
     band = {"forward": "#DCE9F5", "backward": "#F8E1CF", "optimizer": "#F5D0D0", "other": "#EEEEEE"}
+    accumulating = tl.micro_batch_count > 1  # gradient accumulation: each band names its micro-batch
     k = 0
     while k < len(events):
-        ph = events[k]["phase"]
+        ph, mb = events[k]["phase"], events[k].get("micro_batch")
         j = k
-        while j + 1 < len(events) and events[j + 1]["phase"] == ph:
+        while j + 1 < len(events) and events[j + 1]["phase"] == ph and (
+                ph == "optimizer" or events[j + 1].get("micro_batch") == mb):
             j += 1
         a, b = events[k]["x0"], events[j]["x1"]
         ax.axvspan(a, b, ymin=0.93, ymax=1.0, color=band[ph], lw=0)
         if ph != "other":
             name = ph if b - a >= x_end * 0.1 else {"forward": "fw", "backward": "bw", "optimizer": "opt."}[ph]
+            if accumulating and ph != "optimizer" and mb:
+                name = f"{name} {mb}"
             ax.text((a + b) / 2, ymax * 0.965, name, ha="center", va="center", fontsize=8)
             ax.axvline(a, color="#999999", lw=0.5)
             ax.axvline(b, color="#999999", lw=0.5)
@@ -530,13 +590,21 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
             ticks.append(e)
         seen += 1
     ax.set_xticks([(e["x0"] + e["x1"]) / 2 for e in ticks], [_short(e["label"]) for e in ticks], fontsize=7)
-    ax.set_xlabel("the step's events (F3 / B3: forward / backward of decoder layer 3)", fontsize=8)
+    xlabel = "the step's events (F3 / B3: forward / backward of decoder layer 3)"
+    if accumulating:
+        xlabel += (f"\ngradient accumulation: {tl.micro_batch_count} micro-batches (fw 2 / bw 2: the second), "
+                   "the gradients live from the first backward on")
+        ga = tl.meta.get("grad_accum")
+        if ga and ga > tl.micro_batch_count:
+            xlabel += f"; micro-batches {tl.micro_batch_count + 1}-{ga} repeat the last (not traced)"
+    ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(unit)
     # the peak, and what is live there
     pi = tl.peak_index
     px, py = xs[pi], tl.peak / div
     live = sorted(((v, c) for c, v in tl.at_peak.items() if v), reverse=True)
-    text = f"peak {py:.3g} {unit}: {tl.peak_label}\n" + "\n".join(
+    where = tl.peak_label + (f" (micro-batch {tl.peak_micro_batch})" if accumulating and tl.peak_micro_batch else "")
+    text = f"peak {py:.3g} {unit}: {where}\n" + "\n".join(
         f"  {c.replace('_', ' ')} {v / div:.3g}" for v, c in live[:6])
     right = px > x_end * 0.55
     ax.annotate(text, (px, py), xytext=(px + (-0.04 if right else 0.04) * x_end, ymax * 0.9),
@@ -570,7 +638,7 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
     rows = 1 if len(items) <= 8 else 2
     fig.legend(handles=items, fontsize=7.5, loc="lower center", ncol=math.ceil(len(items) / rows), frameon=False)
     ax.set_title(title or tl.title or f"memory over one training step ({tl.source})", fontsize=10)
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.93, bottom=0.17 if rows == 1 else 0.2)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.93, bottom=(0.17 if rows == 1 else 0.2) + 0.03 * accumulating)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)

@@ -8,7 +8,8 @@ peak of each recorded step, split by category, is added to the Trainer's next tr
 (``memory/peak_MiB``, ``memory/peak_<category>_MiB``, ``memory/step``), so ``state.log_history`` and every
 reporter (TensorBoard, W&B, trackio) see it.  ``plot_path`` writes the picture of the last recorded step at the
 end of training; ``predict=True`` also traces the planner's fake-tensor step for the same model, batch shape and
-optimizer (:func:`hf_gradfix.plan.simulate.simulate`) and draws it beside the measurement.
+optimizer (:func:`hf_gradfix.plan.simulate.simulate`), with the run's ``gradient_accumulation_steps`` (every
+micro-batch after the first runs with the accumulated gradients alive), and draws it beside the measurement.
 
 Other steps run untouched: the tracker is a ``TorchDispatchMode`` entered only for the recorded steps.  For a
 hand-written or ``TokenWindow`` loop use :class:`hf_gradfix.diagnostics.MemoryTimelineRecorder` directly.
@@ -46,11 +47,13 @@ class MemoryTimelineCallback(TrainerCallback):
         steps: which optimizer steps to record (default: the first, which creates the optimizer state, and the
             second, the steady state).
         plot_path: write the last recorded step's picture there at the end of training (matplotlib).
-        predict: also trace the planner's prediction (fake tensors, one process) for the same configuration and
-            put it beside the measurement: in the picture and as ``predicted`` (the planner's timeline).
+        predict: also trace the planner's prediction (fake tensors, one process) for the same configuration
+            (the largest micro-batch shape seen in the recorded steps, the run's gradient accumulation) and put it
+            beside the measurement: in the picture and as ``predicted`` (the planner's timeline).
         log_prefix: prefix of the logged keys.
 
-    ``timelines`` holds the recorded steps; ``predicted`` the planner's timeline when ``predict``."""
+    ``timelines`` holds the recorded steps (of every ``train()`` this callback took part in, in order);
+    ``predicted`` the planner's timeline when ``predict``."""
 
     def __init__(self, steps: Iterable[int] = (1, 2), plot_path: str | os.PathLike | None = None, *,
                  predict: bool = False, log_prefix: str = "memory/") -> None:
@@ -69,6 +72,7 @@ class MemoryTimelineCallback(TrainerCallback):
         self._log_wrapper: Any = None
         self._shape: tuple[int, int] | None = None
         self._hook: Any = None
+        self._step_wrapper: Any = None
 
     @property
     def timelines(self) -> list[MemoryTimeline]:
@@ -88,8 +92,12 @@ class MemoryTimelineCallback(TrainerCallback):
                                       "PyTorch's dispatcher; the timeline cannot see it (use DDP, FSDP2 or one "
                                       "process)")
         self._trainer = trainer
+        earlier = self.timelines  # a second train() (or Trainer) adds its steps to the ones recorded before
+        if self.recorder is not None:
+            self.recorder.abort()  # a run that raised inside a recorded step: its tracker is left behind
         self.recorder = MemoryTimelineRecorder(trainer.model, trainer.optimizer,
                                                title=f"{type(trainer.model).__name__}: optimizer step")
+        self.recorder.timelines = earlier
         self._install(trainer)
         return control
 
@@ -121,8 +129,35 @@ class MemoryTimelineCallback(TrainerCallback):
         self._log_wrapper = log
         trainer.log = log
 
+        if "training_step" not in trainer.__dict__:
+            step = trainer.training_step
+
+            def training_step(*a, **kw):
+                # an exception inside a recorded step (the Trainer has no event for it): stop the tracker, which
+                # is a dispatch mode every later op would otherwise go through
+                try:
+                    return step(*a, **kw)
+                except BaseException:
+                    if self.recorder is not None and self.recorder.recording:
+                        self.recorder.abort()
+                    self._remove_shape_hook()
+                    raise
+
+            self._step_wrapper = training_step
+            trainer.training_step = training_step
+
+    def _remove_shape_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
     def _uninstall(self) -> None:
-        trainer, wrapper = self._trainer, self._log_wrapper
+        trainer = self._trainer
+        if trainer is not None and self._step_wrapper is not None and \
+                trainer.__dict__.get("training_step") is self._step_wrapper:
+            del trainer.training_step
+        self._step_wrapper = None
+        wrapper = self._log_wrapper
         self._log_wrapper = None  # a wrapper left in someone else's chain passes calls through
         if trainer is None or wrapper is None or trainer.__dict__.get("log") is not wrapper:
             return
@@ -145,9 +180,7 @@ class MemoryTimelineCallback(TrainerCallback):
         if self.recorder is None or not self.recorder.recording:
             return control
         tl = self.recorder.end(step=state.global_step)
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._remove_shape_hook()
         self._pending = peak_log_values(tl, self.log_prefix)
         self._pending[f"{self.log_prefix}step"] = state.global_step
         return control
@@ -155,7 +188,9 @@ class MemoryTimelineCallback(TrainerCallback):
     def _note_shape(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None and getattr(ids, "dim", lambda: 0)() == 2:
-            self._shape = (int(ids.shape[0]), int(ids.shape[1]))
+            # the largest micro-batch of the recorded steps (padded shapes vary): the peak is where it runs
+            micro, seq = self._shape or (0, 0)
+            self._shape = (max(micro, int(ids.shape[0])), max(seq, int(ids.shape[1])))
 
     # -- the planner's prediction ----------------------------------------------------------------------------------
     def _predict(self) -> None:

@@ -215,16 +215,29 @@ class _TrainerStream(torch.utils.data.IterableDataset):
     stream is not re-read and no row is skipped twice. (Placeholders rather than switching the Trainer's skip off
     keep its step counting and RNG restore exactly as stock.)"""
 
-    def __init__(self, packer) -> None:
+    def __init__(self, packer, trainer=None) -> None:
         super().__init__()
         self.packer = packer
         self.placeholders = 0
+        # Passes over the stream: transformers counts every step of a dataset without length as epoch 0..., one
+        # per pass; a resume in pass p > 0 continues that pass (its stream epoch) and the ones after it.
+        self.pass_index = -1  # the pass being read (0 = the first)
+        self.pass_start_step = 0  # the optimizer steps trained before this pass began
+        self.epoch_offset = 0  # the stream's epoch = the Trainer's epoch + this (after a resume in a later pass)
+        self._resumed_pass: tuple[int, int] | None = None
+        self._trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)
 
     def set_epoch(self, epoch: int) -> None:
-        self.packer.set_epoch(epoch)
+        self.packer.set_epoch(epoch + self.epoch_offset)
 
     def __iter__(self):
         n, self.placeholders = self.placeholders, 0
+        trainer = self._trainer()
+        if self._resumed_pass is not None:
+            (self.pass_index, self.pass_start_step), self._resumed_pass = self._resumed_pass, None
+        else:
+            self.pass_index += 1
+            self.pass_start_step = trainer.state.global_step if trainer is not None else 0
         for _ in range(n):
             yield _SKIPPED
         yield from self.packer
@@ -263,13 +276,19 @@ def save_stream_state(trainer, checkpoint_dir: str) -> None:
     stream = _STREAMS.get(trainer)
     if stream is None:
         return
-    rows = _rows_trained(trainer, trainer.state.global_step)
-    try:
-        state = stream.packer.state_dict(rows=rows)
-    except ValueError as exc:  # e.g. the stream ended and restarted (a new epoch): the Trainer replays and skips
-        logger.warning("hf_gradfix packing: the stream position is not saved in this checkpoint (%s); a resume "
-                       "re-reads the stream and skips the trained rows.", exc)
-        return
+    # the rows trained in the current pass: its windows are all whole but the last, which ends the pass
+    rows = _rows_trained(trainer, trainer.state.global_step - stream.pass_start_step)
+    if stream.pass_index >= 0 and rows > stream.packer._rows:
+        # more rows than the pass had: its last (shorter) window was just stepped; the next pass starts afresh
+        state = {"next_pass": True, "pass_index": stream.pass_index + 1, "pass_start_step": trainer.state.global_step}
+    else:
+        try:
+            state = stream.packer.state_dict(rows=rows)
+        except ValueError as exc:
+            logger.warning("hf_gradfix packing: the stream position is not saved in this checkpoint (%s); a resume "
+                           "re-reads the stream and skips the trained rows.", exc)
+            return
+        state.update(pass_index=max(stream.pass_index, 0), pass_start_step=stream.pass_start_step)
     os.makedirs(checkpoint_dir, exist_ok=True)
     path = os.path.join(checkpoint_dir, STREAM_STATE_FILE.format(rank=trainer.args.process_index))
     torch.save(_to_saveable(state), path)
@@ -291,15 +310,23 @@ def load_stream_state(trainer, checkpoint_dir: str | None) -> None:
     with open(state_json) as f:
         global_step = int(json.load(f)["global_step"])
     state = torch.load(path, weights_only=True)
-    rows = _rows_trained(trainer, global_step)
+    pass_index, pass_start = int(state.pop("pass_index", 0)), int(state.pop("pass_start_step", 0))
+    rows = _rows_trained(trainer, global_step - pass_start)
     # the Trainer skips (global_step % max_steps) * GA batches per process; every one must be a placeholder
     skipped = _rows_trained(trainer, global_step % max(trainer.args.max_steps, 1))
-    if state.get("rows") != rows or skipped != rows:
+    if skipped != _rows_trained(trainer, global_step) or (not state.get("next_pass") and state.get("rows") != rows):
         logger.warning("hf_gradfix packing: the stream state in %s is for %s rows, the Trainer resumes after %d "
                        "(skipping %d); re-reading the stream instead.", path, state.get("rows"), rows, skipped)
         return
-    stream.packer.load_state_dict(state)
-    stream.placeholders = rows
+    if state.get("next_pass"):
+        # the checkpoint ends a pass: the Trainer's skipped batches are all placeholders, then the next pass
+        # of the stream (its own epoch) starts from the beginning
+        stream.placeholders = skipped
+    else:
+        stream.packer.load_state_dict(state)
+        stream.placeholders = skipped
+    stream.epoch_offset = pass_index
+    stream._resumed_pass = (pass_index, pass_start)
 
 
 def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
@@ -332,7 +359,7 @@ def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
             "hf_gradfix packing: a stream is packed in the main process (dataloader_num_workers=%d would give every "
             "worker the whole stream); using 0 workers.", trainer.args.dataloader_num_workers,
         )
-    stream = _TrainerStream(packer)
+    stream = _TrainerStream(packer, trainer)
     _STREAMS[trainer] = stream
     loader = DataLoader(stream, batch_size=1, collate_fn=_OneBin(collator), num_workers=0,
                         pin_memory=trainer.args.dataloader_pin_memory)

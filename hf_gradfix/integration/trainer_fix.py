@@ -428,6 +428,32 @@ def _we_divide_by_ga(trainer: Trainer, num_items: Any) -> bool:
     return not scaled
 
 
+class _IdleMicroBatch(dict):
+    """A micro-batch that trains on nothing: ``training_step`` returns 0 for it without a forward or backward.
+
+    Placed at the FRONT of a window that the data ended inside (a stream whose last window holds fewer than
+    ``gradient_accumulation_steps`` micro-batches; transformers knows no shorter last window without a dataloader
+    length): the window then has its full length, so the Trainer syncs the gradients on its last real micro-batch and
+    steps it in its epoch, normalized by its own target count, instead of carrying its gradient into the next
+    epoch's first step. It holds the model's main input with 0 tokens (no tokens seen, no FLOPs).
+    """
+
+    @classmethod
+    def for_model(cls, model: Any, device: Any) -> "_IdleMicroBatch":
+        name = getattr(model, "main_input_name", "input_ids")
+        empty = torch.zeros((1, 0), dtype=torch.long, device=device)
+        return cls({name: empty, "attention_mask": empty.clone()})
+
+
+def _close_short_window(trainer: Trainer, batches: list, num_batches: int, device: Any) -> list:
+    """A window the data ended inside, brought to ``num_batches`` micro-batches by idle ones in front (see
+    :class:`_IdleMicroBatch`); every rank has the same number of micro-batches in every window then."""
+    if 0 < len(batches) < num_batches:
+        idle = [_IdleMicroBatch.for_model(trainer.model, device) for _ in range(num_batches - len(batches))]
+        return idle + batches
+    return batches
+
+
 def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) -> list[float]:
     tensor = torch.tensor(values, dtype=dtype, device=trainer.args.device)
     if trainer.accelerator.num_processes > 1:
@@ -508,7 +534,7 @@ class _GradFixTop:
         if state is not None and state.config.packing.enabled and not state.config.loss.enabled:
             batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
             _check_packed(batches)
-            return batches, count
+            return _close_short_window(self, batches, num_batches, device), count
         if state is None or not state.enabled:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batches = []
@@ -531,9 +557,12 @@ class _GradFixTop:
         if state.probed and has_labels:
             local = float(sum(int(count_targets(b, state.chain.count_rule)) for b in batches))
         # Every rank joins this reduction, also with an empty window, so nobody hangs.
-        total, ranks_with_labels, ranks_undecided = _all_reduce_sum(
-            self, [local, 1.0 if has_labels else 0.0, 0.0 if decided else 1.0]
+        total, ranks_with_labels, ranks_undecided, micro_batches = _all_reduce_sum(
+            self, [local, 1.0 if has_labels else 0.0, 0.0 if decided else 1.0, float(len(batches))]
         )
+        if micro_batches == 0:  # past the end of the data (a stream's epoch ran out): nothing to count or train
+            state.window = None
+            return batches, None
         if ranks_undecided:  # a NaN / inf probe on some rank: every rank runs this window as stock
             _begin_stock_window(self, state)
             state.window = None
@@ -546,12 +575,18 @@ class _GradFixTop:
                 )
                 state.no_labels_logged = True
             state.window = _Window(None, len(batches))
-            return batches, self._get_num_items_in_batch(batches, device)
+            count = self._get_num_items_in_batch(batches, device)
+            return _close_short_window(self, batches, num_batches, device), count
         global_count = total / _replicated_divisor(self)
         state.window = _Window(global_count, len(batches))
         # int64 like transformers' own count (a float64 count would turn the loss into float64)
         value = int(global_count) if float(global_count).is_integer() else float(global_count)
-        return batches, torch.tensor(value, device=device)
+        return _close_short_window(self, batches, num_batches, device), torch.tensor(value, device=device)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        if isinstance(inputs, _IdleMicroBatch):  # the front of a window the data ended inside: nothing to train
+            return torch.zeros((), device=self.args.device)
+        return super().training_step(model, inputs, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
         state = state_of(self)

@@ -5,7 +5,8 @@ from its tp plan and/or sharded with FSDP2 (``MixedPrecisionPolicy(bf16, reduce 
 fake process group of the configured world size (``init_process_group("fake")``: collectives return at once,
 shapes are real), and run through forward (under autocast for unsharded ``amp-bf16``), backward and
 ``optimizer.step()`` twice (the second step is the steady state: the optimizer state exists during the
-forward).  Attention is the same fused-profile function the closed form counts with (``activations.py``).
+forward); with gradient accumulation the second step runs ``grad_accum`` micro-batches (at most
+``TRACED_MICRO_BATCHES``: from the second on they hold the accumulated gradients and are all alike).  Attention is the same fused-profile function the closed form counts with (``activations.py``).
 torch's ``MemTracker`` / ``FSDPMemTracker`` classify every storage (parameters, gradients, activations,
 optimizer state, temporaries, FSDP all-gather / reduce-scatter buffers); this module records each plan
 component's own maximum over the step (categories summed at every instant) and where the total peak happens.
@@ -26,7 +27,11 @@ from .estimate import PlanError, Settings
 
 _SIM = "hf-gradfix plan --simulate"  # what needs torch's private fake-tensor and memory-tracker APIs
 
-__all__ = ["simulate"]
+__all__ = ["TRACED_MICRO_BATCHES", "simulate"]
+
+#: micro-batches traced in the recorded step under gradient accumulation (``grad_accum`` when smaller): the first
+#: runs without gradients, every later one with the accumulated gradients alive, all of them alike
+TRACED_MICRO_BATCHES = 4
 
 # tracker category -> plan component
 _MAP = {
@@ -249,24 +254,30 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
             tracker.timeline_setup([m for _, m in decoder_layers(model)], torch.device("cpu"))
             if not sharded:
                 tracker.track_external(model, opt)
+            # Gradient accumulation: from the second micro-batch on, forward and backward run with the accumulated
+            # gradients alive (the peak rises by up to the gradients' size). Micro-batches 2, 3, ... hold exactly the
+            # same memory, so at most TRACED_MICRO_BATCHES are traced; the first steps only make the optimizer state.
+            micro_batches = min(settings.grad_accum, TRACED_MICRO_BATCHES)
             with tracker, fake_kernel_mode():
                 for step in range(steps):
-                    if step == steps - 1:
+                    last = step == steps - 1
+                    if last:
                         tracker.reset_mod_stats()
                         cat_max.clear(); comp_max.clear()
                         tracker._peak_mem.clear(); tracker._peak_mem_snap.clear()
                         tracker.timeline_sample(("other", "step start"))  # the timeline: the last step only
                         tracker.timeline_on()
-                    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if (amp and not sharded) else \
-                        contextlib.nullcontext()
-                    with autocast:
-                        out = model(input_ids=ids, labels=ids)
-                    out.loss.backward()
-                    del out  # the logits would otherwise live on into the next step's forward
+                    for _ in range(micro_batches if last else 1):
+                        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if (amp and not sharded) else \
+                            contextlib.nullcontext()
+                        with autocast:
+                            out = model(input_ids=ids, labels=ids)
+                        out.loss.backward()
+                        del out  # the logits would otherwise live on into the next micro-batch's forward
                     opt.step()
                     opt.zero_grad()
-                    say(f"step {step + 1}/{steps} traced (forward, backward, optimizer step; "
-                        f"{time.perf_counter() - t0:.1f} s)")
+                    say(f"step {step + 1}/{steps} traced ({micro_batches if last else 1} micro-batch(es) forward and "
+                        f"backward, optimizer step; {time.perf_counter() - t0:.1f} s)")
                 tracker.timeline_on(False)
                 tracker.timeline_sample(("other", "after step"))
                 after_snap = tracker.get_tracker_snapshot()  # steady state, after the step
@@ -288,6 +299,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     at_peak = by_component(snap)
     after_step = by_component(next(iter(after_snap.values()))) if after_snap else {}
     timeline = tracker.timeline(source="fake-tensor trace", title=f"rank 0 of {mesh.world_size}")
+    timeline.meta.update(grad_accum=settings.grad_accum, micro_batches_traced=micro_batches)
     return {"peak": snap["Total"], "at_peak": at_peak, "timeline": timeline, "after_step": after_step,
             "max": dict(comp_max),
             "phase": phase["peak"],
