@@ -287,3 +287,53 @@ def test_every_shipped_config_loads():
     assert files
     for path in files:
         hf_gradfix.load_config(str(path))
+
+
+class _SelfScaledTargetsTrainer(_TargetsTrainer):
+    """Divides its own loss by the accumulation steps and says so with ``loss_is_scaled_for_ga = True``, set on the
+    instance before or after ``super().__init__()`` (both patterns are in user and library code)."""
+
+    def __init__(self, *args, when="before", **kwargs):
+        if when == "before":
+            self.loss_is_scaled_for_ga = True
+        super().__init__(*args, **kwargs)
+        if when == "after":
+            self.loss_is_scaled_for_ga = True
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+        loss = loss / self.args.gradient_accumulation_steps
+        return (loss, outputs) if return_outputs else loss
+
+
+@pytest.mark.skipif(not hasattr(Trainer, "loss_is_scaled_for_ga"), reason="transformers >= 5.19 reads loss_is_scaled_for_ga")
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_instance_loss_is_scaled_for_ga_is_honoured(when):
+    """Issue 25, finding 6: a subclass's own ``loss_is_scaled_for_ga = True`` (no labels, so the loss stays as the
+    trainer computes it): the gradient is each window's sum of micro-batch means / GA, as stock transformers takes
+    it; the property of the fixed class used to hide the value set before ``super().__init__()``, and the gradient
+    was divided by GA a second time (1/4 of stock's at GA 4)."""
+    import functools
+
+    samples = _samples()
+    cls = functools.partial(_SelfScaledTargetsTrainer, when=when)
+    collator = lambda: _RenameLabels(H.RecordingCollator("causal", H.PAD_ID))  # noqa: E731
+    stock = _train_grads(H.build_model("llama"), samples, "causal", cls, collator())
+    # the independent reference: each micro-batch's mean token loss / GA, summed over the window, in plain PyTorch
+    model = H.build_model("llama")
+    reference = []
+    for w in range(3):
+        model.zero_grad()
+        for i in range(4 * w, 4 * w + 4):
+            loss_sum, n = H.sample_loss_sum(model, samples[i], "causal")
+            (loss_sum / n / 4).backward()
+        reference.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    hf_gradfix.patch()
+    try:
+        ours = _train_grads(H.build_model("llama"), samples, "causal", cls, collator())
+    finally:
+        hf_gradfix.unpatch()
+    assert len(stock) == len(ours) == 3
+    for a, b, ref in zip(stock, ours, reference):  # learning rate 0: every window at the same weights
+        assert H.rel_err(a, ref) <= 1e-5
+        assert H.rel_err(b, ref) <= 1e-5, (when, H.norm_ratio(b, ref))

@@ -422,10 +422,30 @@ def _we_divide_by_ga(trainer: Trainer, num_items: Any) -> bool:
     """
     if not hasattr(Trainer, "loss_is_scaled_for_ga"):
         return False
-    scaled = trainer.__dict__.get("_gradfix_loss_is_scaled_for_ga", getattr(super(_GradFixTop, trainer), "loss_is_scaled_for_ga", None))
+    scaled = _own_loss_is_scaled_for_ga(trainer)
     if scaled is None:
         scaled = (trainer.model_accepts_loss_kwargs and num_items is not None) or trainer.compute_loss_func is not None
     return not scaled
+
+
+_GA_FLAG = "_gradfix_loss_is_scaled_for_ga"
+
+
+def _own_loss_is_scaled_for_ga(trainer: Trainer) -> Any:
+    """The trainer's own ``loss_is_scaled_for_ga``: set on the instance (after the class swap, through our setter;
+    before it, e.g. by a subclass before ``super().__init__()``, as a plain instance attribute that our property
+    would otherwise hide), else its class's value."""
+    if _GA_FLAG in trainer.__dict__:
+        return trainer.__dict__[_GA_FLAG]
+    if "loss_is_scaled_for_ga" in trainer.__dict__:
+        return trainer.__dict__["loss_is_scaled_for_ga"]
+    return getattr(super(_GradFixTop, trainer), "loss_is_scaled_for_ga", None)
+
+
+def _keep_instance_ga_flag(trainer: Trainer) -> None:
+    """Before the class swap: a ``loss_is_scaled_for_ga`` the instance already holds moves where our property reads it."""
+    if "loss_is_scaled_for_ga" in trainer.__dict__:
+        trainer.__dict__[_GA_FLAG] = trainer.__dict__.pop("loss_is_scaled_for_ga")
 
 
 def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) -> list[float]:
@@ -450,9 +470,7 @@ class _GradFixTop:
         state = state_of(self)
         if state is not None and state.config.loss.enabled and state.disabled_reason is None and not state.stock_window:
             return True
-        if "_gradfix_loss_is_scaled_for_ga" in self.__dict__:
-            return self.__dict__["_gradfix_loss_is_scaled_for_ga"]
-        return getattr(super(), "loss_is_scaled_for_ga", None)
+        return _own_loss_is_scaled_for_ga(self)
 
     @loss_is_scaled_for_ga.setter
     def loss_is_scaled_for_ga(self, value):
@@ -463,7 +481,7 @@ class _GradFixTop:
         # lr, weight_decay (and no-decay names), betas and eps (transformers' galore handler drops them).
         state = state_of(self)
         if state is not None and self.optimizer is None:
-            from .optim_trainer import build_low_rank_optimizer, describe, optimizer_requested
+            from .optim_trainer import begin_lowrank_training, build_low_rank_optimizer, describe, optimizer_requested
 
             requested = optimizer_requested(self, state.config.optimizer)
             if requested is not None:
@@ -471,8 +489,27 @@ class _GradFixTop:
                 model = self.model if model is None else model
                 self.optimizer = build_low_rank_optimizer(self, model, *requested)
                 state.optimizer_line = describe(self.optimizer, self)
+                begin_lowrank_training(self)
                 return self.optimizer
-        return super().create_optimizer(*args, **kwargs)
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if state is not None:  # optimizer_cls_and_kwargs / Trainer(optimizers=...) with a lowrank_grads optimizer
+            from .optim_trainer import begin_lowrank_training
+
+            begin_lowrank_training(self)
+        return optimizer
+
+    def train(self, *args, **kwargs):
+        # A lowrank_grads optimizer's backward hooks live exactly as long as a train() call: on at its start (again
+        # for a second train()), off at its end and on an exception, so the model never keeps hooks that clear
+        # its gradients for an optimizer that no longer steps (a second, plain trainer trains every weight).
+        from .optim_trainer import begin_lowrank_training, end_lowrank_training
+
+        if state_of(self) is not None:
+            begin_lowrank_training(self)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            end_lowrank_training(self)
 
     def get_train_dataloader(self):
         state = state_of(self)
@@ -831,7 +868,13 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
     if state is not None:
         return state
     from .nd import setup as nd_setup
-    from .optim_trainer import check_optimizer_setup, optimizer_requested
+    from .optim_trainer import (
+        begin_lowrank_training,
+        check_optimizer_setup,
+        lowrank_optimizer_of,
+        optimizer_requested,
+        route_clipping,
+    )
 
     from .environment import check_launched_world
 
@@ -846,8 +889,13 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
         state.fixes.append(state.nd.line)
     trainer.__dict__[_STATE_ATTR] = state
     wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
-    if config.loss.enabled or config.packing.enabled or wants_optimizer:
+    # a lowrank_grads optimizer given to the constructor: its hooks' lifetime follows train() (the fixed class's)
+    given_lowrank = lowrank_optimizer_of(trainer) is not None
+    if config.loss.enabled or config.packing.enabled or wants_optimizer or given_lowrank:
+        _keep_instance_ga_flag(trainer)
         trainer.__class__ = fixed_class_for(type(trainer))
+    route_clipping(trainer)  # max_grad_norm clips a lowrank_grads optimizer's accumulators, however it arrives
+    begin_lowrank_training(trainer)
     return state
 
 
@@ -856,4 +904,6 @@ def uninstall(trainer: Trainer) -> None:
     original = getattr(type(trainer), "_gradfix_original_class", None)
     if original is not None:
         trainer.__class__ = original
+        if _GA_FLAG in trainer.__dict__:  # the user's value back where the original class reads it
+            trainer.__dict__["loss_is_scaled_for_ga"] = trainer.__dict__.pop(_GA_FLAG)
     trainer.__dict__.pop(_STATE_ATTR, None)
