@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 
 import pytest
 import torch
@@ -190,6 +191,50 @@ def test_eval_loss_is_the_token_mean_for_every_batch_size(arch):
             assert abs(metrics["eval_loss"] - gt) / gt <= 1e-6, (arch, bs, metrics["eval_loss"], gt)
     finally:
         hf_gradfix.unpatch()
+
+
+def _seq2seq_generate_eval(model, samples, bs, **trainer_kw):
+    args = transformers.Seq2SeqTrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="hgf_s2s_"), report_to="none", use_cpu=True, remove_unused_columns=False,
+        disable_tqdm=True, per_device_eval_batch_size=bs, predict_with_generate=True, generation_max_length=6)
+    trainer = transformers.Seq2SeqTrainer(
+        model=model, args=args, data_collator=H.RecordingCollator("seq2seq", H.pad_id_of(model)),
+        compute_metrics=lambda p: {"generated": float(len(p.predictions))}, **trainer_kw)  # metrics: the generate path
+    return trainer.evaluate(eval_dataset=H.ListDataset(samples))
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_seq2seq_predict_with_generate_eval_loss_is_the_token_mean(arch, caplog):
+    """Issue 25, finding 5: Seq2SeqTrainer with predict_with_generate computes its eval loss in prediction_step, not
+    compute_loss; it is counted there too.  Measured before: t5 1.0e-2 / 9.4e-3 / 8.8e-3 off the exact target mean
+    (batch 1 / 4 / 5: stock's mean of batch means), eval_loss_targets absent; after: <= 5e-8.  A loss this path cannot
+    count (a compute_loss_func, which it bypasses) stays stock's with a warning naming the path."""
+    model = H.build_model(arch)
+    samples = H.make_samples("seq2seq", n=11, seed=1)
+    model.eval()
+    gt = _eval_gt(model, samples, "seq2seq")
+    targets = sum(H.sample_loss_count(s, "seq2seq") for s in samples)
+    hf_gradfix.patch()
+    try:
+        for bs in (1, 4):
+            metrics = _seq2seq_generate_eval(model, samples, bs)
+            assert metrics["eval_generated"] == 11  # the generate path ran
+            assert abs(metrics["eval_loss"] - gt) / gt <= 1e-6, (arch, bs, metrics["eval_loss"], gt)
+            assert metrics["eval_loss_targets"] == targets
+        logger = logging.getLogger("hf_gradfix")
+        logger.addHandler(caplog.handler)
+        try:
+            def func(outputs, labels, num_items_in_batch=None):
+                return torch.nn.functional.cross_entropy(outputs.logits.flatten(0, 1), labels.flatten())
+
+            metrics = _seq2seq_generate_eval(model, samples, 4, compute_loss_func=func)
+        finally:
+            logger.removeHandler(caplog.handler)
+    finally:
+        hf_gradfix.unpatch()
+    assert "eval_loss_targets" not in metrics and abs(metrics["eval_loss"] - gt) / gt > 1e-6  # stock's value
+    assert any("predict_with_generate=True" in r.getMessage() and "compute_loss_func" in r.getMessage()
+               for r in caplog.records)
 
 
 # -- what hf_gradfix cannot decide is loud, and leaves transformers' behaviour intact ---------------------------------

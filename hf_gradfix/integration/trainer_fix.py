@@ -448,6 +448,12 @@ def _keep_instance_ga_flag(trainer: Trainer) -> None:
         trainer.__dict__[_GA_FLAG] = trainer.__dict__.pop("loss_is_scaled_for_ga")
 
 
+def _outside_path_name(trainer: Trainer) -> str:
+    if getattr(trainer.args, "predict_with_generate", False):
+        return "predict_with_generate=True"
+    return f"{type(trainer).__name__}.prediction_step"
+
+
 def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) -> list[float]:
     tensor = torch.tensor(values, dtype=dtype, device=trainer.args.device)
     if trainer.accelerator.num_processes > 1:
@@ -635,6 +641,7 @@ class _GradFixTop:
         loss, outputs = _split(result)
         totals = state.eval_totals
         if totals is not None and loss is not None and not model.training:
+            totals.batches += 1
             aux = state.last_aux
             mean = float(loss.detach().double().mean())
             real_rows = self._gradfix_real_eval_rows(untouched)
@@ -651,6 +658,62 @@ class _GradFixTop:
             totals.aux_sum += aux
             totals.aux_batches += 1
         return loss, outputs
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **kwargs):
+        state = state_of(self)
+        totals = state.eval_totals if state is not None else None
+        if totals is None or not _has_labels(inputs):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        counted_before = totals.batches
+        untouched = dict(inputs)  # the step may edit the mapping (generation inputs)
+        result = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        loss = result[0] if isinstance(result, tuple) and result else None
+        if totals.batches == counted_before and torch.is_tensor(loss):
+            # the loss was computed without compute_loss (Seq2SeqTrainer with predict_with_generate: a plain
+            # `model(**inputs).loss`): count it here, with the model's own count rule
+            self._gradfix_count_eval_loss(state, model, untouched, loss, kwargs)
+        return result
+
+    def _gradfix_count_eval_loss(self, state, model, inputs, loss, kwargs) -> None:
+        """Add one eval batch's mean loss, computed outside compute_loss, to the exact eval totals."""
+        totals = state.eval_totals
+        why = None
+        if self.compute_loss_func is not None:
+            why = "the trainer has a compute_loss_func, which this path bypasses"
+        elif not state.probed and state.enabled:
+            _prepare(self, state, [inputs])
+        behaviour = state.model
+        if why is not None:
+            pass
+        elif not state.enabled or not state.probed or behaviour is None:
+            why = "the model's loss could not be probed" if state.enabled else "the loss fix is off for this trainer"
+        elif state.aux_coef:
+            why = "the model adds a MoE aux loss, which this path does not separate"
+        if why is not None:
+            if not state.eval_outside_logged:
+                logger.warning(
+                    "hf_gradfix: %s computes its eval loss without compute_loss (%s: %s), so eval_loss stays "
+                    "transformers' mean of per-batch means, not the exact target mean. Set "
+                    "prediction_loss_only=True (or predict_with_generate=False) for an exact eval_loss.",
+                    type(self).__name__, _outside_path_name(self), why,
+                )
+                state.eval_outside_logged = True
+            totals.batches += 1
+            totals.uncounted += 1
+            return
+        # label smoothing there: transformers' LabelSmoother with shift_labels=False counts every label != -100
+        rule = CountRule.UNSHIFTED if self.label_smoother is not None else behaviour.count_rule
+        mean = float(loss.detach().double().mean())
+        local = int(count_targets(inputs, rule))
+        real_rows = self._gradfix_real_eval_rows(inputs)
+        if real_rows is not None:  # accelerate padded this last batch with repeated samples: drop them
+            mean, local = self._gradfix_eval_subset(state, model, inputs, real_rows, kwargs)
+        elif self._gradfix_eval_lockstep(inputs):
+            self._gradfix_eval_subset(state, model, inputs, int(inputs["labels"].shape[0]), kwargs)
+        if local > 0:
+            totals.loss_sum += mean * local
+            totals.targets += local
+        totals.batches += 1
 
     def _gradfix_real_eval_rows(self, inputs) -> int | None:
         """Rows of this rank's last eval batch that are real samples, or None when all are.
@@ -734,11 +797,11 @@ class _GradFixTop:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         finally:
             totals, state.eval_totals = state.eval_totals, None
-        loss_sum, targets, aux_sum, aux_batches = _all_reduce_sum(
-            self, [totals.loss_sum, totals.targets, totals.aux_sum, totals.aux_batches]
+        loss_sum, targets, aux_sum, aux_batches, uncounted = _all_reduce_sum(
+            self, [totals.loss_sum, totals.targets, totals.aux_sum, totals.aux_batches, totals.uncounted]
         )
         key = f"{metric_key_prefix}_loss"
-        if targets > 0 and output.metrics is not None and key in output.metrics:
+        if targets > 0 and uncounted == 0 and output.metrics is not None and key in output.metrics:
             value = loss_sum / targets + (aux_sum / aux_batches if aux_batches else 0.0)
             output.metrics[key] = value
             dims = _nd_dims(self)  # tp ranks evaluated the same rows: count them once (cp ranks: different shards)
