@@ -382,3 +382,74 @@ def test_instance_loss_is_scaled_for_ga_is_honoured(when):
     for a, b, ref in zip(stock, ours, reference):  # learning rate 0: every window at the same weights
         assert H.rel_err(a, ref) <= 1e-5
         assert H.rel_err(b, ref) <= 1e-5, (when, H.norm_ratio(b, ref))
+
+
+# -- the loss fix over a run's lifecycle (issue 25) -------------------------------------------------------------------
+
+
+def _lifecycle_trainer(model, samples, callbacks=(), **extra):
+    trainer = H.make_trainer(
+        model, samples, "seq2seq", callbacks=callbacks,
+        extra_args=dict(optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=4,
+                        per_device_train_batch_size=1, num_train_epochs=1, logging_steps=1, seed=0, **extra))
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
+    return trainer
+
+
+def _check_windows(model, samples, grads, windows):
+    """Each recorded window's gradient against the ground truth of its samples (12 samples, GA 4: windows of 4)."""
+    assert len(grads) == len(windows)
+    for g, w in zip(grads, windows):
+        _, gt = H.ground_truth(model, [samples[i] for i in range(4 * w, 4 * w + 4)], "seq2seq")
+        assert H.rel_err(g, gt) <= 1e-5, (w, H.rel_err(g, gt))
+
+
+@pytest.mark.parametrize("entry", ["patch", "callback"])
+def test_loss_fix_over_the_lifecycle_of_a_run(entry):
+    """t5 (stock's gradient is 1.1 off): a second train() on the same trainer, an exception in the middle of a
+    window followed by train() again, and a second trainer on the same model are each exact on every window; after
+    unpatch() a new plain trainer on the same model is stock again (the plugin leaves nothing on the model)."""
+    samples = _samples("seq2seq", n=12)
+    model = H.build_model("t5")
+    callbacks = lambda: [hf_gradfix.GradFixCallback()] if entry == "callback" else []  # noqa: E731
+    if entry == "patch":
+        hf_gradfix.patch()
+    try:
+        capture = H.GradCapture()
+        trainer = _lifecycle_trainer(model, samples, callbacks=[*callbacks(), capture])
+        trainer.train()
+        trainer.train()  # a second train(): the same 3 windows again
+        _check_windows(model, samples, capture.grads, [0, 1, 2, 0, 1, 2])
+
+        class Boom(TrainerCallback):
+            def __init__(self):
+                self.substeps = 0
+
+            def on_substep_end(self, args, state, control, **kwargs):  # inside window 2 (after 6 micro-batches)
+                self.substeps += 1
+                if self.substeps == 6:
+                    raise RuntimeError("boom")
+
+        boom = Boom()
+        trainer.add_callback(boom)
+        capture.grads.clear()
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.train()
+        trainer.remove_callback(boom)
+        model.zero_grad(set_to_none=True)  # what the interrupted window accumulated is the user's to drop
+        trainer.train()
+        _check_windows(model, samples, capture.grads, [0, 0, 1, 2])
+
+        second_capture = H.GradCapture()
+        second = _lifecycle_trainer(model, samples, callbacks=[*callbacks(), second_capture])
+        second.train()
+        _check_windows(model, samples, second_capture.grads, [0, 1, 2])
+    finally:
+        hf_gradfix.unpatch()
+    stock_capture, fresh_capture = H.GradCapture(), H.GradCapture()
+    _lifecycle_trainer(model, samples, callbacks=[stock_capture]).train()
+    _lifecycle_trainer(H.build_model("t5"), samples, callbacks=[fresh_capture]).train()
+    for a, b in zip(stock_capture.grads, fresh_capture.grads):
+        assert H.rel_err(a, b) <= 1e-7  # the same model, plain again: stock's gradient, not the fixed one
+    _, gt = H.ground_truth(model, samples[:4], "seq2seq")
+    assert H.rel_err(stock_capture.grads[0], gt) > 1e-2  # and stock's is wrong: the checks above can fail
