@@ -481,10 +481,18 @@ def test_lowrank_every_way_in_clips_logs_and_lets_go_of_the_model(entry, tmp_pat
     gc.collect()
     assert opt_ref() is None
 
-    # a second, plain Trainer on the same model: every weight trains, as plain torch AdamW on the same batches
+    # a second, plain Trainer on the same model: every weight trains, exactly as on a copy that never had our hooks,
+    # and (transformers 5.x, whose Llama loss is the exact token mean) as plain torch AdamW on the same batches
     start = copy.deepcopy(model)
     second, coll2 = _trainer(model, samples, tmp_path / "b", weight_decay=0.0, optim="adamw_torch")
     second.train()
+    clean = copy.deepcopy(start)
+    _trainer(clean, samples, tmp_path / "c", weight_decay=0.0, optim="adamw_torch")[0].train()
+    assert _rel(model, clean) == 0.0
+    frozen = [n for (n, a), (_, b) in zip(model.named_parameters(), start.named_parameters()) if torch.equal(a, b)]
+    assert not frozen
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return  # 4.57 normalizes a Llama loss by unshifted labels (stock's own error, not the plugin's)
     plain = copy.deepcopy(start)
     opt = torch.optim.AdamW(plain.parameters(), lr=HP["learning_rate"], betas=(HP["adam_beta1"], HP["adam_beta2"]),
                             eps=HP["adam_epsilon"], weight_decay=0.0)
@@ -495,8 +503,6 @@ def test_lowrank_every_way_in_clips_logs_and_lets_go_of_the_model(entry, tmp_pat
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert _rel(model, plain) <= 1e-5
-    frozen = [n for (n, a), (_, b) in zip(model.named_parameters(), start.named_parameters()) if torch.equal(a, b)]
-    assert not frozen
 
 
 def test_lowrank_second_train_and_an_exception_mid_run(tmp_path):
