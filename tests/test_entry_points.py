@@ -453,3 +453,30 @@ def test_loss_fix_over_the_lifecycle_of_a_run(entry):
         assert H.rel_err(a, b) <= 1e-7  # the same model, plain again: stock's gradient, not the fixed one
     _, gt = H.ground_truth(model, samples[:4], "seq2seq")
     assert H.rel_err(stock_capture.grads[0], gt) > 1e-2  # and stock's is wrong: the checks above can fail
+
+
+class _OwnPredictionStep(Trainer):
+    """A prediction_step that computes its loss itself (twice the model's mean: nothing the plugin can count)."""
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        with torch.no_grad():
+            loss = model(**inputs).loss.detach() * 2
+        return loss, None, None
+
+
+def test_eval_loss_from_an_own_prediction_step_stays_stock_with_a_warning(caplog):
+    model = H.build_model("llama")
+    samples = _samples(n=11)
+    stock = H.make_trainer(model, samples, "causal", trainer_cls=_OwnPredictionStep,
+                           extra_args={"per_device_eval_batch_size": 4}).evaluate(eval_dataset=H.ListDataset(samples))
+    hf_gradfix.patch()
+    logger = logging.getLogger("hf_gradfix")
+    logger.addHandler(caplog.handler)
+    try:
+        ours = H.make_trainer(model, samples, "causal", trainer_cls=_OwnPredictionStep,
+                              extra_args={"per_device_eval_batch_size": 4}).evaluate(eval_dataset=H.ListDataset(samples))
+    finally:
+        logger.removeHandler(caplog.handler)
+        hf_gradfix.unpatch()
+    assert ours["eval_loss"] == stock["eval_loss"] and "eval_loss_targets" not in ours
+    assert any("prediction_step that computes the loss itself" in r.getMessage() for r in caplog.records)

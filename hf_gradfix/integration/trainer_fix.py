@@ -670,7 +670,8 @@ class _GradFixTop:
         loss = result[0] if isinstance(result, tuple) and result else None
         if totals.batches == counted_before and torch.is_tensor(loss):
             # the loss was computed without compute_loss (Seq2SeqTrainer with predict_with_generate: a plain
-            # `model(**inputs).loss`): count it here, with the model's own count rule
+            # `model(**inputs).loss`): count it here, with the model's own count rule (any other such loss stays
+            # stock's, with a warning)
             self._gradfix_count_eval_loss(state, model, untouched, loss, kwargs)
         return result
 
@@ -678,7 +679,10 @@ class _GradFixTop:
         """Add one eval batch's mean loss, computed outside compute_loss, to the exact eval totals."""
         totals = state.eval_totals
         why = None
-        if self.compute_loss_func is not None:
+        if not getattr(self.args, "predict_with_generate", False):
+            # a prediction_step of the user's own: what its loss is (a mean by which count?) is unknown
+            why = "a prediction_step that computes the loss itself"
+        elif self.compute_loss_func is not None:
             why = "the trainer has a compute_loss_func, which this path bypasses"
         elif not state.probed and state.enabled:
             _prepare(self, state, [inputs])
