@@ -848,11 +848,26 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
             "verify_trainer: the model's parameters are sharded (FSDP2 / tensor / context parallel DTensors); pass "
             "reference_model=, an unsharded copy of the model made before the trainer was built"
         )
+    lowrank_notes: list[str] = []
+
     class _Recorder(transformers.TrainerCallback):
         target = steps
 
         def on_train_begin(self, args, state, control, **kw):
             self.target = state.global_step + steps
+            # A lowrank_grads optimizer keeps the projected weights' window gradient only as rank-r accumulators:
+            # for the checked steps it takes full gradients (like clipping, the accumulation acts after the
+            # gradient is formed); its train() puts the hooks back next time
+            opt = kw.get("optimizer")
+            for _ in range(4):
+                if opt is None or hasattr(opt, "detach_lowrank_hooks"):
+                    break
+                opt = getattr(opt, "optimizer", None)
+            if opt is not None and getattr(opt, "lowrank_hooks_attached", False):
+                opt.detach_lowrank_hooks()
+                lowrank_notes.append(
+                    f"{type(opt).__name__}(lowrank_grads=True) took full gradients for the checked steps (its low-rank "
+                    "accumulation acts after the gradient is formed; the next train() turns it back on)")
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
             grads.append({n: (_full(p.grad) if p.grad is not None else torch.zeros(p.shape)) for n, p in trainable})
@@ -923,6 +938,7 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
                   f"trainer drew (run under test took {time.perf_counter() - t0:.1f} s) ...")
         t1 = time.perf_counter()
         report = _compare(trainer, model, recorded, returned, marks, grads, params_at, trainable_ref, tolerance)
+        report.notes.extend(lowrank_notes)
         _progress("done", since=t1)
         model = trainer.model
         if len(report.steps) < steps:

@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .errors import HfGradfixError, InvalidArgumentError, model_load_error
 
-__all__ = ["verify_main", "add_verify_arguments", "trainer_train_hook", "run_script"]
+__all__ = ["verify_main", "add_verify_arguments", "trainer_train_hook", "run_script", "ScriptFailed",
+           "format_script_failure"]
 
 _BUILTIN_ONLY = ("model", "config", "data", "grad_accum", "batch_size", "packing", "inject", "plot_curves")
 
@@ -102,6 +103,66 @@ def trainer_train_hook(on_train: Callable[[Any, Callable[[], Any]], Any]) -> Ite
         transformers.Trainer.train = original
 
 
+class ScriptFailed(Exception):
+    """The user's script raised (``error``): before its Trainer's ``train()``, or inside the checked steps.
+
+    ``phase`` says where in words ("before its Trainer's train() was called", "in step 2 of Trainer.train() under
+    verify"); :func:`verify_main` prints the script's own traceback (its innermost frames, verify's machinery left
+    out) and one last line naming the exception, its file and line, and the phase."""
+
+    def __init__(self, error: BaseException, phase: str, step: int | None = None):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error, self.phase, self.step = error, phase, step
+
+
+# frames of the machinery between the user's script and its error: runpy, this module, verify's trainer hook
+_MACHINERY = (os.path.join("hf_gradfix", "verify_cli.py"), os.path.join("hf_gradfix", "verify.py"), "runpy.py",
+              "<frozen runpy>")
+_INNERMOST = 12  # frames kept below the script's own (the error's neighbourhood), besides the script's frames
+
+
+def _short_path(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def _script_frames(error: BaseException) -> list:
+    """The traceback's frames without verify's machinery (runpy, verify_cli, verify)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return [f for f in frames if not any(f.filename.endswith(m) for m in _MACHINERY)]
+
+
+def format_script_failure(failure: ScriptFailed) -> tuple[str, str]:
+    """``(traceback text, last line)`` for a failure of the user's script: the traceback keeps the script's own
+    frames and the innermost ones (where it was raised); the line names exception, file, line and phase."""
+    error = failure.error
+    frames = _script_frames(error)
+    if len(frames) > _INNERMOST + 2:  # the outermost (the script's call) and the innermost frames
+        frames = frames[:2] + frames[-_INNERMOST:]
+        skipped = "  ... (frames in between left out by hf-gradfix verify)\n"
+    else:
+        skipped = ""
+    body = traceback.format_list(frames)
+    if skipped:
+        body.insert(2, skipped)
+    message = "".join(traceback.format_exception_only(type(error), error)).rstrip("\n")
+    text = "Traceback of the script (innermost frames):\n" + "".join(body) + message
+    where = ""
+    if frames:
+        raise_site = frames[-1]
+        where = f" at {_short_path(raise_site.filename)}:{raise_site.lineno}"
+        user = [f for f in frames if "site-packages" not in f.filename and f is not raise_site]
+        if "site-packages" in raise_site.filename and user:
+            where += f" (from {_short_path(user[-1].filename)}:{user[-1].lineno})"
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    exc = type(error).__name__ + (f": {detail}" if detail else "")
+    line = f"hf-gradfix verify: the script raised {exc}{where}, {failure.phase}; nothing was checked"
+    return text, line
+
+
 def _split_command(command: Sequence[str]) -> tuple[str, str, list[str]]:
     """``("path"|"module", target, args)`` from ``python [-u] train.py ARGS`` / ``train.py ARGS`` / ``-m mod ARGS``."""
     cmd = list(command)
@@ -128,9 +189,16 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
     from .verify import verify_trainer
 
     kind, target, args = _split_command(command)
+    progress: dict[str, Any] = {"phase": "before"}  # before -> train (the checked steps) -> compare (verify's own)
 
     def on_train(trainer, run_train):
-        raise _Checked(verify_trainer(trainer, steps, tolerance=tolerance, run_train=run_train))
+        def run():
+            progress.update(phase="train", trainer=trainer)
+            result = run_train()
+            progress["phase"] = "compare"
+            return result
+
+        raise _Checked(verify_trainer(trainer, steps, tolerance=tolerance, run_train=run))
 
     from .integration.patching import is_patched, unpatch
 
@@ -152,13 +220,28 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
         return done.report
     except SystemExit as ex:
         if ex.code not in (None, 0):
-            raise RuntimeError(f"the script exited with status {ex.code} before training a Trainer") from None
+            raise RuntimeError(f"the script exited with status {ex.code} {_phase_words(progress)}") from None
+    except Exception as err:
+        if progress["phase"] == "compare":  # verify's own comparison: its errors are its own
+            raise
+        raise ScriptFailed(err, _phase_words(progress), progress.get("step")) from err
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
         if is_patched() and not was_patched:  # the script's hf_gradfix.patch() ends with the script
             unpatch()
     raise RuntimeError("the script finished without calling train() on a transformers.Trainer: nothing to verify")
+
+
+def _phase_words(progress: dict) -> str:
+    """Where the script was when it stopped: before its Trainer's train(), or in which checked step."""
+    if progress["phase"] == "before":
+        return "before its Trainer's train() was called"
+    trainer = progress.get("trainer")
+    state = getattr(trainer, "state", None)
+    step = int(getattr(state, "global_step", 0) or 0) + 1
+    progress["step"] = step
+    return f"in step {step} of {type(trainer).__name__}.train() under verify"
 
 
 def _print_report(report: Any, ns: argparse.Namespace) -> None:
@@ -221,16 +304,23 @@ def verify_main(argv: Sequence[str]) -> int:
             return 2
         try:
             report = run_script(command, steps=ns.steps, tolerance=ns.tolerance, quiet_stdout=ns.json)
+        except ScriptFailed as failure:  # the user's script raised: its traceback, then one line naming it
+            text, line = format_script_failure(failure)
+            # the plugin's own errors are one line already; an error of runpy itself (no such module) has no frames
+            if not isinstance(failure.error, HfGradfixError) and _script_frames(failure.error):
+                print(text, file=sys.stderr)
+            print(line, file=sys.stderr)
+            return 2
         except ValueError as err:
             print(str(err), file=sys.stderr)
             return 2
         except RuntimeError as err:
             print(f"hf-gradfix verify: {err}", file=sys.stderr)
             return 2
-        except Exception:  # the user's script failed: its traceback, then our line
+        except Exception as err:  # verify's own comparison failed after the script's steps ran
             traceback.print_exc()
-            print("hf-gradfix verify: the script raised before its Trainer could be checked (traceback above)",
-                  file=sys.stderr)
+            print(f"hf-gradfix verify: the comparison with the ground truth failed after the checked steps ran "
+                  f"({type(err).__name__}: {err}); traceback above", file=sys.stderr)
             return 2
         _print_report(report, ns)
         return 0 if report.exact else 1

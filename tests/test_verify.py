@@ -214,6 +214,32 @@ def test_script_without_trainer_and_bad_arguments(capsys, tmp_path):
     assert "boom" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("crash", ["before", "1", "2"])
+def test_a_crashing_script_names_exception_file_line_and_phase(capsys, tmp_path, crash):
+    """Issue 25 finding 7 / issue 26 item 6: the script's own traceback (its frames, not verify's runpy machinery),
+    then one last line naming the exception, the file and line where it was raised, and where the run was: before
+    its Trainer's train(), or in which checked step.  Before: "the script raised before its Trainer could be
+    checked" also for a crash inside step 2, without the exception; a ValueError / RuntimeError became one bare
+    line without file or line."""
+    code = main(["verify", "--steps", "3", "--", sys.executable, USER, "--crash", crash, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    source = Path(USER).read_text().splitlines()
+    if crash == "before":
+        line = next(i for i, t in enumerate(source, 1) if 'raise ValueError("planted crash before' in t)
+        expected = (f"hf-gradfix verify: the script raised ValueError: planted crash before the trainer at "
+                    f"{os.path.relpath(USER)}:{line}, before its Trainer's train() was called; nothing was checked")
+    else:
+        line = next(i for i, t in enumerate(source, 1) if 'raise RuntimeError(f"planted crash in step' in t)
+        expected = (f"hf-gradfix verify: the script raised RuntimeError: planted crash in step {crash} at "
+                    f"{os.path.relpath(USER)}:{line}, in step {crash} of Trainer.train() under verify; "
+                    "nothing was checked")
+    assert last == expected, last
+    assert f'{os.path.relpath(USER)}", line {line}' in err  # the script's own traceback, innermost frame included
+    assert "runpy" not in err and "verify_cli.py" not in err  # verify's machinery left out
+
+
 def test_hook_is_reversible_and_fires_once():
     before = transformers.Trainer.train
     seen = []

@@ -110,6 +110,15 @@ class GradFixCallback(TrainerCallback):
         self._attach(state)
         return control
 
+    def on_train_end(self, args, state, control, **kwargs):
+        # added with add_callback after construction, the trainer got its fixed class inside this train() call, so
+        # the class's train() cannot take a lowrank_grads optimizer's hooks off: done here (idempotent)
+        if self._trainer is not None:
+            from .optim_trainer import end_lowrank_training
+
+            end_lowrank_training(self._trainer)
+        return control
+
     def _check_attached(self, args, state, event: str) -> None:
         if self._trainer is None:
             raise GradFixCallbackError(

@@ -10,6 +10,7 @@ the optimizer gets ``learning_rate``, ``weight_decay`` (and the Trainer's no-dec
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -18,7 +19,10 @@ from ..config.schema import OptimizerConfig
 from ..errors import GradFixError
 from ..optim import ApolloAdamW, GaLoreAdamW, GaLoreAdamW8bit, LowRankAdamW, apollo_mini
 
-__all__ = ["build_low_rank_optimizer", "optimizer_requested", "check_optimizer_setup"]
+__all__ = [
+    "build_low_rank_optimizer", "optimizer_requested", "check_optimizer_setup", "lowrank_optimizer_of",
+    "begin_lowrank_training", "end_lowrank_training", "route_clipping",
+]
 
 _CLASSES = {"galore_adamw": GaLoreAdamW, "galore_adamw8bit": GaLoreAdamW8bit, "apollo_adamw": ApolloAdamW, "apollo_mini": apollo_mini}
 
@@ -159,37 +163,72 @@ def build_low_rank_optimizer(trainer: Any, model: torch.nn.Module, factory: Any,
         "no_decay": no_decay,
     }
     merged.update(kwargs)
-    optimizer = factory(model, **merged)
-    if getattr(optimizer, "lowrank_grads", False):
-        _route_clipping(trainer, optimizer)
-    return optimizer
+    return factory(model, **merged)
 
 
-def _route_clipping(trainer: Any, optimizer: LowRankAdamW) -> None:
+def lowrank_optimizer_of(trainer: Any) -> LowRankAdamW | None:
+    """The trainer's optimizer when it is one of ours with ``lowrank_grads=True`` (through accelerate's wrapper),
+    however it arrived: the config, ``optimizer_cls_and_kwargs`` or ``Trainer(optimizers=(opt, None))``."""
+    optimizer = getattr(trainer, "optimizer", None)
+    for _ in range(4):  # AcceleratedOptimizer (and wrappers like it) keep the real one in .optimizer
+        if isinstance(optimizer, LowRankAdamW) or optimizer is None:
+            break
+        optimizer = getattr(optimizer, "optimizer", None)
+    if isinstance(optimizer, LowRankAdamW) and optimizer.lowrank_grads:
+        return optimizer
+    return None
+
+
+def begin_lowrank_training(trainer: Any) -> None:
+    """Start of ``train()``: the optimizer's accumulation hooks on the weights (again, after an earlier ``train()``
+    took them off), and max_grad_norm routed to it."""
+    optimizer = lowrank_optimizer_of(trainer)
+    if optimizer is None:
+        return
+    model = trainer.model
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    optimizer.attach_lowrank_hooks(model)
+    optimizer.clipping_routed = True
+
+
+def end_lowrank_training(trainer: Any) -> None:
+    """End of ``train()`` (also by an exception): the hooks come off, so the model trains like any other model
+    afterwards (a second, plain trainer gets every gradient; DDP all-reduces every weight again)."""
+    optimizer = lowrank_optimizer_of(trainer)
+    if optimizer is not None:
+        optimizer.detach_lowrank_hooks()
+
+
+def route_clipping(trainer: Any) -> None:
     """Make the Trainer's ``accelerator.clip_grad_norm_`` clip what a ``lowrank_grads`` optimizer steps on.
 
     The Trainer (4.57 and 5.x) clips, and logs ``grad_norm``, through ``self.accelerator.clip_grad_norm_(
     model.parameters(), max_grad_norm)``, which sees only ``.grad``; the projected weights' gradients live in the
     optimizer's rank-r accumulators instead.  An instance attribute on this trainer's accelerator (its class is
     untouched) sends the call to :meth:`LowRankAdamW.clip_grad_norm_` (plain gradients + accumulators, all-reduced
-    first under DDP); once the optimizer no longer accumulates low-rank gradients, calls pass through.
+    first under DDP) whenever the trainer's optimizer, looked up at the call, accumulates low-rank gradients; other
+    calls pass through.  Installed on every fixed trainer, so it holds however the optimizer arrives.
     """
-    accelerator = trainer.accelerator
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is None:
+        return
     current = accelerator.__dict__.get("clip_grad_norm_")
     if current is not None and getattr(current, "_gradfix_lowrank_clip", False):
-        current._gradfix_optimizer[0] = optimizer  # a re-created optimizer: same wrapper, new target
+        current._gradfix_trainer[0] = weakref.ref(trainer)
         return
     original = accelerator.clip_grad_norm_
-    target = [optimizer]
+    owner = [weakref.ref(trainer)]  # weakly: the accelerator must not keep its trainer alive
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2):
-        opt = target[0]
-        if not getattr(opt, "lowrank_grads", False):
+        trainer_now = owner[0]()
+        optimizer = lowrank_optimizer_of(trainer_now) if trainer_now is not None else None
+        if optimizer is None or not optimizer.lowrank_hooks_attached:
             return original(parameters, max_norm, norm_type=norm_type)
-        return opt.clip_grad_norm_(max_norm, parameters, norm_type=norm_type)
+        return optimizer.clip_grad_norm_(max_norm, parameters, norm_type=norm_type)
 
     clip_grad_norm_._gradfix_lowrank_clip = True
-    clip_grad_norm_._gradfix_optimizer = target
+    clip_grad_norm_._gradfix_trainer = owner
     accelerator.clip_grad_norm_ = clip_grad_norm_
 
 

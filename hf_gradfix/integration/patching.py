@@ -162,6 +162,7 @@ def fix_trainer(trainer: Any, config: GradFixConfig, source: str) -> Any:
 def swap_to_fixed_class(trainer: Any) -> None:
     """Give an already installed trainer the loss-fixing class (used when a callback's configuration turns the
     loss fix on over ``patch()``'s)."""
-    from .trainer_fix import fixed_class_for
+    from .trainer_fix import _keep_instance_ga_flag, fixed_class_for
 
+    _keep_instance_ga_flag(trainer)
     trainer.__class__ = fixed_class_for(type(trainer))

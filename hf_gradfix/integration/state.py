@@ -41,6 +41,8 @@ class _EvalTotals:
     targets: float = 0.0
     aux_sum: float = 0.0
     aux_batches: float = 0.0
+    batches: int = 0  # eval batches counted (through compute_loss or, outside it, by prediction_step)
+    uncounted: float = 0.0  # eval batches whose loss could not be counted: eval_loss then stays stock's
 
 
 @dataclass
@@ -65,6 +67,7 @@ class GradFixState:
     disabled_reason: str | None = None  # set when a probe failed and on_undetermined is "warn"
     stock_window: bool = False  # this optimizer window runs exactly as stock transformers (probe deferred)
     deferred_logged: bool = False
+    eval_outside_logged: bool = False  # the warning for an eval loss computed outside compute_loss, once
     packing_line: str | None = None  # what prepare_model_for_packing did, for the fix log
     optimizer_line: str | None = None  # which low-rank optimizer create_optimizer built, for the fix log
     saved_accepts_loss_kwargs: Any = None

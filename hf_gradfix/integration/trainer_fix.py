@@ -422,7 +422,7 @@ def _we_divide_by_ga(trainer: Trainer, num_items: Any) -> bool:
     """
     if not hasattr(Trainer, "loss_is_scaled_for_ga"):
         return False
-    scaled = trainer.__dict__.get("_gradfix_loss_is_scaled_for_ga", getattr(super(_GradFixTop, trainer), "loss_is_scaled_for_ga", None))
+    scaled = _own_loss_is_scaled_for_ga(trainer)
     if scaled is None:
         scaled = (trainer.model_accepts_loss_kwargs and num_items is not None) or trainer.compute_loss_func is not None
     return not scaled
@@ -454,6 +454,32 @@ def _close_short_window(trainer: Trainer, batches: list, num_batches: int, devic
     return batches
 
 
+_GA_FLAG = "_gradfix_loss_is_scaled_for_ga"
+
+
+def _own_loss_is_scaled_for_ga(trainer: Trainer) -> Any:
+    """The trainer's own ``loss_is_scaled_for_ga``: set on the instance (after the class swap, through our setter;
+    before it, e.g. by a subclass before ``super().__init__()``, as a plain instance attribute that our property
+    would otherwise hide), else its class's value."""
+    if _GA_FLAG in trainer.__dict__:
+        return trainer.__dict__[_GA_FLAG]
+    if "loss_is_scaled_for_ga" in trainer.__dict__:
+        return trainer.__dict__["loss_is_scaled_for_ga"]
+    return getattr(super(_GradFixTop, trainer), "loss_is_scaled_for_ga", None)
+
+
+def _keep_instance_ga_flag(trainer: Trainer) -> None:
+    """Before the class swap: a ``loss_is_scaled_for_ga`` the instance already holds moves where our property reads it."""
+    if "loss_is_scaled_for_ga" in trainer.__dict__:
+        trainer.__dict__[_GA_FLAG] = trainer.__dict__.pop("loss_is_scaled_for_ga")
+
+
+def _outside_path_name(trainer: Trainer) -> str:
+    if getattr(trainer.args, "predict_with_generate", False):
+        return "predict_with_generate=True"
+    return f"{type(trainer).__name__}.prediction_step"
+
+
 def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) -> list[float]:
     tensor = torch.tensor(values, dtype=dtype, device=trainer.args.device)
     if trainer.accelerator.num_processes > 1:
@@ -476,9 +502,7 @@ class _GradFixTop:
         state = state_of(self)
         if state is not None and state.config.loss.enabled and state.disabled_reason is None and not state.stock_window:
             return True
-        if "_gradfix_loss_is_scaled_for_ga" in self.__dict__:
-            return self.__dict__["_gradfix_loss_is_scaled_for_ga"]
-        return getattr(super(), "loss_is_scaled_for_ga", None)
+        return _own_loss_is_scaled_for_ga(self)
 
     @loss_is_scaled_for_ga.setter
     def loss_is_scaled_for_ga(self, value):
@@ -489,7 +513,7 @@ class _GradFixTop:
         # lr, weight_decay (and no-decay names), betas and eps (transformers' galore handler drops them).
         state = state_of(self)
         if state is not None and self.optimizer is None:
-            from .optim_trainer import build_low_rank_optimizer, describe, optimizer_requested
+            from .optim_trainer import begin_lowrank_training, build_low_rank_optimizer, describe, optimizer_requested
 
             requested = optimizer_requested(self, state.config.optimizer)
             if requested is not None:
@@ -497,8 +521,27 @@ class _GradFixTop:
                 model = self.model if model is None else model
                 self.optimizer = build_low_rank_optimizer(self, model, *requested)
                 state.optimizer_line = describe(self.optimizer, self)
+                begin_lowrank_training(self)
                 return self.optimizer
-        return super().create_optimizer(*args, **kwargs)
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if state is not None:  # optimizer_cls_and_kwargs / Trainer(optimizers=...) with a lowrank_grads optimizer
+            from .optim_trainer import begin_lowrank_training
+
+            begin_lowrank_training(self)
+        return optimizer
+
+    def train(self, *args, **kwargs):
+        # A lowrank_grads optimizer's backward hooks live exactly as long as a train() call: on at its start (again
+        # for a second train()), off at its end and on an exception, so the model never keeps hooks that clear
+        # its gradients for an optimizer that no longer steps (a second, plain trainer trains every weight).
+        from .optim_trainer import begin_lowrank_training, end_lowrank_training
+
+        if state_of(self) is not None:
+            begin_lowrank_training(self)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            end_lowrank_training(self)
 
     def get_train_dataloader(self):
         state = state_of(self)
@@ -633,6 +676,7 @@ class _GradFixTop:
         loss, outputs = _split(result)
         totals = state.eval_totals
         if totals is not None and loss is not None and not model.training:
+            totals.batches += 1
             aux = state.last_aux
             mean = float(loss.detach().double().mean())
             real_rows = self._gradfix_real_eval_rows(untouched)
@@ -649,6 +693,66 @@ class _GradFixTop:
             totals.aux_sum += aux
             totals.aux_batches += 1
         return loss, outputs
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **kwargs):
+        state = state_of(self)
+        totals = state.eval_totals if state is not None else None
+        if totals is None or not _has_labels(inputs):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        counted_before = totals.batches
+        untouched = dict(inputs)  # the step may edit the mapping (generation inputs)
+        result = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        loss = result[0] if isinstance(result, tuple) and result else None
+        if totals.batches == counted_before and torch.is_tensor(loss):
+            # the loss was computed without compute_loss (Seq2SeqTrainer with predict_with_generate: a plain
+            # `model(**inputs).loss`): count it here, with the model's own count rule (any other such loss stays
+            # stock's, with a warning)
+            self._gradfix_count_eval_loss(state, model, untouched, loss, kwargs)
+        return result
+
+    def _gradfix_count_eval_loss(self, state, model, inputs, loss, kwargs) -> None:
+        """Add one eval batch's mean loss, computed outside compute_loss, to the exact eval totals."""
+        totals = state.eval_totals
+        why = None
+        if not getattr(self.args, "predict_with_generate", False):
+            # a prediction_step of the user's own: what its loss is (a mean by which count?) is unknown
+            why = "a prediction_step that computes the loss itself"
+        elif self.compute_loss_func is not None:
+            why = "the trainer has a compute_loss_func, which this path bypasses"
+        elif not state.probed and state.enabled:
+            _prepare(self, state, [inputs])
+        behaviour = state.model
+        if why is not None:
+            pass
+        elif not state.enabled or not state.probed or behaviour is None:
+            why = "the model's loss could not be probed" if state.enabled else "the loss fix is off for this trainer"
+        elif state.aux_coef:
+            why = "the model adds a MoE aux loss, which this path does not separate"
+        if why is not None:
+            if not state.eval_outside_logged:
+                logger.warning(
+                    "hf_gradfix: %s computes its eval loss without compute_loss (%s: %s), so eval_loss stays "
+                    "transformers' mean of per-batch means, not the exact target mean. Set "
+                    "prediction_loss_only=True (or predict_with_generate=False) for an exact eval_loss.",
+                    type(self).__name__, _outside_path_name(self), why,
+                )
+                state.eval_outside_logged = True
+            totals.batches += 1
+            totals.uncounted += 1
+            return
+        # label smoothing there: transformers' LabelSmoother with shift_labels=False counts every label != -100
+        rule = CountRule.UNSHIFTED if self.label_smoother is not None else behaviour.count_rule
+        mean = float(loss.detach().double().mean())
+        local = int(count_targets(inputs, rule))
+        real_rows = self._gradfix_real_eval_rows(inputs)
+        if real_rows is not None:  # accelerate padded this last batch with repeated samples: drop them
+            mean, local = self._gradfix_eval_subset(state, model, inputs, real_rows, kwargs)
+        elif self._gradfix_eval_lockstep(inputs):
+            self._gradfix_eval_subset(state, model, inputs, int(inputs["labels"].shape[0]), kwargs)
+        if local > 0:
+            totals.loss_sum += mean * local
+            totals.targets += local
+        totals.batches += 1
 
     def _gradfix_real_eval_rows(self, inputs) -> int | None:
         """Rows of this rank's last eval batch that are real samples, or None when all are.
@@ -732,11 +836,11 @@ class _GradFixTop:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         finally:
             totals, state.eval_totals = state.eval_totals, None
-        loss_sum, targets, aux_sum, aux_batches = _all_reduce_sum(
-            self, [totals.loss_sum, totals.targets, totals.aux_sum, totals.aux_batches]
+        loss_sum, targets, aux_sum, aux_batches, uncounted = _all_reduce_sum(
+            self, [totals.loss_sum, totals.targets, totals.aux_sum, totals.aux_batches, totals.uncounted]
         )
         key = f"{metric_key_prefix}_loss"
-        if targets > 0 and output.metrics is not None and key in output.metrics:
+        if targets > 0 and uncounted == 0 and output.metrics is not None and key in output.metrics:
             value = loss_sum / targets + (aux_sum / aux_batches if aux_batches else 0.0)
             output.metrics[key] = value
             dims = _nd_dims(self)  # tp ranks evaluated the same rows: count them once (cp ranks: different shards)
@@ -866,7 +970,13 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
     if state is not None:
         return state
     from .nd import setup as nd_setup
-    from .optim_trainer import check_optimizer_setup, optimizer_requested
+    from .optim_trainer import (
+        begin_lowrank_training,
+        check_optimizer_setup,
+        lowrank_optimizer_of,
+        optimizer_requested,
+        route_clipping,
+    )
 
     from .environment import check_launched_world
 
@@ -881,8 +991,13 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
         state.fixes.append(state.nd.line)
     trainer.__dict__[_STATE_ATTR] = state
     wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
-    if config.loss.enabled or config.packing.enabled or wants_optimizer:
+    # a lowrank_grads optimizer given to the constructor: its hooks' lifetime follows train() (the fixed class's)
+    given_lowrank = lowrank_optimizer_of(trainer) is not None
+    if config.loss.enabled or config.packing.enabled or wants_optimizer or given_lowrank:
+        _keep_instance_ga_flag(trainer)
         trainer.__class__ = fixed_class_for(type(trainer))
+    route_clipping(trainer)  # max_grad_norm clips a lowrank_grads optimizer's accumulators, however it arrives
+    begin_lowrank_training(trainer)
     return state
 
 
@@ -891,4 +1006,6 @@ def uninstall(trainer: Trainer) -> None:
     original = getattr(type(trainer), "_gradfix_original_class", None)
     if original is not None:
         trainer.__class__ = original
+        if _GA_FLAG in trainer.__dict__:  # the user's value back where the original class reads it
+            trainer.__dict__["loss_is_scaled_for_ga"] = trainer.__dict__.pop(_GA_FLAG)
     trainer.__dict__.pop(_STATE_ATTR, None)

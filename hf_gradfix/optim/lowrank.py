@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -73,6 +74,40 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _world() -> int:
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class _LowRankHook:
+    """A post-accumulate-grad hook that holds its optimizer weakly: a model never keeps a dropped optimizer (and
+    its state) alive, and a hook whose optimizer is gone leaves the gradient alone."""
+
+    __slots__ = ("_optimizer",)
+
+    def __init__(self, optimizer: "LowRankAdamW") -> None:
+        self._optimizer = weakref.ref(optimizer)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer._lowrank_hook(p)
+
+
+def _remove_handles(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+# id(parameter) -> (the parameter, the optimizer whose low-rank hooks it carries), both held weakly: a second
+# low-rank optimizer on the same weights takes them over instead of two hooks each projecting and freeing the same
+# gradient.  (Keyed by id, checked by identity: tensors compare elementwise, so they cannot be weak dict keys.)
+_HOOK_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _hook_owner(p: torch.Tensor) -> "LowRankAdamW | None":
+    entry = _HOOK_OWNER.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
 
 
 @dataclass
@@ -170,7 +205,15 @@ class LowRankAdamW(torch.optim.Optimizer):
         # Low-rank gradient accumulation (GaLore): per-parameter rank-r accumulators filled by backward hooks.
         self._lowrank_acc: dict[torch.Tensor, torch.Tensor] = {}
         self._lowrank_hooks: list = []
+        # the hooks go when the optimizer goes (the handles hold no reference to it)
+        weakref.finalize(self, _remove_handles, self._lowrank_hooks)
+        self._ddp_model: weakref.ref | None = None  # the model whose DDP ignore list names the projected weights
+        self._ddp_ignored_names: list[str] = []  # the names this optimizer added to it
         self._lowrank_reduced = False
+        # Set by hf_gradfix's Trainer integration, which routes max_grad_norm to clip_grad_norm_; else a step on
+        # accumulators that no clip_grad_norm_ of ours saw warns once (torch's clip does not see them).
+        self.clipping_routed = False
+        self._clip_called = False
         self.lowrank_grads = bool(lowrank_grads)
         self.initial_basis = initial_basis
         self.bytes_all_reduced = 0  # by this optimizer (low-rank accumulators, refreshing full gradients)
@@ -386,10 +429,7 @@ class LowRankAdamW(torch.optim.Optimizer):
                 )
         self._plan_group = {p: self._group_of(p) for p in self._plans}
         self._window_basis: set = set()  # matrices whose first basis came from this window's first micro-batch
-        for p in self._plans:
-            self._lowrank_hooks.append(p.register_post_accumulate_grad_hook(self._lowrank_hook))
-        if model is not None:
-            self.exclude_from_ddp(model)
+        self.attach_lowrank_hooks(model)
         if _world() > 1:
             # DDP broadcasts rank 0's weights at construction, except the ones it ignores: do it for those.
             for p in self._plans:
@@ -408,16 +448,75 @@ class LowRankAdamW(torch.optim.Optimizer):
         ids = {id(p) for p in self._plans}
         names = [n for n, p in model.named_parameters() if id(p) in ids]
         existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, existing + [n for n in names if n not in existing]
-        )
+        added = [n for n in names if n not in existing]
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, existing + added)
+        self._ddp_model = weakref.ref(model)
+        self._ddp_ignored_names = sorted(set(self._ddp_ignored_names) | set(added))
+
+    def _restore_ddp(self) -> None:
+        """Give the projected weights back to DDP: a later DDP wrap (another trainer, a plain loop) all-reduces them."""
+        model = self._ddp_model() if self._ddp_model is not None else None
+        if model is None or not self._ddp_ignored_names:
+            return
+        ours = set(self._ddp_ignored_names)
+        kept = [n for n in getattr(model, "_ddp_params_and_buffers_to_ignore", []) if n not in ours]
+        model._ddp_params_and_buffers_to_ignore = kept
+        for name, p in model.named_parameters():
+            if name in ours and name not in kept and getattr(p, "_ddp_ignored", False):
+                p._ddp_ignored = False
+        self._ddp_ignored_names = []
+
+    @property
+    def lowrank_hooks_attached(self) -> bool:
+        """Whether the backward hooks that fill the rank-r accumulators are on the weights now."""
+        return bool(self._lowrank_hooks)
+
+    def attach_lowrank_hooks(self, model: nn.Module | None = None) -> None:
+        """(Re-)register the low-rank accumulation hooks (``lowrank_grads=True`` only; idempotent).
+
+        ``model``: the bare model, whose DDP ignore list then names the projected weights (their rank-r
+        accumulators are all-reduced by this optimizer instead).  A low-rank optimizer that held hooks on these
+        weights before gives them up.  Done at construction; hf_gradfix's Trainer integration calls it at the start
+        of every ``train()`` and :meth:`detach_lowrank_hooks` at its end.
+        """
+        if not self.lowrank_grads or self._lowrank_hooks:
+            return
+        for key in [k for k, (pr, owner) in _HOOK_OWNER.items() if pr() is None or owner() is None]:
+            del _HOOK_OWNER[key]
+        hook = _LowRankHook(self)
+        for p in self._plans:
+            previous = _hook_owner(p)
+            if previous is not None and previous is not self:
+                previous.detach_lowrank_hooks()
+            self._lowrank_hooks.append(p.register_post_accumulate_grad_hook(hook))
+            _HOOK_OWNER[id(p)] = (weakref.ref(p), weakref.ref(self))
+        if model is None and self._ddp_model is not None:
+            model = self._ddp_model()
+        if model is not None:
+            self.exclude_from_ddp(model)
+
+    def detach_lowrank_hooks(self) -> None:
+        """Take the hooks off the weights (end of training, an exception, another optimizer): the weights get full
+        gradients again, DDP all-reduces them again, and a half-filled window's accumulators are dropped.
+        ``lowrank_grads`` stays set, so :meth:`attach_lowrank_hooks` (the next ``train()``) turns accumulation back on."""
+        _remove_handles(self._lowrank_hooks)
+        for p in self._plans:
+            if _hook_owner(p) is self:
+                del _HOOK_OWNER[id(p)]
+        self._lowrank_acc.clear()
+        self._lowrank_reduced = False
+        if hasattr(self, "_window_basis"):
+            self._window_basis.clear()
+        self._restore_ddp()
 
     def remove_lowrank_hooks(self) -> None:
-        """Remove the backward hooks (the optimizer then steps on full gradients, like ``lowrank_grads=False``)."""
-        for h in self._lowrank_hooks:
-            h.remove()
-        self._lowrank_hooks.clear()
+        """Remove the backward hooks for good (the optimizer then steps on full gradients, like ``lowrank_grads=False``)."""
+        self.detach_lowrank_hooks()
         self.lowrank_grads = False
+
+    @property
+    def _accumulating(self) -> bool:
+        return self.lowrank_grads and bool(self._lowrank_hooks)
 
     def _needs_full_grad(self, p: torch.Tensor, state: dict, group: dict, plan: _Plan) -> bool:
         if p in self._window_basis:
@@ -425,7 +524,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         return self._refresh_due(state, group, plan) if state else True
 
     def _lowrank_hook(self, p: torch.Tensor) -> None:
-        if p.grad is None or not self.lowrank_grads:
+        if p.grad is None or not self._accumulating:
             return
         plan, group = self._plans[p], self._plan_group[p]
         state = self.state[p]
@@ -518,7 +617,8 @@ class LowRankAdamW(torch.optim.Optimizer):
         >>> bool(opt.clip_grad_norm_(1.0) > 0)
         True
         """
-        if self.lowrank_grads:
+        self._clip_called = True
+        if self._accumulating:
             self._reduce_lowrank_grads()
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
@@ -604,8 +704,16 @@ class LowRankAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.lowrank_grads:
+        if self._accumulating:
             self._reduce_lowrank_grads()
+            if self._lowrank_acc and not (self._clip_called or self.clipping_routed):
+                self._warn_once("unclipped", (
+                    f"{self._name}(lowrank_grads=True) stepped on rank-r accumulators that no clip_grad_norm_ of its "
+                    f"own saw: torch.nn.utils.clip_grad_norm_ / accelerator.clip_grad_norm_ (what a stock Trainer's "
+                    f"max_grad_norm calls) see only .grad, so they leave {len(self._lowrank_acc)} projected weights "
+                    "unclipped and out of grad_norm. Fix: with a Trainer use hf_gradfix.patch() or GradFixCallback "
+                    "(they route max_grad_norm to the optimizer), in a loop call optimizer.clip_grad_norm_(max_norm) "
+                    "before step(); a loop that does not clip can ignore this"))
         if not self.nonfinite_checked_by_caller and not self._grads_finite():
             message = (
                 f"{self._name}: a gradient is NaN or infinite at optimizer step {self._steps_taken() + 1}"
@@ -637,7 +745,7 @@ class LowRankAdamW(torch.optim.Optimizer):
                 self._step_plain(plain, group)
         self._lowrank_acc.clear()  # consumed: the next window starts from zero (Trainer calls model.zero_grad())
         self._lowrank_reduced = False
-        if self.lowrank_grads:
+        if hasattr(self, "_window_basis"):
             self._window_basis.clear()
         return loss
 

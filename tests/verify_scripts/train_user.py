@@ -87,7 +87,10 @@ def main(argv=None) -> None:
     p.add_argument("--ga", type=int, default=4)
     p.add_argument("--bs", type=int, default=2)
     p.add_argument("--output_dir", required=True)
+    p.add_argument("--crash", default=None, help="'before': a ValueError before the trainer; N: a RuntimeError in step N")
     a = p.parse_args(argv)
+    if a.crash == "before":
+        raise ValueError("planted crash before the trainer")
 
     if a.patch:
         import hf_gradfix
@@ -165,7 +168,18 @@ def main(argv=None) -> None:
             return F.cross_entropy(*flat, ignore_index=-100)  # the mean over this micro-batch
 
         kwargs["compute_loss_func"] = loss_func
-    trainer = trainer_cls(model=model, args=args, train_dataset=ds, data_collator=collator, processing_class=tok, **kwargs)
+    callbacks = []
+    if a.crash is not None:
+        crash_step = int(a.crash)
+
+        class Crash(T.TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                if state.global_step + 1 == crash_step:
+                    raise RuntimeError(f"planted crash in step {crash_step}")
+
+        callbacks.append(Crash())
+    trainer = trainer_cls(model=model, args=args, train_dataset=ds, data_collator=collator, processing_class=tok,
+                          callbacks=callbacks, **kwargs)
     trainer.train()
     print("TRAINING FINISHED")
 
