@@ -57,8 +57,31 @@ MODEL_CASES: dict[str, tuple[str, dict]] = {
     "clip_mismatch": ("llama", {"accelerate_env": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
                                                    "ACCELERATE_GRADIENT_CLIPPING": "0.0",
                                                    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2"}}),
+    # per-rank memory of the model state under ZeRO, AdamW (for the planner comparison; no exactness check)
+    "mem": ("llama", {"args": {"optim": "adamw_torch"}, "memory": True}),
+    "memoffload": ("llama", {"args": {"optim": "adamw_torch"}, "memory": True,
+                             "ds": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                                    "zero_force_ds_cpu_optimizer": False}}),
     "galore_refused": ("llama", {"gradfix": {"optimizer": {"name": "galore_adamw", "rank": 4}}}),
 }
+
+
+def model_state_bytes(engine) -> dict[str, int]:
+    """Bytes this rank holds of parameters, fp32 master partition and optimizer state (DeepSpeed's own tensors)."""
+    def nbytes(tensors):
+        return int(sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t)))
+
+    params = list(engine.module.parameters())
+    if engine.zero_optimization_stage() >= 3:
+        param_b = nbytes(p.ds_tensor for p in params)
+        master = getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])
+    else:
+        param_b = nbytes(params)
+        master = getattr(engine.optimizer, "single_partition_of_fp32_groups", [])
+    state = [v for st in engine.optimizer.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    on_cpu = all(t.device.type == "cpu" for t in master)
+    return dict(parameters=param_b, master_weights=nbytes(master), optimizer_state=nbytes(state),
+                n_params=int(sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)), master_on_cpu=on_cpu)
 
 
 def ds_config(stage: int, extra: dict | None = None) -> dict:
@@ -71,7 +94,9 @@ def ds_config(stage: int, extra: dict | None = None) -> dict:
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},
     }
-    cfg.update(extra or {})
+    extra = dict(extra or {})
+    cfg["zero_optimization"].update(extra.pop("zero_optimization", {}))
+    cfg.update(extra)
     return cfg
 
 
@@ -113,7 +138,7 @@ def _recorder():
             self._seen = n
             after = full_weights(tr.model_wrapped.module if hasattr(tr.model_wrapped, "module") else tr.model)
             update = {k: (self.before[k] - after[k]) / LR for k in after}
-            self.steps.append(dict(idx_batches=[list(b) for b in batches], update=update))
+            self.steps.append(dict(idx_batches=[list(b) for b in batches], update=update, before=self.before))
             self.before = after
 
     return UpdateRecorder()
@@ -154,7 +179,6 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         per_device_eval_batch_size=2,
         gradient_accumulation_steps=ga,
         num_train_epochs=1,
-        optim="sgd",
         learning_rate=LR,
         weight_decay=0.0,
         max_grad_norm=0.0,
@@ -170,7 +194,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         seed=0,
         data_seed=0,
         deepspeed=None if opts.get("accelerate_env") else ds_config(stage, opts.get("ds")),
-        **opts.get("args", {}),
+        **{"optim": "sgd", **opts.get("args", {})},
     )
     base = transformers.Trainer
     if opts.get("tutorial"):
@@ -206,6 +230,8 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         engine=type(trainer.model_wrapped).__name__,
         zero_stage=int(trainer.accelerator.deepspeed_plugin.zero_stage) if trainer.accelerator.deepspeed_plugin else None,
     )
+    if opts.get("memory"):
+        payload["memory"] = model_state_bytes(trainer.model_wrapped)
     if opts.get("eval") and "error" not in payload:
         eval_samples = samples[: N_SAMPLES - 1]  # 11 samples, bs 2, 2 ranks: accelerate pads the last batch
         metrics = trainer.evaluate(eval_dataset=harness.ListDataset(eval_samples))
