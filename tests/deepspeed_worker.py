@@ -48,7 +48,9 @@ MODEL_CASES: dict[str, tuple[str, dict]] = {
     "avgfalse": ("llama", {"args": {"average_tokens_across_devices": False}}),
     "override": ("llama", {"tutorial": True}),  # compute_loss returning outputs.loss (a per-micro-batch mean)
     "tokcls": ("llama_tokcls", {}),  # a token-classification head
-    "ga3": ("llama", {"ga": 3}),  # GA 3 on 12 samples: the last window of each rank is partial
+    "ga3": ("llama", {"ga": 3}),
+    "lora": ("llama", {"lora": True}),  # a PEFT LoRA model (frozen base, partitioned too under ZeRO-3)
+    "sft": ("llama", {"sft": True}),  # TRL's SFTTrainer on pre-tokenized rows of a datasets.Dataset  # GA 3 on 12 samples: the last window of each rank is partial
     "nonfinite_skip": ("llama", {"nan_sample": True, "gradfix": {"loss": {"on_nonfinite": "skip"}}}),
     "nonfinite_warn": ("llama", {"nan_sample": True, "gradfix": {"loss": {"on_nonfinite": "warn"}}}),
     "nonfinite_error": ("llama", {"nan_sample": True, "gradfix": {"loss": {"on_nonfinite": "error"}}}),
@@ -82,6 +84,29 @@ def model_state_bytes(engine) -> dict[str, int]:
     on_cpu = all(t.device.type == "cpu" for t in master)
     return dict(parameters=param_b, master_weights=nbytes(master), optimizer_state=nbytes(state),
                 n_params=int(sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)), master_on_cpu=on_cpu)
+
+
+def build_case_model(model_case: str):
+    """The case's model, the same on every rank and in the test's ground truth."""
+    arch, opts = MODEL_CASES[model_case]
+    model = harness.build_model(arch, 0)
+    if opts.get("lora"):
+        import peft
+
+        torch.manual_seed(1)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                           target_modules=["q_proj", "v_proj"]))
+    return model
+
+
+def offline_tokenizer():
+    """A word-level tokenizer over the harness vocabulary (token i is the word "i"), built offline."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(harness.VOCAB)}, unk_token="3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="0", bos_token="1", eos_token="2")
 
 
 def ds_config(stage: int, extra: dict | None = None) -> dict:
@@ -155,7 +180,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     task = harness.task_of(arch)
     if ours:
         hf_gradfix.patch(opts.get("gradfix"))
-    model = harness.build_model(arch, 0)  # built before TrainingArguments: no zero.Init, the engine partitions it
+    model = build_case_model(model_case)  # before TrainingArguments: no zero.Init, the engine partitions it
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     samples = harness.make_samples(task, n=N_SAMPLES, seed=0)
     ga = int(opts.get("ga", 2))
@@ -173,7 +198,18 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     collator = harness.RecordingCollator(task, harness.pad_id_of(model))
     recorder = _recorder()
     recorder.collator = collator
-    args = transformers.TrainingArguments(
+    args_cls, sft_args, trainer_kwargs = transformers.TrainingArguments, {}, {}
+    dataset = harness.ListDataset(samples)
+    if opts.get("sft"):
+        import datasets
+        import trl
+
+        args_cls = trl.SFTConfig
+        sft_args = dict(bf16=False, fp16=False, max_length=None, packing=False, dataset_num_proc=None)
+        trainer_kwargs = dict(processing_class=offline_tokenizer())
+        dataset = datasets.Dataset.from_list(samples)
+    args = args_cls(
+        **sft_args,
         output_dir=str(out / name / f"trainer_rank{rank}"),
         per_device_train_batch_size=1,
         per_device_eval_batch_size=2,
@@ -197,14 +233,18 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         **{"optim": "sgd", **opts.get("args", {})},
     )
     base = transformers.Trainer
+    if opts.get("sft"):
+        import trl
+
+        base = trl.SFTTrainer
     if opts.get("tutorial"):
         base = type("TutorialTrainer", (TutorialTrainer, transformers.Trainer), {})
-    payload: dict = dict(case=name, rank=rank, stage=stage, model_case=model_case, ours=ours, arch=arch, task=task,
+    payload: dict = dict(case=name, rank=rank, stage=stage, model_case=model_case, trainer_class=base.__name__, ours=ours, arch=arch, task=task,
                          nan_idx=nan_idx)
     try:
         trainer = harness._subclass(base)(
-            model=model, args=args, train_dataset=harness.ListDataset(samples), data_collator=collator,
-            callbacks=[recorder],
+            model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[recorder],
+            **trainer_kwargs,
         )
     except Exception as err:  # noqa: BLE001 - a refused setup records the message
         if not model_case.endswith("_refused"):

@@ -31,8 +31,8 @@ import deepspeed_worker as W  # noqa: E402
 TOL = 1e-5
 
 # (stage, model case): stock beside ours
-PAIRS = [(1, "llama"), (1, "nokwargs")] + [(2, m) for m in ("llama", "nokwargs", "avgfalse", "override")] + [
-    (3, m) for m in ("llama", "nokwargs", "avgfalse", "tokcls", "ga3")
+PAIRS = [(1, "llama"), (1, "nokwargs")] + [(2, m) for m in ("llama", "nokwargs", "avgfalse", "override", "sft")] + [
+    (3, m) for m in ("llama", "nokwargs", "avgfalse", "tokcls", "ga3", "lora")
 ]
 # stock is wrong here (measured); ours must be exact
 STOCK_WRONG = {"nokwargs", "avgfalse", "override", "tokcls"}
@@ -75,7 +75,7 @@ def compare(ranks: list[dict]) -> list[dict]:
     """Per optimizer step: the update's error vs the ground truth at the run's own weights before that step
     (None for a window holding the NaN sample)."""
     r0, r1 = ranks
-    model = H.build_model(r0["arch"], 0)
+    model = W.build_case_model(r0["model_case"])
     by_idx = {s["idx"]: s for s in r0["samples"]}
     rows = []
     for k, step in enumerate(r0["steps"]):
@@ -88,7 +88,9 @@ def compare(ranks: list[dict]) -> list[dict]:
                 p.copy_(step["before"][n])
         loss, gt = H.ground_truth(model, [by_idx[i] for i in idx], r0["task"])
         logged = r0["logged_losses"][k] if k < len(r0["logged_losses"]) else None
-        rows.append(dict(step=k, nan=False, rel_err=H.rel_err(step["update"], gt),
+        frozen = [u for n, u in step["update"].items() if n not in gt]  # a LoRA model's base weights
+        assert all(not u.any() for u in frozen), "a frozen weight moved"
+        rows.append(dict(step=k, nan=False, rel_err=H.rel_err({n: step["update"][n] for n in gt}, gt),
                          loss_rel_err=None if logged is None else abs(logged - loss) / loss,
                          targets=[sum(H.sample_loss_count(by_idx[i], r0["task"]) for b in r["steps"][k]["idx_batches"] for i in b) for r in (r0, r1)]))
     return rows
@@ -119,6 +121,8 @@ def test_zero_exact_with_patch_never_worse_than_stock(ds_runs, stage, model_case
     ours, stock = ds_runs[f"z{stage}_{model_case}_ours"], ds_runs[f"z{stage}_{model_case}_stock"]
     for ranks in (ours, stock):
         assert ranks[0]["engine"] == "DeepSpeedEngine" and ranks[0]["zero_stage"] == stage
+    if model_case == "sft":
+        assert ours[0]["trainer_class"] == "SFTTrainer"
     rows_ours, rows_stock = compare(ours), compare(stock)
     assert len(rows_ours) >= 2
     # very unequal targets per rank in every window (the shortest samples on rank 0)
