@@ -18,6 +18,7 @@ Every error the plugin diagnoses (hf_gradfix.errors.HfGradfixError) is printed a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -71,6 +72,7 @@ def _cmd_config_check(ns: argparse.Namespace) -> int:
             "mesh": {"dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard, "tp": m.tp, "cp": m.cp, "dp": m.dp, "dp_cp": m.dp_cp},
             "mesh_source": resolved.mesh_source, "global_batch_tokens": resolved.global_batch_tokens,
             "hf_gradfix": config_to_dict(resolved.gradfix),
+            "deepspeed": None if resolved.deepspeed is None else dataclasses.asdict(resolved.deepspeed),
         }, indent=2))
     else:
         print("\n".join(resolved.lines()))
@@ -125,6 +127,27 @@ def _launch_parser():
     return parser
 
 
+def _cpu_launch_env(acc: dict, resolved: ResolvedConfig) -> dict[str, str]:
+    """Environment a ``use_cpu: true`` launch exports to every rank (empty for a GPU launch).
+
+    accelerate does not export use_cpu on the torchrun path; scripts that build Accelerator / TrainingArguments
+    without cpu=True would otherwise run N independent single-process jobs, so ACCELERATE_USE_CPU=true is exported.
+    Under DeepSpeed that variable turns DeepSpeed off inside accelerate (ZeRO-2 runs as plain data parallel, ZeRO-3
+    crashes), so DeepSpeed gets its CPU accelerator instead (DS_ACCELERATOR=cpu: collectives over gloo).
+    """
+    if not acc.get("use_cpu"):
+        return {}
+    if resolved.deepspeed is None:
+        return {"ACCELERATE_USE_CPU": "true"}
+    if os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ConfigError(
+            f"{resolved.path}: ACCELERATE_USE_CPU={os.environ['ACCELERATE_USE_CPU']} in the environment turns DeepSpeed "
+            "off inside accelerate (ZeRO-2 would run as plain data parallel, ZeRO-3 crash). Fix: unset "
+            "ACCELERATE_USE_CPU; use_cpu: true in the YAML is enough"
+        )
+    return {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+
+
 def launch(argv: Sequence[str]) -> int:
     """``accelerate launch`` with exactly its arguments; the ``hf_gradfix:`` section reaches every rank.
 
@@ -151,10 +174,7 @@ def launch(argv: Sequence[str]) -> int:
                 with open(ours, "w", encoding="utf-8") as fh:
                     yaml.safe_dump({SECTION: config_to_dict(config_from_dict(section))}, fh)
                 os.environ[ENV_VAR] = ours  # inherited by every rank
-            if acc.get("use_cpu"):
-                # accelerate does not export use_cpu on the torchrun path; scripts that build Accelerator /
-                # TrainingArguments without cpu=True would otherwise run N independent single-process jobs.
-                os.environ["ACCELERATE_USE_CPU"] = "true"
+            os.environ.update(_cpu_launch_env(acc, resolved))
             if resolved.mesh.cp > 1:
                 # accelerate refuses parallelism_config cp > 1 without its FSDP plugin; hf_gradfix shards the
                 # model itself (FSDP2 over dp_shard x cp), as axolotl does

@@ -80,6 +80,8 @@ class ResolvedConfig:
     tokens_per_micro_batch: int | None
     grad_accum: int
     global_batch_tokens: int | None
+    deepspeed: Any = None  # hf_gradfix.parallel.deepspeed.DeepSpeedSettings when the file selects DeepSpeed
+    use_cpu: bool = False
 
     def lines(self) -> list[str]:
         g = self.gradfix
@@ -93,6 +95,8 @@ class ResolvedConfig:
             f"optimizer         {opt.name if opt.name != 'none' else 'the Trainer default'}"
             + (f" (rank {opt.rank or 128}, gap {opt.update_proj_gap})" if opt.name != "none" else ""),
         ]
+        if self.deepspeed is not None:
+            out[1:2] = _deepspeed_lines(self)
         if self.mesh.cp > 1:
             out.insert(3, (
                 f"context parallel  cp={self.mesh.cp}: torch ring attention (sdpa, causal only), FSDP2 over dp_shard x cp; "
@@ -106,6 +110,42 @@ class ResolvedConfig:
         else:
             out.append("global batch      pass --micro-batch and --seq-len (or enable packing) to compute it")
         return out
+
+
+def _deepspeed_lines(resolved: "ResolvedConfig") -> list[str]:
+    """The ``launch`` / ``deepspeed`` lines of ``config check`` for a DeepSpeed file: what will really run."""
+    ds = resolved.deepspeed
+    where = ("CPU: DeepSpeed's CPU accelerator over gloo (hf-gradfix launch sets DS_ACCELERATOR=cpu and keeps "
+             "ACCELERATE_USE_CPU unset; the script passes TrainingArguments(use_cpu=True))" if resolved.use_cpu else "GPU")
+    return [
+        f"launch            DEEPSPEED, {resolved.world_size} process(es), {where}",
+        f"deepspeed         {ds.describe()}" + (f" [from {ds.config_file}]" if ds.config_file else ""),
+    ]
+
+
+def _check_deepspeed(path: str, acc: dict, section: dict | None, gradfix: GradFixConfig):
+    """DeepSpeed settings of the file (None when it does not select DeepSpeed); refuses what cannot work with it."""
+    from ..parallel.deepspeed import DeepSpeedConfigError, deepspeed_settings
+
+    try:
+        ds = deepspeed_settings(acc, path)
+    except DeepSpeedConfigError as err:
+        raise ConfigError(str(err)) from None
+    if ds is None:
+        return None
+    if section is not None and parallel_requested(gradfix.parallel):
+        raise ConfigError(
+            f"{path}: {SECTION}.parallel with distributed_type DEEPSPEED: the parallel section builds its own FSDP2 / "
+            "tensor-parallel mesh, DeepSpeed ZeRO partitions over every process itself. Remove the parallel section, "
+            "or use distributed_type MULTI_GPU for the mesh"
+        )
+    if gradfix.optimizer.name != "none":
+        raise ConfigError(
+            f"{path}: {SECTION}.optimizer.name={gradfix.optimizer.name!r} with DeepSpeed: low-rank optimizers need each "
+            "weight's 2-D gradient, which DeepSpeed ZeRO flattens and partitions. Use FSDP2 or DDP, or set "
+            "optimizer.name: none"
+        )
+    return ds
 
 
 def resolve_config(
@@ -150,6 +190,9 @@ def resolve_config(
     else:
         mesh = ParallelDims(world, dp_replicate=world, dp_shard=1)
         source = "default: every process a data-parallel replica"
+    deepspeed = _check_deepspeed(path, acc, section, gradfix)
+    if deepspeed is not None:
+        source = f"DeepSpeed ZeRO-{deepspeed.stage} over every process"
     if model_config is not None:
         mesh.check_model(model_config)
     if mesh.cp > 1 and (str(acc.get("distributed_type", "")).upper() == "FSDP" or acc.get("fsdp_config")):
@@ -182,4 +225,6 @@ def resolve_config(
         tokens_per_micro_batch=tokens,
         grad_accum=grad_accum,
         global_batch_tokens=global_tokens,
+        deepspeed=deepspeed,
+        use_cpu=bool(acc.get("use_cpu")),
     )

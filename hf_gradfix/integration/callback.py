@@ -76,6 +76,9 @@ class GradFixCallback(TrainerCallback):
         from .nonfinite import attach
 
         attach(trainer, state_of(trainer).config)
+        from .deepspeed import attach as attach_deepspeed
+
+        attach_deepspeed(trainer, state_of(trainer).config)
         self._trainer = trainer
 
     def _override_patch(self, trainer: Trainer) -> None:

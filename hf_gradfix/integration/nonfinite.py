@@ -108,6 +108,9 @@ class NonFiniteGuard(TrainerCallback):
         self.skipped_steps: list[int] = []
         self.flagged_steps: list[int] = []
         self._overflow_set = False
+        # DeepSpeed's engine (set by hf_gradfix.integration.deepspeed): it steps inside the last backward, before
+        # on_pre_optimizer_step, and drops a step with a NaN/inf gradient norm itself
+        self.engine: Any = None
 
     # ---- per micro-batch
     def after_micro_batch(self, loss: Any) -> None:
@@ -123,7 +126,10 @@ class NonFiniteGuard(TrainerCallback):
         optimizer = getattr(trainer, "optimizer", None)
         self._restore(optimizer)
         params = [p for p in trainer.model.parameters() if p.requires_grad]
-        local_grads_ok = grads_finite(params)
+        # under DeepSpeed the gradients live in the engine's partitions (p.grad is None): its overflow check, which
+        # reduces over every rank, says whether they were finite
+        engine_skipped = self.engine is not None and not self.engine.was_step_applied()
+        local_grads_ok = grads_finite(params) and not engine_skipped
         device = next((p.device for p in params), None)
         loss_bad_anywhere, grads_bad_anywhere = agree_any([bool(self.bad), not local_grads_ok], device)
         bad, micro = self.bad, self.micro_batch
@@ -144,6 +150,8 @@ class NonFiniteGuard(TrainerCallback):
                     "micro-batches was finite (an overflow in the backward)")
         else:
             what = f"optimizer step {step}: another rank had non-finite gradients"
+        if self.engine is not None:
+            return self._deepspeed_verdict(what, step, engine_skipped, control)
         if self.mode == "error":
             raise NonFiniteError(
                 f"{what}; hf_gradfix.loss.on_nonfinite is 'error', so training stops before the update (the weights "
@@ -164,6 +172,32 @@ class NonFiniteGuard(TrainerCallback):
             "(loss.on_nonfinite: warn). Set hf_gradfix.loss.on_nonfinite: skip to skip such steps, or error to stop",
             NonFiniteWarning, stacklevel=2,
         )
+        return control
+
+    def _deepspeed_verdict(self, what: str, step: int, engine_skipped: bool, control):
+        """Under DeepSpeed the engine has already stepped (or dropped the step): report it, per ``mode``."""
+        if not engine_skipped and self.mode in ("skip", "error"):
+            raise NonFiniteError(
+                f"{what}; DeepSpeed's engine applied this update before hf_gradfix could {self.mode} it (its overflow "
+                "check found the gradient norm finite or is off: zero_optimization.compute_grad_norm false, "
+                "bf16.check_grad_overflow false, or no ZeRO optimizer). Fix: keep DeepSpeed's gradient-norm check on "
+                "(the defaults), or set loss.on_nonfinite: warn"
+            )
+        done = ("DeepSpeed's overflow check dropped the update: weights, optimizer state and the learning-rate schedule "
+                "are unchanged, the window's gradients are dropped" if engine_skipped else
+                "DeepSpeed applied the update as stock does")
+        if self.mode == "error":
+            raise NonFiniteError(
+                f"{what}; {done}; hf_gradfix.loss.on_nonfinite is 'error', so training stops here (the weights are "
+                "still finite). Fix: check that batch's data, lower the learning rate or use bf16/fp32; or set "
+                "loss.on_nonfinite: skip to drop such steps"
+            )
+        if self.mode == "skip":
+            self.skipped_steps.append(step)
+            warnings.warn(f"hf_gradfix: {what}; {done} (loss.on_nonfinite: skip)", NonFiniteWarning, stacklevel=3)
+            return control
+        warnings.warn(f"hf_gradfix: {what}; {done} (loss.on_nonfinite: warn; stock DeepSpeed behaves the same)",
+                      NonFiniteWarning, stacklevel=3)
         return control
 
     def _skip(self, optimizer: Any) -> None:

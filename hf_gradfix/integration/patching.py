@@ -86,6 +86,9 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
             from .nonfinite import attach
 
             attach(self, state.config)
+            from .deepspeed import attach as attach_deepspeed
+
+            attach_deepspeed(self, state.config)
 
         __init__._hf_gradfix_patched = True
         Trainer.__init__ = __init__

@@ -60,7 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "of the projected weights' gradients")
     ap.add_argument("--update-proj-gap", type=int, help="GaLore refresh gap (default: the YAML's, else 200)")
     ap.add_argument("--recompute", default="none", choices=["none", "full"], help="activation recomputation")
-    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default: 3 with FSDP sharding, else 0)")
+    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                    help="ZeRO stage (default: a DeepSpeed --config's zero_stage; 3 with FSDP sharding; else 0)")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="DeepSpeed ZeRO over every process (implied by a DeepSpeed --config): with --zero >= 1 it keeps "
+                         "an fp32 master partition even for fp32 weights")
+    ap.add_argument("--offload-optimizer", action="store_true",
+                    help="DeepSpeed offload_optimizer: fp32 master copy and optimizer state in host memory "
+                         "(default: a DeepSpeed --config's offload_optimizer_device)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--gpu-memory", help="e.g. 80GiB, 40GB")
     g.add_argument("--gpu", help="GPU name, e.g. h100, a100-40gb, rtx4090")
@@ -79,6 +86,7 @@ def _mesh_and_settings(ns, config):
 
     opt_name, rank, side, targets, exclude, min_size = "adamw", 128, "auto", None, (), 0
     lowrank, gap = False, 200
+    zero, offload, deepspeed = ns.zero, bool(ns.offload_optimizer), bool(ns.deepspeed)
     if ns.config:
         from ..config.resolve import resolve_config
 
@@ -91,15 +99,28 @@ def _mesh_and_settings(ns, config):
             rank = o.rank or (1 if o.name == "apollo_mini" else 128)
             side, targets, exclude, min_size = o.proj_side, o.targets, tuple(o.exclude or ()), o.min_size
             lowrank, gap = o.lowrank_grads, o.update_proj_gap
+        zero, offload = _deepspeed_zero(rc, zero, offload)
+        deepspeed = deepspeed or rc.deepspeed is not None
     else:
-        mesh = ParallelDims(ns.num_gpus or 1)
+        n = ns.num_gpus or 1
+        # DeepSpeed partitions over every process (a replica each); accelerate's default stage is 2
+        mesh = ParallelDims(n, dp_replicate=n, dp_shard=1) if deepspeed else ParallelDims(n)
+        zero = 2 if deepspeed and zero is None else zero
         mesh.check_model(config)
     s = Settings(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum, dtype=ns.dtype,
                  grad_fp32=ns.grad_fp32, optimizer=ns.optimizer or opt_name, rank=ns.rank or rank, proj_side=side,
-                 targets=targets, exclude=exclude, min_size=min_size, recompute=ns.recompute, zero=ns.zero,
+                 targets=targets, exclude=exclude, min_size=min_size, recompute=ns.recompute, zero=zero,
                  attention=ns.attention, lowrank_grads=bool(ns.lowrank_grads or lowrank),
-                 update_proj_gap=ns.update_proj_gap or gap)
+                 update_proj_gap=ns.update_proj_gap or gap, offload_optimizer=offload, deepspeed=deepspeed)
     return mesh, s
+
+
+def _deepspeed_zero(resolved, zero: int | None, offload: bool) -> tuple[int | None, bool]:
+    """ZeRO stage and optimizer offload from a DeepSpeed --config (the flags win when given)."""
+    ds = getattr(resolved, "deepspeed", None)
+    if ds is None:
+        return zero, offload
+    return (ds.stage if zero is None else zero), (offload or ds.offload_optimizer in ("cpu", "nvme"))
 
 
 def _divisors(n: int) -> list[int]:

@@ -247,6 +247,11 @@ class Settings:
     lowrank_state_bytes: int | None = None
     lowrank_grads: bool = False  # GaLore low-rank gradient accumulation (rank-r accumulators instead of gradients)
     update_proj_gap: int = 200  # with lowrank_grads: refreshes are staggered over this many steps
+    # DeepSpeed offload_optimizer (device cpu / nvme): the fp32 master partition and the optimizer state live in host
+    # memory, the optimizer steps there; the GPU keeps weights, gradients and activations
+    offload_optimizer: bool = False
+    # DeepSpeed's ZeRO optimizers keep an fp32 master partition even when the weights are fp32 (a clone, not an alias)
+    deepspeed: bool = False
 
     def check(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -397,6 +402,8 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     if params is None:
         params = param_table(config, targets=settings.targets, exclude=settings.exclude, min_size=settings.min_size)
     wb, gb, mb, momb, eb = PRECISIONS[settings.dtype]
+    if settings.deepspeed and (settings.zero or 0) >= 1 and not mb:
+        mb = 4
     if settings.grad_fp32:
         gb += 4
     d = mesh.dp_shard * mesh.cp
@@ -557,6 +564,11 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         comm += 2 * tokens * 2 * kv_width * eb
         comm_txt += "; CP ring: the next K/V chunk in flight, double-buffered"
     subtotal = params_b + master_b + grads_b + opt_bytes + act + comm
+    host_b = 0.0
+    if settings.offload_optimizer:
+        host_b = master_b + opt_bytes
+        subtotal -= host_b
+        master_b = opt_bytes = 0.0
     frag = settings.fragmentation * subtotal
     comp = {"parameters": params_b, "master_weights": master_b, "gradients": grads_b, "optimizer_state": opt_bytes,
             "activations": act, "comm_buffers": comm, "fragmentation": frag}
@@ -573,9 +585,12 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         opt_txt = f"{opt}: 2 moments x {1 if opt.endswith('8bit') else momb} B/param"
     opt_txt += shard_txt(zero >= 1) if not (zero >= 3 and opt.startswith(("galore", "apollo"))) else \
         f" on the FSDP row shard (1/{d_eff}; the basis is not divided)"
+    if settings.offload_optimizer:
+        opt_txt = f"offloaded to host memory (DeepSpeed offload_optimizer): {_fmt(host_b)} per rank with the master copy; {opt_txt}"
     explain = {
         "parameters": f"{wb} B x {n_total:,} params{tp_txt}{shard_txt(zero >= 3)}",
-        "master_weights": (f"fp32 master copy 4 B/param{shard_txt(zero >= 1)}" if mb else "none (weights are the master)"),
+        "master_weights": ("offloaded to host memory with the optimizer state" if settings.offload_optimizer else
+                           f"fp32 master copy 4 B/param{shard_txt(zero >= 1)}" if mb else "none (weights are the master)"),
         "gradients": (f"{gb} B/param{' (incl. 4 B fp32 accumulation)' if settings.grad_fp32 else ''}{shard_txt(zero >= 2)}"
                       if not (settings.lowrank_grads and projected_sizes) else
                       f"low-rank accumulation: {gb} B/param of the unprojected weights + rank-{settings.rank} "
@@ -599,7 +614,7 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         settings=asdict(settings), components=comp, explain=explain, peak=subtotal + frag,
         global_batch_tokens=gbt, activations_no_recompute=act_none, activations_full_recompute=act_full,
         playbook_activations=pb_act, gpu_memory=gpu_memory,
-        extra={"zero": zero, "shard_degree": d_eff, "projected_matrices": n_proj, "prefetch_bytes": prefetch,
+        extra={"zero": zero, "shard_degree": d_eff, "host_bytes_per_rank": host_b, "projected_matrices": n_proj, "prefetch_bytes": prefetch,
                # what the first decoder layer saves for backward, tensor by tensor (the traced count's evidence)
                "layer0_saved_tensors": [{"op": w, "shape": list(sh), "dtype": dt, "bytes": b}
                                         for w, sh, dt, b in (tr.layer0 if tr is not None else [])]},
