@@ -50,7 +50,7 @@ def _load_model_config(spec: str | None) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(spec)
+        return AutoConfig.from_pretrained(spec, trust_remote_code=False)  # never run a model's own code
     except (OSError, ValueError, KeyError) as err:
         raise model_load_error(spec, err) from None
 

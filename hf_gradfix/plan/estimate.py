@@ -126,11 +126,11 @@ def load_model_config(spec: str):
         if not (p / "config.json").is_file():
             raise PlanError(f"--model {spec}: the directory has no config.json")
         try:
-            return AutoConfig.from_pretrained(str(p))
+            return AutoConfig.from_pretrained(str(p), trust_remote_code=False)  # never run a model's own code
         except (OSError, ValueError, KeyError) as exc:  # remote code refused, unknown model_type, bad JSON
             raise model_load_error(spec, exc) from None
     try:
-        return AutoConfig.from_pretrained(spec)
+        return AutoConfig.from_pretrained(spec, trust_remote_code=False)
     except Exception as exc:  # OSError (not found / offline), ValueError (unknown type)
         if "trust_remote_code" in str(exc) or "custom code" in str(exc):
             raise model_load_error(spec, exc) from None
