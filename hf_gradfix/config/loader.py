@@ -288,7 +288,10 @@ class _Validator:
             )
         if len(self.problems) != before:
             return _INVALID
-        return cls(**kwargs)
+        built = cls(**kwargs)
+        for key, message in getattr(built, "conflicts", lambda: [])():  # settings that contradict each other
+            self.add(path + (key,), message)
+        return _INVALID if len(self.problems) != before else built
 
     def bounded(self, f: dataclasses.Field, value: Any, path: Path) -> Any:
         """Apply a field's range: ``metadata`` ``min`` / ``max`` (inclusive), ``above`` (exclusive), ``special``."""
