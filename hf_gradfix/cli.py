@@ -18,6 +18,7 @@ Every error the plugin diagnoses (hf_gradfix.errors.HfGradfixError) is printed a
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -120,6 +121,13 @@ def _launch_parser():
         def _fill_text(self, text, width, indent):
             return "".join(indent + line for line in text.splitlines(keepends=True))
 
+        def add_argument(self, action):
+            # accelerate's formatter hides every engine group (and --config_file, -m, --cpu, ...) unless argv[0]
+            # says "accelerate": show them all, as `accelerate launch --help` does; keep its one spelling per option
+            shown = copy.copy(action)
+            shown.option_strings = [s for s in action.option_strings if "-" not in s[2:]]
+            argparse.HelpFormatter.add_argument(self, shown)
+
     parser.prog = "hf-gradfix launch"
     parser.description = _LAUNCH_DESCRIPTION
     parser.epilog = _LAUNCH_EPILOG
@@ -136,12 +144,9 @@ def launch(argv: Sequence[str]) -> int:
     from accelerate.commands.launch import launch_command
 
     args = _launch_parser().parse_args(list(argv))
-    script = args.training_script
-    if not (args.module or args.no_python) and not os.path.isfile(script):
-        raise InvalidArgumentError(f"training script {script!r} not found (resolved to {os.path.abspath(script)}); "
-                                   "give the path of your .py file, or -m package.module for a module")
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
     tmp = None
+    saved_env = {k: os.environ.get(k) for k in (ENV_VAR, "ACCELERATE_USE_CPU", "ACCELERATE_ALLOW_CP_STANDALONE")}
     try:
         if path is not None:
             # validate everything (file, accelerate keys, section, mesh) before any process starts
@@ -168,9 +173,15 @@ def launch(argv: Sequence[str]) -> int:
                 # accelerate refuses parallelism_config cp > 1 without its FSDP plugin; hf_gradfix shards the
                 # model itself (FSDP2 over dp_shard x cp), as axolotl does
                 os.environ["ACCELERATE_ALLOW_CP_STANDALONE"] = "true"
+        script = args.training_script  # after the file: its problems first, then the script's
+        if not (args.module or args.no_python) and not os.path.isfile(script):
+            raise InvalidArgumentError(f"training script {script!r} not found (resolved to {os.path.abspath(script)}); "
+                                       "give the path of your .py file, or -m package.module for a module")
         try:
             launch_command(args)
         except subprocess.CalledProcessError as err:  # the script failed: its own traceback is above
+            if err.returncode in (130, -2):  # the script stopped on Ctrl-C before this process saw it
+                raise KeyboardInterrupt from None
             print(f"hf-gradfix launch: the script exited with status {err.returncode} (its output is above)",
                   file=sys.stderr)
             return err.returncode if 0 < err.returncode < 256 else 1
@@ -182,6 +193,11 @@ def launch(argv: Sequence[str]) -> int:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        for key, value in saved_env.items():  # the ranks had them; this process (a test, a notebook) gets its own back
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return 0
 
 

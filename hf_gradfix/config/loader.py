@@ -28,7 +28,13 @@ or a value of the wrong type raises :class:`ConfigError` naming the dotted key
 (e.g. ``hf_gradfix.loss.count_rule``), the file and line when there is one, the
 bad value, what is allowed, and the closest valid spelling.
 
-This module imports only the standard library and ``yaml``.
+This module imports the standard library and ``yaml``; accelerate only to check a file's accelerate keys (its
+``ClusterConfig`` fields for a key outside :data:`_ACCELERATE_KEYS`, ``accelerate launch``'s argument names for the
+keys of ``fsdp_config``, ``deepspeed_config``, ``parallelism_config``, ...).
+
+Hostile files are refused in one line before anything is built: over :data:`MAX_FILE_BYTES`, a control character,
+nesting deeper than :data:`MAX_DEPTH`, more than :data:`MAX_NODES` values once aliases are expanded; a plain
+scalar that YAML 1.1 reads as a base-60 or octal number or a yes/no/on/off boolean is refused on the plugin's keys.
 """
 
 from __future__ import annotations
@@ -759,7 +765,7 @@ def _nested_key_problems(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
     names = _launch_argument_names()
     if names is None:
         return []
-    pool = sorted(n for n in names if n not in _ACCELERATE_SPEC)
+    pool = sorted(names)
     problems = []
     for name, section in sections:
         starts, added = _NESTED_PREFIX.get(name, ("", ""))

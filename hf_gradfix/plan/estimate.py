@@ -139,6 +139,14 @@ def load_model_config(spec: str):
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise PlanError(f"--model {spec}: the directory has no config.json")
+        import json
+
+        try:
+            raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        except (ValueError, OSError):
+            raw = None  # transformers says what is wrong with it below
+        if isinstance(raw, dict):
+            check_model_sizes(argparse_namespace(raw), spec)  # before transformers divides by them
         try:
             return check_model_sizes(AutoConfig.from_pretrained(str(p), trust_remote_code=False), spec)  # no remote code
         except PlanError:
