@@ -127,12 +127,15 @@ def _check_module(name: str) -> None:
     """Refuse, in one line, a ``-m`` module that cannot be found (before anything runs)."""
     import importlib.util
 
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as python -m: the current folder first
+    saved = sys.path[:]
+    if "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as python -m (and run_script) will: the current folder first
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):  # a parent package is missing, or an empty / relative name
         spec = None
+    finally:
+        sys.path[:] = saved
     if spec is None:
         raise InvalidArgumentError(f"hf-gradfix verify: module {name!r} not found (from {os.getcwd()}); give an "
                                    "importable module (python -m NAME works) or a script path")
