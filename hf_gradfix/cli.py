@@ -18,10 +18,12 @@ Every error the plugin diagnoses (hf_gradfix.errors.HfGradfixError) is printed a
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -32,7 +34,7 @@ import yaml
 
 from .config import ENV_VAR, SECTION, ConfigError, config_from_dict, config_to_dict
 from .config.resolve import ResolvedConfig, resolve_config, split_config  # noqa: F401  (re-exported: documented here)
-from .errors import HfGradfixError, model_load_error
+from .errors import HfGradfixError, InvalidArgumentError, model_load_error
 
 __all__ = ["main", "build_parser", "split_config", "resolve_config", "ResolvedConfig"]
 
@@ -51,7 +53,7 @@ def _load_model_config(spec: str | None) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(spec)
+        return AutoConfig.from_pretrained(spec, trust_remote_code=False)  # never run a model's own code
     except (OSError, ValueError, KeyError) as err:
         raise model_load_error(spec, err) from None
 
@@ -64,6 +66,7 @@ def _cmd_config_check(ns: argparse.Namespace) -> int:
         seq_len=ns.seq_len,
         grad_accum=ns.grad_accum,
         model_config=_load_model_config(ns.model),
+        for_launch=True,
     )
     if ns.json:
         m = resolved.mesh
@@ -120,6 +123,13 @@ def _launch_parser():
         def _fill_text(self, text, width, indent):
             return "".join(indent + line for line in text.splitlines(keepends=True))
 
+        def add_argument(self, action):
+            # accelerate's formatter hides every engine group (and --config_file, -m, --cpu, ...) unless argv[0]
+            # says "accelerate": show them all, as `accelerate launch --help` does; keep its one spelling per option
+            shown = copy.copy(action)
+            shown.option_strings = [s for s in action.option_strings if "-" not in s[2:]]
+            argparse.HelpFormatter.add_argument(self, shown)
+
     parser.prog = "hf-gradfix launch"
     parser.description = _LAUNCH_DESCRIPTION
     parser.epilog = _LAUNCH_EPILOG
@@ -159,16 +169,20 @@ def launch(argv: Sequence[str]) -> int:
     args = _launch_parser().parse_args(list(argv))
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
     tmp = None
+    saved_env = {k: os.environ.get(k) for k in (ENV_VAR, "ACCELERATE_USE_CPU", "ACCELERATE_ALLOW_CP_STANDALONE")}
     try:
         if path is not None:
             # validate everything (file, accelerate keys, section, mesh) before any process starts
-            resolved = resolve_config(path, num_processes=args.num_processes)
+            resolved = resolve_config(path, num_processes=args.num_processes, for_launch=True)
             acc, section = split_config(path)
             tmp = tempfile.mkdtemp(prefix="hf_gradfix_launch_")
-            acc_path = os.path.join(tmp, "accelerate.yaml")
-            with open(acc_path, "w", encoding="utf-8") as fh:
-                yaml.safe_dump(acc, fh)
-            args.config_file = acc_path
+            if acc:
+                acc_path = os.path.join(tmp, "accelerate.yaml")
+                with open(acc_path, "w", encoding="utf-8") as fh:
+                    yaml.safe_dump(acc, fh)
+                args.config_file = acc_path
+            else:  # only the plugin's section: accelerate's own defaults (its default config file, if any)
+                args.config_file = None if path != default_config_file else args.config_file
             if section is not None:
                 ours = os.path.join(tmp, "hf_gradfix.yaml")
                 with open(ours, "w", encoding="utf-8") as fh:
@@ -179,10 +193,31 @@ def launch(argv: Sequence[str]) -> int:
                 # accelerate refuses parallelism_config cp > 1 without its FSDP plugin; hf_gradfix shards the
                 # model itself (FSDP2 over dp_shard x cp), as axolotl does
                 os.environ["ACCELERATE_ALLOW_CP_STANDALONE"] = "true"
-        launch_command(args)
+        script = args.training_script  # after the file: its problems first, then the script's
+        if not (args.module or args.no_python) and not os.path.isfile(script):
+            raise InvalidArgumentError(f"training script {script!r} not found (resolved to {os.path.abspath(script)}); "
+                                       "give the path of your .py file, or -m package.module for a module")
+        try:
+            launch_command(args)
+        except subprocess.CalledProcessError as err:  # the script failed: its own traceback is above
+            if err.returncode in (130, -2):  # the script stopped on Ctrl-C before this process saw it
+                raise KeyboardInterrupt from None
+            print(f"hf-gradfix launch: the script exited with status {err.returncode} (its output is above)",
+                  file=sys.stderr)
+            return err.returncode if 0 < err.returncode < 256 else 1
+        except Exception as err:  # noqa: BLE001 - torch elastic's ChildFailedError (several processes): it printed the failures
+            if type(err).__name__ != "ChildFailedError":
+                raise
+            print("hf-gradfix launch: a process of the script failed (torch elastic's report is above)", file=sys.stderr)
+            return 1
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        for key, value in saved_env.items():  # the ranks had them; this process (a test, a notebook) gets its own back
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return 0
 
 
@@ -280,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HfGradfixError as err:
         print(f"hf-gradfix {command}: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"hf-gradfix {command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     return 2
 
 

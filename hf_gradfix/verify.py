@@ -1243,7 +1243,7 @@ def load_model(spec: str) -> nn.Module:
         return tiny_model()
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(spec, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(spec, torch_dtype=torch.float32, trust_remote_code=False)
 
 
 def load_samples(path: str | None, model: nn.Module, model_spec: str, n: int, max_len: int = 256) -> list[dict]:
@@ -1268,7 +1268,7 @@ def load_samples(path: str | None, model: nn.Module, model_spec: str, n: int, ma
     else:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(model_spec)
+        tok = AutoTokenizer.from_pretrained(model_spec, trust_remote_code=False)
         encode = lambda t: tok(t)["input_ids"]  # noqa: E731
     out = []
     for p in paragraphs:

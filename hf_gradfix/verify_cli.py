@@ -177,10 +177,69 @@ def _split_command(command: Sequence[str]) -> tuple[str, str, list[str]]:
     if cmd[0] == "-m":
         if len(cmd) < 2:
             raise InvalidArgumentError("hf-gradfix verify: -m needs a module name")
+        _check_module(cmd[1])
         return "module", cmd[1], cmd[2:]
     if not os.path.isfile(cmd[0]):
         raise InvalidArgumentError(f"hf-gradfix verify: script {cmd[0]!r} not found")
     return "path", cmd[0], cmd[1:]
+
+
+def _check_module(name: str) -> None:
+    """Refuse, in one line, a ``-m`` module that cannot be found (before anything runs)."""
+    import importlib.util
+
+    saved = sys.path[:]
+    if "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as python -m (and run_script) will: the current folder first
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package is missing, or an empty / relative name
+        spec = None
+    finally:
+        sys.path[:] = saved
+    if spec is None:
+        raise InvalidArgumentError(f"hf-gradfix verify: module {name!r} not found (from {os.getcwd()}); give an "
+                                   "importable module (python -m NAME works) or a script path")
+
+
+def _check_data(path: str) -> None:
+    """One line for a ``--data`` file that cannot be read: missing, a folder, not UTF-8, a bad JSON Lines row."""
+    import json
+
+    if not os.path.exists(path):
+        raise InvalidArgumentError(f"--data {path}: file not found (resolved to {os.path.abspath(path)})")
+    if os.path.isdir(path):
+        raise InvalidArgumentError(f"--data {path}: is a folder; give a .jsonl of input_ids (and labels) or a text file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            if not path.endswith(".jsonl"):
+                fh.read()
+                return
+            rows = 0
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as err:
+                    raise InvalidArgumentError(f"--data {path}:{number}: not JSON ({err}); each line is one JSON object "
+                                               'such as {"input_ids": [1, 2, 3]}') from None
+                ids = row.get("input_ids") if isinstance(row, dict) else None
+                labels = row.get("labels", ids) if isinstance(row, dict) else None
+                for key, value in (("input_ids", ids), ("labels", labels)):
+                    if not (isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                     for v in value)):
+                        raise InvalidArgumentError(
+                            f"--data {path}:{number}: {key}: expected a non-empty list of token ids, got "
+                            f"{'no ' + key if value is None else type(value).__name__}; each line is one JSON object "
+                            'such as {"input_ids": [1, 2, 3]}')
+                rows += 1
+            if rows == 0:
+                raise InvalidArgumentError(f"--data {path}: no samples (the file is empty)")
+    except UnicodeDecodeError as err:
+        raise InvalidArgumentError(f"--data {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise InvalidArgumentError(f"--data {path}: cannot read it ({err.strerror or err})") from None
 
 
 def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-5, quiet_stdout: bool = False) -> Any:
@@ -331,6 +390,8 @@ def _builtin(ns: argparse.Namespace) -> int:
     from . import verify as V
 
     spec = ns.model or "tiny"
+    if ns.data is not None:
+        _check_data(ns.data)  # before the model loads
     grad_accum = ns.grad_accum or 4
     batch_size = ns.batch_size or 2
     try:

@@ -264,3 +264,263 @@ def test_unsupported_torch_suggests_a_torch_install(monkeypatch):
 def test_other_commands_refuse_bad_numbers_in_one_line(capsys, argv, fragment):
     code, err = _cli(argv, capsys)
     assert code == 2 and fragment in err and "Traceback" not in err and err.startswith(f"hf-gradfix {argv[0]}"), err
+
+
+# ------------------------------------------------------------------ issue 26: hostile files, silent acceptances, CLI
+# One row per input: (id, surface, input, fragment of the one-line message, exit code, seconds, MiB).  Every row runs
+# in this process under tracemalloc: the bound on time and on the Python memory traced while it runs is part of it
+# (the old reader took minutes and grew past 18 GB on the alias bomb).  Files go to the library, config check and
+# launch alike (the same line); "cli" rows are argv of main().
+
+import json  # noqa: E402
+import time  # noqa: E402
+import tracemalloc  # noqa: E402
+
+_ACC = "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n"
+_FSDP = _ACC.replace("MULTI_CPU", "FSDP")
+_BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{','.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8)) + "hf_gradfix: {}\n"
+
+HOSTILE_FILES = [  # (id, file text, fragment, seconds, MiB)
+    ("BEL in a comment", _ACC + "# bell \x07\nhf_gradfix: {}\n", "control character U+0007 at line 5, column 8", 5, 20),
+    ("NUL in a value", _ACC + 'hf_gradfix: {loss: {count_rule: "a\x00"}}\n', "control character U+0000", 5, 20),
+    ("C1 control", _ACC + "hf_gradfix: {}\n# \x85ok \x9b\n", "control character U+009B", 5, 20),
+    ("5000-deep lists", "hf_gradfix:\n  loss: " + "[" * 5000 + "]" * 5000 + "\n", "nesting", 5, 20),
+    ("3000-deep mappings", "a: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n", "nesting", 5, 20),
+    ("block nesting 70 deep", "".join("  " * i + f"k{i}:\n" for i in range(70)) + "  " * 70 + "v: 1\n", "nesting deeper than 64", 5, 20),
+    ("alias bomb 9**9", _BOMB, "more than 100,000 values (aliases expanded)", 5, 20),
+    ("120k values", "hf_gradfix:\n  optimizer:\n    exclude:\n" + "    - a\n" * 120_000, "more than 100,000 values", 60, 60),
+    ("2 MiB file", _ACC + "hf_gradfix: {}\n" + ("# " + "x" * 1020 + "\n") * 2048, "a configuration file is at most 1,048,576 bytes", 5, 20),
+    ("sexagesimal", _ACC + "hf_gradfix:\n  optimizer: {name: galore_adamw, update_proj_gap: 1:30}\n", "hf_gradfix.optimizer.update_proj_gap: '1:30' is read by YAML 1.1 as the base-60 number 90", 5, 20),
+    ("octal", _ACC + "hf_gradfix:\n  optimizer: {name: galore_adamw, seed: 0777}\n", "hf_gradfix.optimizer.seed: '0777' is read by YAML 1.1 as the octal number 511", 5, 20),
+    ("yes as a bool", _ACC + "hf_gradfix:\n  log_fixes: yes\n", "hf_gradfix.log_fixes: 'yes' is read by YAML 1.1 as the boolean true; write true", 5, 20),
+    ("on as a section", _ACC + "hf_gradfix:\n  packing: on\n", "hf_gradfix.packing: 'on' is read by YAML 1.1 as the boolean true", 5, 20),
+    ("fsdp_config typo", _FSDP + "fsdp_config: {fsdp_version: 2, fsdp_versoin: 2}\nhf_gradfix: {}\n", "fsdp_config.fsdp_versoin: unknown key (did you mean 'fsdp_version'?)", 60, 400),
+    ("fsdp_config unprefixed typo", _FSDP + "fsdp_config: {version: 2, reshard_after_forwrd: true}\nhf_gradfix: {}\n", "fsdp_config.reshard_after_forwrd: unknown key (did you mean 'fsdp_reshard_after_forward'?)", 60, 400),
+    ("deepspeed_config typo", _ACC.replace("MULTI_CPU", "DEEPSPEED") + "deepspeed_config: {zero_stag: 2}\nhf_gradfix: {}\n", "deepspeed_config.zero_stag: unknown key (did you mean 'zero_stage'?)", 60, 400),
+    ("parallelism_config typo", _ACC + "parallelism_config: {parallelism_config_tp_sise: 2}\nhf_gradfix: {}\n", "parallelism_config.parallelism_config_tp_sise: unknown key (did you mean 'parallelism_config_tp_size'?)", 60, 400),
+    ("dynamo_config typo", _ACC + "dynamo_config: {dynamo_backnd: inductor}\nhf_gradfix: {}\n", "dynamo_config.dynamo_backnd: unknown key (did you mean 'dynamo_backend'?)", 60, 400),
+    ("scale_type on GaLore", _ACC + "hf_gradfix:\n  optimizer: {name: galore_adamw, scale_type: tensor}\n", "hf_gradfix.optimizer.scale_type: invalid value 'tensor'; scale_type applies to APOLLO only", 5, 20),
+    ("apollo_mini at rank 64", _ACC + "hf_gradfix:\n  optimizer: {name: apollo_mini, rank: 64}\n", "hf_gradfix.optimizer.rank: invalid value 64; apollo_mini is rank 1 by definition", 5, 20),
+    ("lowrank_grads on APOLLO", _ACC + "hf_gradfix:\n  optimizer: {name: apollo_adamw, lowrank_grads: true}\n", "lowrank_grads is GaLore-only", 5, 20),
+    ("proj_method on APOLLO", _ACC + "hf_gradfix:\n  optimizer: {name: apollo_adamw, proj_method: svd}\n", "proj_method applies to GaLore only", 5, 20),
+    ("token_budget 2**40", _ACC + "hf_gradfix:\n  packing: {enabled: true, token_budget: 1099511627776}\n", "hf_gradfix.packing.token_budget: invalid value 1099511627776; it must be >= 8 and <= 16777216", 5, 20),
+]
+
+
+def _bounded(call, seconds, mib):
+    import accelerate.commands.launch  # noqa: F401 - imported before the measure: the bound is on the row's own work
+
+    import hf_gradfix.config.resolve  # noqa: F401
+    import hf_gradfix.parallel  # noqa: F401
+    from hf_gradfix.config.loader import _launch_argument_names
+
+    _launch_argument_names()
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        result = call()
+    finally:
+        elapsed = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    assert elapsed <= seconds, f"took {elapsed:.1f} s (bound {seconds} s)"
+    assert peak <= mib, f"traced {peak:.0f} MiB (bound {mib} MiB)"
+    return result
+
+
+@pytest.mark.parametrize("name, text, fragment, seconds, mib", HOSTILE_FILES, ids=[r[0] for r in HOSTILE_FILES])
+def test_hostile_and_surprising_files(tmp_path, capsys, name, text, fragment, seconds, mib):
+    path = _write(tmp_path, text)
+    with pytest.raises(HfGradfixError) as info:
+        _bounded(lambda: load_config(path), seconds, mib)
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
+    for argv, prefix in ((["config", "check", path], "hf-gradfix config check: "),
+                         (["launch", "--config_file", path, "no_such_script.py"], "hf-gradfix launch: ")):
+        code = _bounded(lambda: main(argv), seconds, mib)
+        err = capsys.readouterr().err
+        assert code == 2 and err == prefix + str(info.value) + "\n", err
+
+
+def test_quoted_values_and_anchors_within_the_bound_are_accepted(tmp_path):
+    path = _write(tmp_path, "hf_gradfix:\n  optimizer: {targets: &t ['0777', '1:30', 'yes'], exclude: *t}\n")
+    cfg = load_config(path)
+    assert cfg.optimizer.targets == cfg.optimizer.exclude == ["0777", "1:30", "yes"]
+
+
+def test_a_file_launch_cannot_run_is_refused_by_config_check_with_the_same_line(tmp_path, capsys):
+    path = _write(tmp_path, "num_processes: 2\nhf_gradfix: {}\n")
+    assert load_config(path) == GradFixConfig()  # the library reads the plugin's settings: nothing to refuse
+    lines = []
+    for argv in (["config", "check", path], ["launch", "--config_file", path, "no_such_script.py"]):
+        assert main(argv) == 2
+        lines.append(capsys.readouterr().err.split(": ", 1)[1])
+    assert lines[0] == lines[1] and "distributed_type: missing" in lines[0], lines
+
+
+@pytest.mark.parametrize("text", ["", "hf_gradfix:\n", "REPO"], ids=["empty file", "bare section", "configs/hf_gradfix.yaml"])
+def test_what_config_check_accepts_launch_runs(tmp_path, capsys, text):
+    import pathlib
+
+    if text == "REPO":
+        text = (pathlib.Path(__file__).resolve().parent.parent / "configs" / "hf_gradfix.yaml").read_text()
+    path = _write(tmp_path, text)
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello', os.environ.get('HF_GRADFIX_CONFIG', 'unset') != 'unset')\n")
+    assert main(["config", "check", path]) == 0
+    capsys.readouterr()
+    assert main(["launch", "--config_file", path, str(script)]) == 0, capsys.readouterr().err
+
+
+def test_a_failing_script_under_launch_is_one_line_with_its_exit_code(tmp_path, capsys):
+    path = _write(tmp_path, "distributed_type: 'NO'\nnum_processes: 1\nhf_gradfix: {}\n")
+    script = tmp_path / "fail.py"
+    script.write_text("raise SystemExit(3)\n")
+    assert main(["launch", "--config_file", path, str(script)]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "hf-gradfix launch: the script exited with status 3 (its output is above)"
+
+
+_DIR = "{tmp}"
+CLI_ROWS = [  # (id, argv with {tmp}, fragment, seconds, MiB)
+    ("launch missing script", ["launch", "--config_file", "{tmp}/ok.yaml", "{tmp}/nope.py"], "training script '{tmp}/nope.py' not found", 60, 400),
+    ("plan --gpu-memory 0GiB", ["plan", "--model", "tiny-llama", "--gpu-memory", "0GiB"], "--gpu-memory '0GiB': invalid size", 60, 400),
+    ("plan --gpu-memory 1.2.3GiB", ["plan", "--model", "tiny-llama", "--gpu-memory", "1.2.3GiB"], "invalid size", 60, 400),
+    ("plan --seq-len 10**12", ["plan", "--model", "tiny-llama", "--seq-len", str(10**12)], "--seq-len 1000000000000: invalid value; it must be a whole number >= 1 and <= 16777216", 60, 400),
+    ("plan --update-proj-gap 0", ["plan", "--model", "tiny-llama", "--update-proj-gap", "0"], "--update-proj-gap 0: invalid value", 60, 400),
+    ("plan --rank 1e9", ["plan", "--model", "tiny-llama", "--rank", "1000000000"], "--rank 1000000000: invalid value; it must be a whole number >= 1 and <= 65536", 60, 400),
+    ("plan --num-gpus 1e9", ["plan", "--model", "tiny-llama", "--num-gpus", "1000000000"], "--num-gpus 1000000000: invalid value", 60, 400),
+    ("plan --plot missing folder", ["plan", "--model", "tiny-llama", "--plot", "{tmp}/no/x.png"], "--plot {tmp}/no/x.png: the folder {tmp}/no does not exist", 60, 400),
+    ("plan --plot unknown type", ["plan", "--model", "tiny-llama", "--plot", "{tmp}/x.xyz"], "unknown image type .xyz", 60, 400),
+    ("plan --timeline missing folder", ["plan", "--model", "tiny-llama", "--timeline", "{tmp}/no/t.png"], "--timeline {tmp}/no/t.png: the folder", 60, 400),
+    ("plan config.json list", ["plan", "--model", "{tmp}/list.json"], "expected a JSON object (a model's config.json), got a list", 60, 400),
+    ("plan config.json zero sizes", ["plan", "--model", "{tmp}/zero.json"], "hidden_size=0: invalid value", 60, 400),
+    ("plan config dir zero sizes", ["plan", "--model", "{tmp}/zerodir"], "hidden_size=0: invalid value", 60, 400),
+    ("plan config.json negative", ["plan", "--model", "{tmp}/neg.json"], "hidden_size=-64: invalid value", 60, 400),
+    ("plan huge model config", ["plan", "--model", "{tmp}/huge.json"], "num_hidden_layers=100000: invalid value; it must be a whole number >= 1 and <= 4096", 60, 400),
+    ("verify --data missing", ["verify", "--data", "{tmp}/missing.jsonl"], "--data {tmp}/missing.jsonl: file not found", 60, 400),
+    ("verify --data bad JSON line", ["verify", "--data", "{tmp}/bad.jsonl"], "--data {tmp}/bad.jsonl:2: not JSON", 60, 400),
+    ("verify --data no input_ids", ["verify", "--data", "{tmp}/nokey.jsonl"], "--data {tmp}/nokey.jsonl:1: input_ids: expected a non-empty list of token ids", 60, 400),
+    ("verify --data folder", ["verify", "--data", "{tmp}"], "is a folder", 60, 400),
+    ("verify --data empty", ["verify", "--data", "{tmp}/empty.jsonl"], "no samples", 60, 400),
+    ("verify -m missing module", ["verify", "--", "-m", "no_such_module_xyz"], "module 'no_such_module_xyz' not found", 60, 400),
+]
+
+
+@pytest.mark.parametrize("name, argv, fragment, seconds, mib", CLI_ROWS, ids=[r[0] for r in CLI_ROWS])
+def test_cli_inputs_are_one_line(tmp_path, capsys, name, argv, fragment, seconds, mib):
+    tmp = str(tmp_path)
+    (tmp_path / "ok.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\nhf_gradfix: {}\n")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    sizes = {"model_type": "llama", "hidden_size": 0, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 64, "vocab_size": 100}
+    (tmp_path / "zero.json").write_text(json.dumps(sizes))
+    (tmp_path / "zerodir").mkdir()
+    (tmp_path / "zerodir" / "config.json").write_text(json.dumps(sizes))
+    (tmp_path / "neg.json").write_text(json.dumps({**sizes, "hidden_size": -64}))
+    (tmp_path / "huge.json").write_text(json.dumps({**sizes, "hidden_size": 65536, "num_hidden_layers": 100000,
+                                                    "num_attention_heads": 512, "intermediate_size": 262144}))
+    (tmp_path / "bad.jsonl").write_text('{"input_ids": [1, 2, 3]}\nnot json\n')
+    (tmp_path / "nokey.jsonl").write_text('{"text": "hi"}\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    argv = [a.replace(_DIR, tmp) for a in argv]
+    import accelerate.commands.launch  # noqa: F401 - imported before the measure: the bound is on the row's own work
+    import hf_gradfix.plan.estimate  # noqa: F401
+    import hf_gradfix.verify  # noqa: F401
+
+    code = _bounded(lambda: main(argv), seconds, mib)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1 and err.startswith(f"hf-gradfix {argv[0]}"), err
+    assert fragment.replace(_DIR, tmp) in err, err
+    assert not (tmp_path / "no").exists()
+
+
+def test_every_from_pretrained_refuses_remote_code():
+    """Every from_pretrained call of the package passes trust_remote_code=False (transformers would otherwise ask on
+    stdin, and a 'y' runs the model directory's own Python)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "hf_gradfix"
+    calls = []
+    for file in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "from_pretrained":
+                ok = any(k.arg == "trust_remote_code" and isinstance(k.value, ast.Constant) and k.value.value is False
+                         for k in node.keywords)
+                calls.append((f"{file.relative_to(root)}:{node.lineno}", ok))
+    assert calls and all(ok for _, ok in calls), [c for c, ok in calls if not ok]
+
+
+_REMOTE = """
+import io, sys
+from hf_gradfix.cli import main
+codes = [main(argv) for argv in ({argvs})]
+print("codes", codes)
+"""
+
+
+def test_remote_code_never_runs_whatever_is_on_stdin(tmp_path):
+    model = tmp_path / "remote"
+    model.mkdir()
+    marker = tmp_path / "RAN"
+    (model / "config.json").write_text(json.dumps({"model_type": "evil_arch", "auto_map": {
+        "AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "configuration_evil.EvilConfig"}}))
+    (model / "configuration_evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import PretrainedConfig\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil_arch'\n")
+    cfg = _write(tmp_path, BASE)
+    argvs = [["config", "check", cfg, "--model", str(model)], ["plan", "--model", str(model)],
+             ["verify", "--model", str(model)]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _REMOTE.format(argvs=repr(argvs)[1:-1] + ",")], input="y\n" * 50,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert not marker.exists(), "the model directory's own code ran"
+    assert "codes [2, 2, 2]" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.count("never runs remote code") == 3 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_under_launch_is_one_line_and_exit_130(tmp_path):
+    import signal
+
+    path = _write(tmp_path, "distributed_type: 'NO'\nnum_processes: 1\nhf_gradfix: {}\n")
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('started', flush=True)\ntry:\n    time.sleep(300)\n"
+                      "except KeyboardInterrupt:\n    raise SystemExit(130)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hf_gradfix", "launch", "--config_file", path, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "hf-gradfix launch: interrupted (Ctrl-C)", err
+
+
+def test_launch_help_shows_every_accelerate_option(capsys):
+    text = _help(["launch", "--help"], capsys)
+    for option in ("--config_file", "-m, --module", "--cpu", "--num_processes", "--use_fsdp", "--fsdp_version",
+                   "--zero_stage", "--parallelism_config_tp_size", "--mixed_precision"):
+        assert option in text, option
+
+
+def test_quickstart_install_line_covers_what_its_snippets_import():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    deps = {"torch", "transformers", "accelerate", "yaml", "hf_gradfix"}
+    for page in (root / "docs" / "quickstart.md", root / "README.md"):
+        text = page.read_text()
+        install = " ".join(line for line in text.splitlines() if line.startswith("pip install -e"))
+        extras = {"peft": "peft"} if "[peft]" in install else {}
+        snippets = "\n".join(re.findall(r"```python\n(.*?)```", text, flags=re.S))
+        imported = set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", snippets, flags=re.M))
+        missing = [m for m in imported if m not in deps and m not in extras and m not in install.split()
+                   and m not in sys.stdlib_module_names]
+        assert not missing, (page.name, missing, install)

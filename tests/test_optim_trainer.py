@@ -375,8 +375,12 @@ def test_lowrank_grads_refusals_name_the_reason(tmp_path):
     with pytest.raises(GradFixError, match="lowrank_grads=true under FSDP"):
         check_optimizer_setup(trainer, cfg)
     trainer.is_fsdp_enabled = False
-    with pytest.raises(GradFixError, match="needs optimizer.name: galore_adamw"):
-        check_optimizer_setup(trainer, load_config({"optimizer": {"name": "apollo_adamw", "lowrank_grads": True}}).optimizer)
+    from hf_gradfix.config import ConfigError, OptimizerConfig
+
+    with pytest.raises(ConfigError, match="lowrank_grads is GaLore-only"):  # the loader refuses it first
+        load_config({"optimizer": {"name": "apollo_adamw", "lowrank_grads": True}})
+    with pytest.raises(GradFixError, match="needs optimizer.name: galore_adamw"):  # a config built in code
+        check_optimizer_setup(trainer, OptimizerConfig(name="apollo_adamw", lowrank_grads=True))
 
 
 # ---------------------------------------------------------------- low-rank gradients: the lifecycle of a run (issue 25)

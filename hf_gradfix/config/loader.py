@@ -28,7 +28,13 @@ or a value of the wrong type raises :class:`ConfigError` naming the dotted key
 (e.g. ``hf_gradfix.loss.count_rule``), the file and line when there is one, the
 bad value, what is allowed, and the closest valid spelling.
 
-This module imports only the standard library and ``yaml``.
+This module imports the standard library and ``yaml``; accelerate only to check a file's accelerate keys (its
+``ClusterConfig`` fields for a key outside :data:`_ACCELERATE_KEYS`, ``accelerate launch``'s argument names for the
+keys of ``fsdp_config``, ``deepspeed_config``, ``parallelism_config``, ...).
+
+Hostile files are refused in one line before anything is built: over :data:`MAX_FILE_BYTES`, a control character,
+nesting deeper than :data:`MAX_DEPTH`, more than :data:`MAX_NODES` values once aliases are expanded; a plain
+scalar that YAML 1.1 reads as a base-60 or octal number or a yes/no/on/off boolean is refused on the plugin's keys.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -287,7 +294,10 @@ class _Validator:
             )
         if len(self.problems) != before:
             return _INVALID
-        return cls(**kwargs)
+        built = cls(**kwargs)
+        for key, message in getattr(built, "conflicts", lambda: [])():  # settings that contradict each other
+            self.add(path + (key,), message)
+        return _INVALID if len(self.problems) != before else built
 
     def bounded(self, f: dataclasses.Field, value: Any, path: Path) -> Any:
         """Apply a field's range: ``metadata`` ``min`` / ``max`` (inclusive), ``above`` (exclusive), ``special``."""
@@ -583,7 +593,15 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
     shown = raw
     try:
         with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+            size = os.fstat(fh.fileno()).st_size
+            if size > MAX_FILE_BYTES:
+                raise _refuse(f"{raw}: {size:,} bytes; a configuration file is at most {MAX_FILE_BYTES:,} bytes "
+                              "(1 MiB): this is not a configuration file, or it carries data that belongs elsewhere",
+                              via_env)
+            text = fh.read(MAX_FILE_BYTES + 1)  # a pipe or device has no size: read no more than the limit
+            if len(text.encode("utf-8")) > MAX_FILE_BYTES:
+                raise _refuse(f"{raw}: more than {MAX_FILE_BYTES:,} bytes; a configuration file is at most "
+                              f"{MAX_FILE_BYTES:,} bytes (1 MiB)", via_env)
     except FileNotFoundError:
         resolved = os.path.abspath(path)
         extra = f" (resolved to {resolved})" if resolved != raw else ""
@@ -600,7 +618,7 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
     except OSError as err:
         raise ConfigError(_env_note(f"cannot read config file {raw}: {err.strerror or err}", via_env)) from None
 
-    data, lines, duplicates = _parse_yaml(text, shown, via_env)
+    data, lines, duplicates, surprises = _parse_yaml(text, shown, via_env)
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(
             _env_note(
@@ -619,7 +637,7 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
     if SECTION in data:
         section, prefix = data.pop(SECTION), (SECTION,)
         accelerate = data
-    elif data and not require_section and all(isinstance(k, str) and k in _accelerate_keys() for k in data):
+    elif data and not require_section and all(isinstance(k, str) and k in _accelerate_keys(data) for k in data):
         section, prefix, accelerate = None, (SECTION,), data  # a plain accelerate file: plugin defaults
     else:
         section, prefix, accelerate = data, (), {}
@@ -640,6 +658,9 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
     problems = [
         f"{shown}:{_line_of(lines, path) or '?'}: {message}" for path, message in _check_accelerate(accelerate)
     ]
+    for where, line, why in surprises:  # only the plugin's keys: accelerate reads its own the way it always has
+        if section is not None and where[: len(prefix)] == prefix:
+            problems.append(f"{shown}:{line}: {_dotted(where[len(prefix):])}: {why}")
     gradfix = None
     if section is not None or require_section:
         try:
@@ -703,9 +724,12 @@ _ACCELERATE_SPEC: dict[str, tuple[str, Any]] = {
 _PC_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 
-def _accelerate_keys() -> frozenset:
-    """accelerate's top-level config keys: its own ``ClusterConfig`` fields when importable, plus a fixed list."""
+def _accelerate_keys(wanted: typing.Iterable[Any] = ()) -> frozenset:
+    """accelerate's top-level config keys: a fixed list, plus its own ``ClusterConfig`` fields when a key in
+    ``wanted`` is not in that list (accelerate is imported only then: it costs seconds)."""
     keys = set(_ACCELERATE_KEYS) | set(_ACCELERATE_SPEC)
+    if all(k in keys for k in wanted):
+        return frozenset(keys)
     try:  # optional: the key list of the installed accelerate (this module needs only yaml)
         from accelerate.commands.config.config_args import ClusterConfig
 
@@ -715,10 +739,56 @@ def _accelerate_keys() -> frozenset:
     return frozenset(keys)
 
 
+# accelerate launch copies every key of these sections onto its own command-line arguments (``fsdp_config.x`` ->
+# ``args.fsdp_x``) and silently ignores a key that is not one of them: the prefix it adds, per section.
+_NESTED_PREFIX = {"fsdp_config": ("fsdp", "fsdp_"), "fp8_config": ("fp8", "fp8_"), "dynamo_config": ("dynamo_", "dynamo_")}
+_NESTED_SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config", "megatron_lm_config", "fp8_config",
+                    "dynamo_config", "mpirun_config", "ipex_config")
+
+
+def _launch_argument_names() -> frozenset | None:
+    """The destinations of ``accelerate launch``'s own arguments (None when accelerate is not importable)."""
+    try:
+        from accelerate.commands.launch import launch_command_parser
+
+        return frozenset(a.dest for a in launch_command_parser()._actions)
+    except Exception:  # noqa: BLE001 - accelerate missing or changed: nested keys are then left to accelerate
+        return None
+
+
+def _nested_key_problems(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
+    """A key of ``fsdp_config``, ``deepspeed_config``, ``parallelism_config``, ... that accelerate launch would
+    silently ignore (a typo such as ``fsdp_versoin``): checked against accelerate launch's own argument names."""
+    sections = [(name, acc[name]) for name in _NESTED_SECTIONS if isinstance(acc.get(name), Mapping) and acc[name]]
+    if not sections:
+        return []
+    names = _launch_argument_names()
+    if names is None:
+        return []
+    pool = sorted(names)
+    problems = []
+    for name, section in sections:
+        starts, added = _NESTED_PREFIX.get(name, ("", ""))
+        for key in section:
+            if not isinstance(key, str):
+                problems.append(((name,), f"{name}: key {_short_repr(key)} is not a string"))
+                continue
+            if name == _PC and (not key.startswith(_PC_PREFIX) or key.endswith("_size")):
+                continue  # checked with the sizes in _check_accelerate
+            dest = key if key.startswith(starts) else added + key
+            if dest in names:
+                continue
+            match = difflib.get_close_matches(dest, pool, n=1, cutoff=0.75)
+            hint = f" (did you mean {match[0]!r}?)" if match else " (accelerate launch --help lists them)"
+            problems.append(((name, key), f"{name}.{key}: unknown key{hint}; accelerate launch silently ignores "
+                                          f"a key of {name} that is not one of its arguments"))
+    return problems
+
+
 def _check_accelerate(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
     """(key path, message) for every accelerate key of the wrong type, out of range or misspelled."""
     problems: list[tuple[Path, str]] = []
-    known = _accelerate_keys()
+    known = _accelerate_keys(acc)
     checker = _Validator()
 
     def bad(path: Path, message: str) -> None:
@@ -779,6 +849,7 @@ def _check_accelerate(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
                 bad(path, f"invalid value {_short_repr(value)}; expected a whole number >= 1 ({name} degree)")
             elif not 1 <= value <= 2**20:
                 bad(path, f"invalid value {value}; it must be >= 1 ({name} degree; accelerate has no -1 here)")
+    problems.extend(_nested_key_problems(acc))
     rank, machines = acc.get("machine_rank"), acc.get("num_machines")
     if (isinstance(rank, int) and isinstance(machines, int) and not isinstance(rank, bool) and machines >= 1
             and not 0 <= rank < machines):
@@ -790,32 +861,122 @@ def _env_note(message: str, via_env: bool) -> str:
     return f"{message}\n(config file named by ${ENV_VAR})" if via_env else message
 
 
-def _parse_yaml(text: str, shown: str, via_env: bool) -> tuple[Any, dict[Path, int], list[tuple]]:
-    """Parse YAML text; return (data, {key path: 1-based line}, duplicate keys found)."""
-    loader = yaml.SafeLoader(text)
+MAX_FILE_BYTES = 1 << 20
+"""Largest configuration file read (1 MiB); a bigger file is refused before it is parsed."""
+MAX_DEPTH = 64
+"""Deepest nesting of mappings and lists accepted (a real file nests 4 deep)."""
+MAX_NODES = 100_000
+"""Most values a file may hold once its aliases are expanded (bounds the YAML "billion laughs")."""
+
+# YAML 1.2 forbids these anywhere in a file (PyYAML's reader raises on them); found first, with line and column.
+_CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x84\x86-\x9f\ud800-\udfff\ufffe\uffff]")
+_Loader = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader  # libyaml's C parser where installed
+
+# YAML 1.1 (PyYAML) resolves these plain scalars to numbers or booleans a reader would not expect.
+_SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")
+_INT_TAG, _FLOAT_TAG, _BOOL_TAG = ("tag:yaml.org,2002:" + t for t in ("int", "float", "bool"))
+
+
+def _refuse(message: str, via_env: bool) -> ConfigError:
+    return ConfigError(_env_note(message, via_env))
+
+
+def _check_shape(text: str, shown: str, via_env: bool) -> None:
+    """Refuse, from the event stream (before any node is built), nesting deeper than :data:`MAX_DEPTH` and more
+    than :data:`MAX_NODES` values once aliases are expanded; both in time and memory linear in the file."""
+    loader = _Loader(text)
     try:
-        try:
-            node = loader.get_single_node()
-            data = loader.construct_document(node) if node is not None else None
-        except yaml.YAMLError as err:
-            raise ConfigError(_env_note(_yaml_error_message(err, shown), via_env)) from err
+        depth, total = 0, 0
+        sizes: dict[str, int] = {}  # anchor -> values it expands to
+        open_nodes: list[tuple[str | None, int]] = []  # (anchor, values before it) of each open collection
+        while loader.check_event():
+            event = loader.get_event()
+            line = event.start_mark.line + 1 if event.start_mark is not None else "?"
+            if isinstance(event, yaml.ScalarEvent):
+                total += 1
+                if event.anchor:
+                    sizes[event.anchor] = 1
+            elif isinstance(event, yaml.AliasEvent):
+                total += sizes.get(event.anchor, 1)
+            elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                open_nodes.append((event.anchor, total))
+                total += 1
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise _refuse(f"{shown}:{line}: nesting deeper than {MAX_DEPTH} levels at line {line}; a "
+                                  "configuration file nests a few levels: this is not one", via_env)
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+                anchor, before = open_nodes.pop()
+                if anchor:
+                    sizes[anchor] = total - before
+            if total > MAX_NODES:
+                raise _refuse(f"{shown}:{line}: more than {MAX_NODES:,} values (aliases expanded) at line {line}; "
+                              "a configuration file holds a few dozen: remove the repeated aliases (*name) or the "
+                              "data", via_env)
+    except yaml.YAMLError as err:
+        raise _refuse(_yaml_error_message(err, shown, text), via_env) from None
+    finally:
+        loader.dispose()
+
+
+def _parse_yaml(text: str, shown: str, via_env: bool) -> tuple[Any, dict[Path, int], list[tuple], list[tuple]]:
+    """Parse YAML text; return (data, {key path: 1-based line}, duplicate keys found, YAML 1.1 surprises found).
+
+    Refuses hostile input with one line before building anything: a control character (line and column), nesting
+    deeper than :data:`MAX_DEPTH`, more than :data:`MAX_NODES` values once aliases are expanded."""
+    bad = _CONTROL_CHARS.search(text)
+    if bad is not None:
+        line = text.count("\n", 0, bad.start()) + 1
+        column = bad.start() - (text.rfind("\n", 0, bad.start()) + 1) + 1
+        raise _refuse(f"{shown}:{line}: control character U+{ord(bad.group()):04X} at line {line}, column {column}; "
+                      "YAML allows none anywhere, not even in a comment: remove it", via_env)
+    _check_shape(text, shown, via_env)
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as err:
+        raise _refuse(_yaml_error_message(err, shown, text), via_env) from None
     finally:
         loader.dispose()
     lines: dict[Path, int] = {}
     duplicates: list[tuple] = []
+    surprises: list[tuple] = []
     if node is not None:
-        _index_lines(node, (), lines, duplicates)
-    return data, lines, duplicates
+        _index_lines(node, (), lines, duplicates, surprises, set())
+    return data, lines, duplicates, surprises
 
 
-def _yaml_error_message(err: yaml.YAMLError, shown: str) -> str:
+def _yaml11_surprise(node: yaml.ScalarNode) -> str | None:
+    """Why a plain scalar that YAML 1.1 resolved to a number or a boolean is a surprise (None when it is not)."""
+    if node.style:  # quoted: a string, as written
+        return None
+    raw = node.value
+    if node.tag == _BOOL_TAG and raw.lower() not in ("true", "false"):
+        value = raw.lower() in ("yes", "y", "on")
+        return f"{raw!r} is read by YAML 1.1 as the boolean {str(value).lower()}; write {str(value).lower()}"
+    if node.tag in (_INT_TAG, _FLOAT_TAG) and _SEXAGESIMAL.fullmatch(raw):
+        value = yaml.safe_load(raw)
+        return f"{raw!r} is read by YAML 1.1 as the base-60 number {value}; write the number you mean (e.g. {value})"
+    if node.tag == _INT_TAG and _OCTAL.fullmatch(raw) and raw.lstrip("+-") not in ("0",):
+        value = yaml.safe_load(raw)
+        return (f"{raw!r} is read by YAML 1.1 as the octal number {value}; write {int(raw.replace('_', '')) if raw.replace('_', '').lstrip('+-').isdigit() else value} "
+                f"without the leading zero (or {value} if octal was meant)")
+    return None
+
+
+def _yaml_error_message(err: yaml.YAMLError, shown: str, text: str = "") -> str:
     mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
     problem = getattr(err, "problem", None) or str(err)
     context = getattr(err, "context", None)
     detail = f"{problem} ({context})" if context else problem
     if "constructor for the tag" in str(problem):
         detail += "; configuration files are plain YAML: tags that build Python objects are refused, write the value"
-    if "'\\t'" in str(problem):
+    if "'\\t'" in str(problem) or "tab character" in str(problem).lower():
+        detail += "; indent with spaces, YAML does not allow tabs"
+    if mark is not None and "tabs" not in detail and "\t" in (text.splitlines()[mark.line: mark.line + 1] or [""])[0]:
         detail += "; indent with spaces, YAML does not allow tabs"
     if mark is not None:
         line, column = mark.line + 1, mark.column + 1
@@ -823,21 +984,31 @@ def _yaml_error_message(err: yaml.YAMLError, shown: str) -> str:
     return f"{shown}: invalid YAML: {detail}"
 
 
-def _index_lines(node: yaml.Node, path: Path, lines: dict[Path, int], duplicates: list[tuple]) -> None:
-    """Record the 1-based line of every mapping key, and every duplicated key as (path, line, first line)."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
+def _index_lines(node: yaml.Node, path: Path, lines: dict[Path, int], duplicates: list[tuple],
+                 surprises: list[tuple], seen: set) -> None:
+    """Record the 1-based line of every mapping key, every duplicated key as (path, line, first line) and every
+    YAML 1.1 surprise as (path, line, why).  An aliased node is walked once (its first path): an alias never
+    multiplies the work."""
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.ScalarNode):
+        why = _yaml11_surprise(node)
+        if why is not None:
+            surprises.append((path, node.start_mark.line + 1, why))
+    elif isinstance(node, yaml.MappingNode):
+        found: dict[Any, int] = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
                 continue
             key = key_node.value
             line = key_node.start_mark.line + 1
-            if key in seen:
-                duplicates.append((path + (key,), line, seen[key]))
-            seen.setdefault(key, line)
+            if key in found:
+                duplicates.append((path + (key,), line, found[key]))
+            found.setdefault(key, line)
             lines.setdefault(path + (key,), line)
-            _index_lines(value_node, path + (key,), lines, duplicates)
+            _index_lines(value_node, path + (key,), lines, duplicates, surprises, seen)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             lines.setdefault(path + (index,), item.start_mark.line + 1)
-            _index_lines(item, path + (index,), lines, duplicates)
+            _index_lines(item, path + (index,), lines, duplicates, surprises, seen)

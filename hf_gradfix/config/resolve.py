@@ -93,7 +93,8 @@ class ResolvedConfig:
             f"loss              {'exact token mean over the window and ' + str(self.mesh.dp_cp) + ' rank(s) holding different tokens' if g.loss.enabled else 'left to transformers'}",
             f"packing           {'rows of <= %d tokens (%s)' % (g.packing.token_budget, g.packing.mode) if g.packing.enabled else 'off'}",
             f"optimizer         {opt.name if opt.name != 'none' else 'the Trainer default'}"
-            + (f" (rank {opt.rank or 128}, gap {opt.update_proj_gap})" if opt.name != "none" else ""),
+            + (f" (rank {opt.rank or (1 if opt.name == 'apollo_mini' else 128)}, gap {opt.update_proj_gap})"
+               if opt.name != "none" else ""),
         ]
         if self.deepspeed is not None:
             out[1:2] = _deepspeed_lines(self)
@@ -156,8 +157,12 @@ def resolve_config(
     seq_len: int | None = None,
     grad_accum: int = 1,
     model_config: Any = None,
+    for_launch: bool = False,
 ) -> ResolvedConfig:
-    """Validate a combined YAML and resolve world size, mesh and global batch (raises ConfigError / ParallelDimsError)."""
+    """Validate a combined YAML and resolve world size, mesh and global batch (raises ConfigError / ParallelDimsError).
+
+    ``for_launch`` (``config check`` and ``launch``): also refuse what accelerate's launcher cannot run, with the
+    same line from both."""
     from ..parallel import ParallelDims
 
     path = str(path)
@@ -209,6 +214,12 @@ def resolve_config(
     for flag, value in (("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: invalid value; it must be a whole number >= 1")
+    if for_launch and acc and "distributed_type" not in acc:
+        raise ConfigError(
+            f"{path}: distributed_type: missing; accelerate launch needs it in a file that has accelerate keys "
+            f"({', '.join(sorted(map(str, acc)))}): add distributed_type: 'NO' (one process), MULTI_CPU, MULTI_GPU "
+            "or FSDP"
+        )
     tokens = None
     if gradfix.packing.enabled:
         tokens = gradfix.packing.token_budget

@@ -132,7 +132,8 @@ class PackingConfig:
     )
     token_budget: int = field(
         default=4096,
-        metadata={"min": 8, "help": "tokens per packed row (one bin = one micro-batch; >= 8, at least your longest sample)"},
+        metadata={"min": 8, "max": 2**24,
+                  "help": "tokens per packed row (one bin = one micro-batch; >= 8, at least your longest sample)"},
     )
     mode: PackingMode = field(
         default="varlen",
@@ -240,6 +241,32 @@ class OptimizerConfig:
             "full gradients) or from each matrix's first micro-batch (no step holds them all)"
         },
     )
+
+    def conflicts(self) -> list[tuple[str, str]]:
+        """``(key, problem)`` for each setting the chosen optimizer would silently ignore or override.
+
+        >>> OptimizerConfig(name="apollo_mini", rank=64).conflicts()[0][0]
+        'rank'
+        """
+        out: list[tuple[str, str]] = []
+        galore = self.name in ("galore_adamw", "galore_adamw8bit")
+        apollo = self.name in ("apollo_adamw", "apollo_mini")
+        if self.name == "apollo_mini" and self.rank not in (None, 1):
+            out.append(("rank", f"invalid value {self.rank}; apollo_mini is rank 1 by definition: remove rank, or "
+                                "use name: apollo_adamw for APOLLO at this rank"))
+        if self.scale_type is not None and not apollo:
+            out.append(("scale_type", f"invalid value {self.scale_type!r}; scale_type applies to APOLLO only "
+                                      f"(apollo_adamw, apollo_mini), {self.name!r} would ignore it: remove it"))
+        if self.proj_method != "auto" and not galore:
+            out.append(("proj_method", f"invalid value {self.proj_method!r}; proj_method applies to GaLore only "
+                                       f"(galore_adamw, galore_adamw8bit), {self.name!r} would ignore it: remove it"))
+        if self.lowrank_grads and not galore:
+            out.append(("lowrank_grads", f"invalid value True; lowrank_grads is GaLore-only (galore_adamw, "
+                                         f"galore_adamw8bit), not {self.name!r}: remove it or pick GaLore"))
+        if self.initial_basis != "accumulated" and not self.lowrank_grads:
+            out.append(("initial_basis", f"invalid value {self.initial_basis!r}; initial_basis applies with "
+                                         "lowrank_grads: true only: set lowrank_grads or remove initial_basis"))
+        return out
 
 
 @dataclass

@@ -54,6 +54,7 @@ class GradFixCallback(TrainerCallback):
         check_supported()
         self.config = load_config(config)
         self._trainer = None
+        self._saw_init = False  # on_init_end seen: the callback was given to the Trainer's constructor
 
     def _attach(self, state_obj) -> None:
         trainer = _find_trainer(self)
@@ -63,6 +64,12 @@ class GradFixCallback(TrainerCallback):
                 "`trainer.add_callback(GradFixCallback())`, or use `hf_gradfix.patch()`."
             )
         if state_of(trainer) is None:
+            if self.config.packing.enabled and not self._saw_init:
+                raise GradFixCallbackError(
+                    "hf_gradfix.packing.enabled: GradFixCallback was added with add_callback after the Trainer was "
+                    "built, and the Trainer builds its data loader (with its own collator) before any callback runs. "
+                    "Pass it at construction, Trainer(..., callbacks=[GradFixCallback(...)]), or use hf_gradfix.patch()."
+                )
             if self.config.optimizer.name != "none" and getattr(trainer, "optimizer", None) is not None:
                 raise GradFixCallbackError(
                     f"hf_gradfix.optimizer.name={self.config.optimizer.name!r}: the Trainer already built its "
@@ -106,6 +113,7 @@ class GradFixCallback(TrainerCallback):
             swap_to_fixed_class(trainer)
 
     def on_init_end(self, args, state, control, **kwargs):
+        self._saw_init = True
         self._attach(state)
         return control
 

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from ..config import ConfigError
 from ..config.schema import PackingConfig
+from ..errors import UsageError
 from .state import _nd_dims
 
 logger = logging.getLogger("hf_gradfix")
@@ -86,6 +87,11 @@ def _checked_dataset(trainer, cfg: PackingConfig):
             f"hf_gradfix.packing.enabled: the train dataset is a {type(dataset).__name__} without random access; "
             "packing needs a map-style dataset of samples with 'input_ids'. Fix: tokenize into a datasets.Dataset, "
             "or set packing.enabled: false."
+        )
+    if len(dataset) == 0:  # stock would train 0 steps and exit 0: say so instead
+        raise UsageError(
+            "hf_gradfix packing: the train dataset is empty (0 samples), nothing to pack or train; check the dataset "
+            "(a filter or a split that removed every row?)"
         )
     vocab, label_vocab = _vocab_sizes(trainer.model)
     check = validate_packing_dataset(dataset, vocab_size=vocab, label_vocab_size=label_vocab, token_budget=_check_budget(cfg))
@@ -166,7 +172,14 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
     if cfg.mode == "varlen" and cfg.attention == "auto":
         attention = select_varlen_attention(trainer.args.device)
         set_attention_implementation(model, attention)
-    line = f"packing: {cfg.mode} rows of <= {cfg.token_budget} tokens, attention {attention}"
+    line = f"packing: {cfg.mode} mode, rows of <= {cfg.token_budget} tokens, attention {attention}"
+    if not cfg.guard:
+        logger.warning(
+            "hf_gradfix packing: packing.guard is false, so the model is not checked for letting packed sequences "
+            "attend to each other; a model that mixes them trains on wrong gradients with no error. Keep guard: true "
+            "unless this model is known to pack correctly."
+        )
+        line += ", guard off"
     if cfg.guard:
         budget = _check_budget(cfg)
         longest = None  # a stream's lengths are unknown up front: probe up to the budget
@@ -309,7 +322,15 @@ def load_stream_state(trainer, checkpoint_dir: str | None) -> None:
         return
     with open(state_json) as f:
         global_step = int(json.load(f)["global_step"])
-    state = torch.load(path, weights_only=True)
+    try:
+        state = torch.load(path, weights_only=True)
+        if not isinstance(state, dict):
+            raise ValueError(f"a {type(state).__name__}, not the packer's state")
+    except Exception as exc:  # noqa: BLE001 - truncated / corrupted: the same fallback as a missing file
+        logger.warning("hf_gradfix packing: cannot read the stream state %s (%s: %s); re-reading the stream and "
+                       "skipping the trained rows instead.", path, type(exc).__name__, str(exc).splitlines()[0][:200]
+                       if str(exc) else "")
+        return
     pass_index, pass_start = int(state.pop("pass_index", 0)), int(state.pop("pass_start_step", 0))
     rows = _rows_trained(trainer, global_step - pass_start)
     # the Trainer skips (global_step % max_steps) * GA batches per process; every one must be a placeholder

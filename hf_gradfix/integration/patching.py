@@ -16,6 +16,7 @@ every setting of ``patch()``'s configuration it overrides.
 from __future__ import annotations
 
 import functools
+import warnings
 import logging
 import threading
 from dataclasses import dataclass
@@ -93,7 +94,25 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
         __init__._hf_gradfix_patched = True
         Trainer.__init__ = __init__
         _active.append(_ActivePatch(Trainer, "__init__", original_init, __init__))
+    _warn_if_trainers_exist(Trainer)
     return resolved
+
+
+def _warn_if_trainers_exist(trainer_cls: type) -> None:
+    """patch() fixes Trainers built from now on: one warning when some were built before it (they stay stock)."""
+    import gc
+
+    from .state import state_of
+
+    gc.collect()  # only Trainers still in use (not ones awaiting collection)
+    earlier = [o for o in gc.get_objects() if issubclass(type(o), trainer_cls) and state_of(o) is None]
+    if earlier:
+        warnings.warn(
+            f"hf_gradfix.patch() was called after {len(earlier)} Trainer(s) ({type(earlier[0]).__name__}) were "
+            "built; those stay stock transformers (patch() fixes Trainers built after it). Call hf_gradfix.patch() "
+            "before building the Trainer, or add GradFixCallback() to it at construction.",
+            stacklevel=3,
+        )
 
 
 def unpatch() -> None:

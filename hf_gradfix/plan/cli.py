@@ -43,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--model", required=True, help="tiny name (tiny-llama, llama-3.1-8b, ...), config.json, local dir or hub id")
     ap.add_argument("--config", help="accelerate YAML with an hf_gradfix: section (mesh, optimizer)")
-    ap.add_argument("--num-gpus", type=int, help="world size (overrides num_processes; required for --suggest without --config)")
-    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
-    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch and rank")
-    ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    ap.add_argument("--num-gpus", type=int, help="world size, 1 .. 2**20 (overrides num_processes; required for --suggest "
+                    "without --config)")
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence, 1 .. 2**24")
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch and rank, 1 .. 2**20")
+    ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps, 1 .. 2**20")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
                     help="bf16/fp16: the Playbook's mixed precision (bf16 weights + fp32 master, 16N); amp-bf16: torch "
                          "autocast / FSDP2 MixedPrecisionPolicy as the Trainer runs it; bf16-pure: no master copy")
@@ -54,11 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fused: FlashAttention 2 / SDPA (no s x s scores saved); eager: the model's eager path")
     ap.add_argument("--grad-fp32", action="store_true", help="fp32 gradient accumulation buffer (the Playbook's 20N)")
     ap.add_argument("--optimizer", help="adamw | adamw8bit | galore_adamw | galore_adamw8bit | apollo_adamw | apollo_mini | sgd")
-    ap.add_argument("--rank", type=int, help="GaLore/APOLLO rank (default: the YAML's, else 128)")
+    ap.add_argument("--rank", type=int, help="GaLore/APOLLO rank, 1 .. 65536 (default: the YAML's, else 128)")
     ap.add_argument("--lowrank-grads", action="store_true",
                     help="GaLore low-rank gradient accumulation (optimizer.lowrank_grads): rank-r accumulators instead "
                          "of the projected weights' gradients")
-    ap.add_argument("--update-proj-gap", type=int, help="GaLore refresh gap (default: the YAML's, else 200)")
+    ap.add_argument("--update-proj-gap", type=int, help="GaLore refresh gap, 1 .. 2**31-1 (default: the YAML's, else 200)")
     ap.add_argument("--recompute", default="none", choices=["none", "full"], help="activation recomputation")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
                     help="ZeRO stage (default: a DeepSpeed --config's zero_stage; 3 with FSDP sharding; else 0)")
@@ -71,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--gpu-memory", help="e.g. 80GiB, 40GB")
     g.add_argument("--gpu", help="GPU name, e.g. h100, a100-40gb, rtx4090")
-    ap.add_argument("--simulate", action="store_true", help="also trace one step under fake tensors (rank 0)")
+    ap.add_argument("--simulate", action="store_true",
+                    help="also trace one step under fake tensors (rank 0); needs --dtype fp32, bf16-pure or amp-bf16 "
+                         "(what torch runs): the default bf16 (and fp16) is the closed form's Megatron-style split "
+                         "and is refused")
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit, best expected throughput first")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--plot", metavar="FILE.png", help="the closed form's components: one stacked bar (ranks alike)")
@@ -108,10 +112,12 @@ def _mesh_and_settings(ns, config):
         zero = 2 if deepspeed and zero is None else zero
         mesh.check_model(config)
     s = Settings(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum, dtype=ns.dtype,
-                 grad_fp32=ns.grad_fp32, optimizer=ns.optimizer or opt_name, rank=ns.rank or rank, proj_side=side,
+                 grad_fp32=ns.grad_fp32, optimizer=ns.optimizer or opt_name,
+                 rank=ns.rank if ns.rank is not None else rank, proj_side=side,
                  targets=targets, exclude=exclude, min_size=min_size, recompute=ns.recompute, zero=zero,
                  attention=ns.attention, lowrank_grads=bool(ns.lowrank_grads or lowrank),
-                 update_proj_gap=ns.update_proj_gap or gap, offload_optimizer=offload, deepspeed=deepspeed)
+                 update_proj_gap=ns.update_proj_gap if ns.update_proj_gap is not None else gap,
+                 offload_optimizer=offload, deepspeed=deepspeed)
     return mesh, s
 
 
@@ -221,17 +227,49 @@ def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memor
     plt.close(fig)
 
 
+# flag -> (attribute, highest value): the schema's bounds where the flag mirrors a configuration key
+_FLAG_BOUNDS = {
+    "--num-gpus": ("num_gpus", 2**20), "--seq-len": ("seq_len", 2**24), "--micro-batch": ("micro_batch", 2**20),
+    "--grad-accum": ("grad_accum", 2**20), "--rank": ("rank", 65536), "--update-proj-gap": ("update_proj_gap", 2**31 - 1),
+}
+_IMAGE_TYPES = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp", "eps", "ps", "pgf", "raw", "rgba")
+
+
+def _check_flags(ns) -> None:
+    """Every number and output path of the command line, before any work (one line naming the flag and the fix)."""
+    for flag, (attr, high) in _FLAG_BOUNDS.items():
+        value = getattr(ns, attr)
+        if value is not None and not 1 <= value <= high:
+            raise PlanError(f"{flag} {value}: invalid value; it must be a whole number >= 1 and <= {high}")
+    for flag, path in (("--plot", ns.plot), ("--timeline", ns.timeline)):
+        if path is None:
+            continue
+        import os
+
+        folder = os.path.dirname(os.path.abspath(path))
+        ext = os.path.splitext(path)[1].lower().lstrip(".")
+        if not os.path.isdir(folder):
+            raise PlanError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
+        if ext not in _IMAGE_TYPES:
+            raise PlanError(f"{flag} {path}: unknown image type {('.' + ext) if ext else '(no extension)'}; "
+                            f"end the name with .png, .pdf or .svg")
+        if os.path.isdir(path):
+            raise PlanError(f"{flag} {path}: is a folder; give a file name such as {os.path.join(path, 'plan.png')}")
+
+
 def plan_main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(argv) if argv is not None else None)
     from ..errors import HfGradfixError
 
     try:
-        for flag, value in (("--num-gpus", ns.num_gpus), ("--rank", ns.rank)):
-            if value is not None and value < 1:
-                raise PlanError(f"{flag} {value}: invalid value; it must be a whole number >= 1")
+        _check_flags(ns)
         config = load_model_config(ns.model)
         gpu = parse_memory(ns.gpu_memory or ns.gpu) if (ns.gpu_memory or ns.gpu) else None
         mesh, s = _mesh_and_settings(ns, config)
+        layers = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", 0) or 0
+        if layers > 256:  # building a big model on the meta device takes a while: say so
+            print(f"hf-gradfix plan: building {ns.model}'s {layers} layers on the meta device ...", file=sys.stderr,
+                  flush=True)
         params = param_table(config, targets=s.targets, exclude=s.exclude, min_size=s.min_size)
         plan = estimate(config, mesh, s, gpu_memory=gpu, model_name=ns.model, params=params)
         out: dict = {"plan": plan.to_dict()}

@@ -98,8 +98,13 @@ def parse_memory(text: str | float | int) -> float:
     m = re.fullmatch(r"([0-9.]+)(gib|gb|g|tib|tb|mib|mb)?", s)
     if not m:
         raise PlanError(f"--gpu-memory {text!r}: give a size like 80GiB / 40GB, or a GPU name ({', '.join(sorted(GPU_MEMORY))})")
-    value, unit = float(m.group(1)), m.group(2) or "gib"
+    try:
+        value, unit = float(m.group(1)), m.group(2) or "gib"
+    except ValueError:
+        value, unit = math.nan, "gib"
     scale = {"gib": GiB, "g": GiB, "gb": 1e9, "tib": 1024 * GiB, "tb": 1e12, "mib": 1024**2, "mb": 1e6}[unit]
+    if not (math.isfinite(value) and 0 < value * scale <= 1024**5):
+        raise PlanError(f"--gpu-memory {text!r}: invalid size; give a number > 0 with a unit, like 80GiB / 40GB")
     return value * scale
 
 
@@ -116,21 +121,45 @@ def load_model_config(spec: str):
 
         try:
             data = json.loads(p.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise PlanError(f"--model {spec}: not a JSON config file ({exc})") from exc
+        except (ValueError, OSError) as exc:  # bad JSON, not UTF-8, unreadable
+            raise PlanError(f"--model {spec}: not a JSON config file ({exc})") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"--model {spec}: expected a JSON object (a model's config.json), got a "
+                            f"{type(data).__name__}")
         mt = data.get("model_type")
-        if mt not in CONFIG_MAPPING:
+        if not isinstance(mt, str) or mt not in CONFIG_MAPPING:
             raise PlanError(f"--model {spec}: model_type={mt!r} is not a transformers architecture")
-        return CONFIG_MAPPING[mt].from_dict(data)
+        check_model_sizes(argparse_namespace(data), spec)  # before transformers divides by them
+        try:
+            return check_model_sizes(CONFIG_MAPPING[mt].from_dict(data), spec)
+        except PlanError:
+            raise
+        except (TypeError, ValueError, KeyError, ArithmeticError) as exc:
+            raise PlanError(f"--model {spec}: transformers refuses this config ({type(exc).__name__}: {exc})") from None
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise PlanError(f"--model {spec}: the directory has no config.json")
+        import json
+
         try:
-            return AutoConfig.from_pretrained(str(p))
-        except (OSError, ValueError, KeyError) as exc:  # remote code refused, unknown model_type, bad JSON
+            raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        except (ValueError, OSError):
+            raw = None  # transformers says what is wrong with it below
+        if isinstance(raw, dict):
+            check_model_sizes(argparse_namespace(raw), spec)  # before transformers divides by them
+        try:
+            return check_model_sizes(AutoConfig.from_pretrained(str(p), trust_remote_code=False), spec)  # no remote code
+        except PlanError:
+            raise
+        except ArithmeticError as exc:  # a size of 0 that transformers divides by
+            raise PlanError(f"--model {spec}: transformers refuses this config ({type(exc).__name__}: {exc}); "
+                            "check its sizes") from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # remote code refused, unknown model_type, bad JSON
             raise model_load_error(spec, exc) from None
     try:
-        return AutoConfig.from_pretrained(spec)
+        return check_model_sizes(AutoConfig.from_pretrained(spec, trust_remote_code=False), spec)
+    except PlanError:
+        raise
     except Exception as exc:  # OSError (not found / offline), ValueError (unknown type)
         if "trust_remote_code" in str(exc) or "custom code" in str(exc):
             raise model_load_error(spec, exc) from None
@@ -139,6 +168,36 @@ def load_model_config(spec: str):
             f"directory with a config.json, or a hub id reachable from here (only its config is read). ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''})"
         ) from exc
+
+
+def argparse_namespace(data: dict):
+    """A dict's items as attributes (a ``config.json`` read as JSON, checked before transformers builds it)."""
+    import argparse
+
+    return argparse.Namespace(**{k: v for k, v in data.items() if isinstance(k, str)})
+
+
+MAX_MODEL_DIM = 2**24
+MAX_MODEL_LAYERS = 4096
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "vocab_size", "head_dim")
+
+
+def check_model_sizes(config, spec: str):
+    """Refuse, before any work, a config whose sizes are not whole numbers >= 1 or are beyond any real model
+    (each <= 2**24, at most 4096 layers): such a plan would divide by zero or build a model for minutes."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None:
+            continue
+        for key in _SIZE_KEYS:
+            value = getattr(cfg, key, None)
+            if value is None:
+                continue
+            high = MAX_MODEL_LAYERS if key == "num_hidden_layers" else MAX_MODEL_DIM
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise PlanError(f"--model {spec}: {key}={value!r}: invalid value; it must be a whole number >= 1 and "
+                                f"<= {high}")
+    return config
 
 
 @dataclass
