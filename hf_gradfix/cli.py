@@ -169,7 +169,7 @@ def launch(argv: Sequence[str]) -> int:
     args = _launch_parser().parse_args(list(argv))
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
     tmp = None
-    saved_env = {k: os.environ.get(k) for k in (ENV_VAR, "ACCELERATE_USE_CPU", "ACCELERATE_ALLOW_CP_STANDALONE")}
+    saved_env = {k: os.environ.get(k) for k in (ENV_VAR, "ACCELERATE_USE_CPU", "DS_ACCELERATOR", "ACCELERATE_ALLOW_CP_STANDALONE")}
     try:
         if path is not None:
             # validate everything (file, accelerate keys, section, mesh) before any process starts
