@@ -402,8 +402,11 @@ def _builtin(ns: argparse.Namespace) -> int:
         raise model_load_error(spec, err) from None
     n = batch_size * grad_accum * max(1, int(os.environ.get("WORLD_SIZE", "1"))) * ns.steps * 2
     samples = V.load_samples(ns.data, model, spec, n)
-    report = V.verify(lambda: model, samples, config=ns.config, grad_accum=grad_accum, batch_size=batch_size,
-                      steps=ns.steps, packing=ns.packing, inject=ns.inject, tolerance=ns.tolerance)
+    # --json: stdout carries the report only; what libraries print while the run imports them (DeepSpeed's
+    # accelerator notice, for one) goes to stderr, as the script's own output does under run_script
+    with contextlib.redirect_stdout(sys.stderr) if ns.json else contextlib.nullcontext():
+        report = V.verify(lambda: model, samples, config=ns.config, grad_accum=grad_accum, batch_size=batch_size,
+                          steps=ns.steps, packing=ns.packing, inject=ns.inject, tolerance=ns.tolerance)
     _print_report(report, ns)
     if ns.plot_curves and int(os.environ.get("RANK", "0")) == 0:
         V.plot_loss_curves(ns.plot_curves, lambda: V.load_model(spec), samples, steps=ns.plot_steps,
