@@ -99,6 +99,8 @@ def test_launch_keeps_deepspeed_on_under_use_cpu(tmp_path, monkeypatch):
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.update(
         use_cpu=os.environ.get("ACCELERATE_USE_CPU"), ds=os.environ.get("DS_ACCELERATOR")))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")  # launch refuses a script that does not exist
     assert launch(["--config_file", str(CONFIGS / "cpu_deepspeed.yaml"), "train.py"]) == 0
     assert seen == {"use_cpu": None, "ds": "cpu"}
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
