@@ -306,12 +306,14 @@ def test_config_check_refuses_cp_under_accelerate_fsdp(tmp_path, capsys):
     assert "cp=2 with accelerate's FSDP plugin" in capsys.readouterr().err
 
 
-def test_launch_allows_accelerate_cp_without_its_fsdp_plugin(monkeypatch):
+def test_launch_allows_accelerate_cp_without_its_fsdp_plugin(monkeypatch, tmp_path):
     """accelerate refuses parallelism_config cp > 1 without its FSDP plugin; the launcher lifts that (the plugin shards)."""
     import accelerate.commands.launch as accelerate_launch
 
     from hf_gradfix.cli import launch
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")  # launch refuses a script that does not exist
     seen = {}
     monkeypatch.setenv("ACCELERATE_ALLOW_CP_STANDALONE", "false")  # restored (unset) after the test
     monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.update(
