@@ -191,10 +191,14 @@ class GradientNoiseScaleCallback(TrainerCallback):
         collective after one rank's exception could hang)."""
         if not self._active:
             return
-        self.monitor.discard_window()
-        if self._trainer.accelerator.num_processes == 1:
-            self.monitor.flush()
-        self._detach()
+        try:
+            self.monitor.discard_window()
+            if self._trainer.accelerator.num_processes == 1:
+                self.monitor.flush()
+        except Exception:  # noqa: BLE001  (e.g. a failed device): the run's own exception is the one to see
+            logger.warning("hf_gradfix: the gradient noise scale of the steps before the exception is lost")
+        finally:
+            self._detach()
 
     def _install(self, trainer: Trainer) -> None:
         """Wrap methods on the trainer instance and its callback handler (their classes are untouched)."""
