@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import sys
+import types
 
 import pytest
 import torch
@@ -466,3 +467,159 @@ def test_second_train_call_with_a_foreign_wrapper_counts_once():
         assert s1 == s2 and q2 == pytest.approx(q1, rel=1e-6)  # lr = 0: same weights, same micro-batches
     assert len(cb.history) == 4 and not cb.monitor.attached
     assert trainer.get_batch_samples is foreign
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Lifecycle (issue 25): a second train(), a second Trainer on the same model, an exception in the middle of a run
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _hooks_on(model) -> int:
+    """Tensor hooks registered on the model's parameters (``p.register_hook``)."""
+    return sum(len(p._backward_hooks or {}) for p in model.parameters())
+
+
+class _HookCounter:
+    """A duck-typed TrainerCallback: the hooks on the model at every optimizer step."""
+
+    def __init__(self, model):
+        self.model, self.counts = model, []
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_step_end(self, *args, **kwargs):
+        self.counts.append(_hooks_on(self.model))
+
+
+def _check_own_micro_batches(model, samples, record, records, first_step=0):
+    """Each recorded step's micro-batch norms are those of the micro-batches this run drew (plain PyTorch);
+    ``first_step``: the run's first step in ``record.steps`` (a second train() appends to it)."""
+    assert len(records) == len(record.steps) - first_step >= 2
+    for k, rec in enumerate(records):
+        want = _explicit_micro_sq(model, samples, record, first_step + k)
+        assert rec["micro_sizes"] == [sum(H.sample_loss_count(s, "causal") for s in samples if s["idx"] in b)
+                                      for b in record.steps[first_step + k]["idx_batches"]]
+        assert rec["micro_sq"] == pytest.approx(want, rel=1e-6), k
+
+
+def test_second_train_and_second_trainer_leave_no_hooks():
+    """The same callback for two train() calls, then a second Trainer with its own callback on the same model, then
+    the first callback in a third Trainer: one set of hooks while a run trains, none after it; each run's records are
+    its own micro-batches (nothing counted twice, nothing carried over)."""
+    from hf_gradfix import GradientNoiseScaleCallback
+
+    model = H.build_model("llama")
+    n_params = sum(1 for p in model.parameters() if p.requires_grad)
+    samples = _skewed(H.make_samples("causal", n=16, seed=7))
+    other = _skewed(H.make_samples("causal", n=16, seed=8))
+    cb = GradientNoiseScaleCallback(record=True)
+    counter = _HookCounter(model)
+    record = H.run_trainer(model, samples, per_device_train_batch_size=BS, gradient_accumulation_steps=GA,
+                           callbacks=[cb, counter])  # fmt: skip
+    assert _hooks_on(model) == 0 and counter.counts == [n_params] * 2
+    _check_own_micro_batches(model, samples, record, cb.monitor.records)
+    record.trainer.train()
+    assert _hooks_on(model) == 0 and counter.counts == [n_params] * 4
+    _check_own_micro_batches(model, samples, record, cb.monitor.records[2:], first_step=2)
+    cb2 = GradientNoiseScaleCallback(record=True)
+    record2 = H.run_trainer(model, other, per_device_train_batch_size=BS, gradient_accumulation_steps=GA,
+                            callbacks=[cb2, counter])  # fmt: skip
+    assert _hooks_on(model) == 0 and counter.counts == [n_params] * 6
+    _check_own_micro_batches(model, other, record2, cb2.monitor.records)
+    assert len(cb.monitor.records) == 4 and not cb.monitor._norms  # the first callback saw nothing of it
+    record3 = H.run_trainer(model, other, per_device_train_batch_size=BS, gradient_accumulation_steps=GA,
+                            callbacks=[cb, counter])  # fmt: skip
+    assert _hooks_on(model) == 0 and counter.counts == [n_params] * 8
+    _check_own_micro_batches(model, other, record3, cb.monitor.records)  # a new trainer: a new monitor
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("where", ["forward", "callback", "optimizer"])
+def test_exception_mid_run_removes_the_hooks(where):
+    """An exception in the middle of window 1 (inside the model's forward, or in another callback after a
+    micro-batch): the hooks are off the model at once, the trainer's methods are its own again, and train() again
+    (and a second Trainer) measure only their own micro-batches. An exception the callback cannot see (in the
+    optimizer's step: the Trainer has no event for it) leaves the hooks until the next run on the model starts, which
+    takes them off (one set of hooks while it trains)."""
+    from transformers import TrainerCallback
+
+    from hf_gradfix import GradientNoiseScaleCallback
+
+    model = H.build_model("llama")
+    n_params = sum(1 for p in model.parameters() if p.requires_grad)
+    samples = _skewed(H.make_samples("causal", n=16, seed=9))
+    calls = {"forward": 0, "substep": 0, "step": 0}
+
+    def fail_in_forward(module, args):
+        calls["forward"] += 1
+        if where == "forward" and calls["forward"] == 6:
+            raise _Boom("forward failed")
+
+    class FailInCallback(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kwargs):
+            calls["substep"] += 1
+            if where == "callback" and calls["substep"] == 5:
+                raise _Boom("a callback failed")
+
+    def fail_in_optimizer(trainer):
+        trainers.append(trainer)
+        create = trainer.create_optimizer
+
+        def create_optimizer(*args, **kwargs):
+            optimizer = create(*args, **kwargs)
+            step = optimizer.step
+
+            def failing_step(self, *args, **kwargs):
+                calls["step"] += 1
+                if where == "optimizer" and calls["step"] == 2:
+                    raise _Boom("the optimizer failed")
+                return step(*args, **kwargs)
+
+            optimizer.step = types.MethodType(failing_step, optimizer)  # the lr scheduler wants a bound method
+            return optimizer
+
+        trainer.create_optimizer = create_optimizer
+
+    handle = model.register_forward_pre_hook(fail_in_forward)
+    cb = GradientNoiseScaleCallback(record=True)
+    counter = _HookCounter(model)
+    trainers = []
+    with pytest.raises(_Boom):
+        H.run_trainer(model, samples, per_device_train_batch_size=BS, gradient_accumulation_steps=GA,
+                      callbacks=[cb, FailInCallback(), counter], before_train=fail_in_optimizer)  # fmt: skip
+    handle.remove()
+    trainer = trainers[0]
+    calls["forward"] = calls["substep"] = calls["step"] = 10**6  # no more failures
+    model.zero_grad(set_to_none=True)  # the broken window's partial gradient is the user's to drop
+    if where == "optimizer":
+        assert _hooks_on(model) == n_params and len(cb.history) == 1
+        cb2 = GradientNoiseScaleCallback(record=True)
+        record2 = H.run_trainer(model, samples, per_device_train_batch_size=BS, gradient_accumulation_steps=GA,
+                                callbacks=[cb2, counter])  # fmt: skip
+        assert _hooks_on(model) == 0 and counter.counts == [n_params] * 3 and not cb.monitor.attached
+        _check_own_micro_batches(model, samples, record2, cb2.monitor.records)
+        return
+    assert _hooks_on(model) == 0
+    assert not {"get_batch_samples", "log", "_get_grad_norm", "training_step"} & set(trainer.__dict__)
+    assert len(cb.history) == 1 and counter.counts == [n_params]  # window 0 was measured, window 1 broke off
+    recorder = next(c for c in trainer.callback_handler.callbacks if hasattr(c, "_consumed_at_last_step"))
+    recorder.steps.clear()  # the harness's bookkeeping starts again (the broken window left it misaligned)
+    recorder._consumed_at_last_step = trainer._hgf_consumed = 0
+    trainer.data_collator.batches.clear()
+    trainer.train()
+    assert _hooks_on(model) == 0 and counter.counts == [n_params] * 3
+    record = H.RunRecord(steps=recorder.steps, logged_losses=[], trainer=trainer, task="causal",
+                         initial_state={k: v.clone() for k, v in model.state_dict().items()},  # lr 0
+                         collator=trainer.data_collator)  # fmt: skip
+    _check_own_micro_batches(model, samples, record, cb.monitor.records[1:])
+    cb2 = GradientNoiseScaleCallback(record=True)
+    record2 = H.run_trainer(model, samples, per_device_train_batch_size=BS, gradient_accumulation_steps=GA,
+                            callbacks=[cb2])  # fmt: skip
+    assert _hooks_on(model) == 0
+    _check_own_micro_batches(model, samples, record2, cb2.monitor.records)

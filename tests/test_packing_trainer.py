@@ -179,3 +179,32 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
     for name, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[name]), name
     assert any(not torch.equal(v, moved[k]) for k, v in straight.state_dict().items())  # training did move the weights
+
+
+def test_lifecycle_epochs_short_last_window_second_train_and_second_trainer():
+    """Map-style packing over a run's lifecycle (issue 25): 3 epochs whose packed rows do not divide by GA 3 (the
+    last window of every epoch is shorter), train() again on the same trainer, and a second Trainer on the same
+    model: every optimizer step against the unpacked ground truth of the samples its bins hold."""
+    samples = H.make_samples("causal", n=14, seed=4, prompt_mask_frac=0.3)
+    model = H.build_model("llama", attn_implementation="sdpa")
+    ga, epochs = 3, 3
+    windows = _windows(samples, ga, epochs=epochs)
+    assert [len(w) for w in windows] == [3, 2] * epochs  # 5 rows per epoch: the last window of each is shorter
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET}})
+    try:
+        first, grads = _train(model, samples, ga=ga, epochs=epochs)
+        capture = next(c for c in first.callback_handler.callbacks if isinstance(c, H.GradCapture))
+        capture.grads.clear()
+        first.train()
+        second_train = list(capture.grads)
+        _, second_trainer = _train(model, samples, ga=ga, epochs=epochs)
+    finally:
+        hf_gradfix.unpatch()
+    cache = {}
+    for name, run in (("first train()", grads), ("second train()", second_train), ("second Trainer", second_trainer)):
+        assert len(run) == len(windows), (name, len(run), len(windows))
+        for k, (window, g) in enumerate(zip(windows, run)):
+            if k not in cache:
+                cache[k] = H.ground_truth(model, [samples[i] for b in window for i in b], "causal")[1]
+            err = H.rel_err(g, cache[k])
+            assert err <= GRAD_TOL, f"{name} step {k} ({len(window)} rows): {err:.3e}"

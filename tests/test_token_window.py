@@ -18,6 +18,7 @@ import torch
 
 import harness as H
 from hf_gradfix import TokenWindow
+from hf_gradfix.errors import UsageError
 
 GRAD_TOL = 1e-5
 LOSS_TOL = 1e-6
@@ -225,3 +226,98 @@ def test_ddp_uneven_ranks_empty_window_and_aux():
             assert w0["num_items"] == count
             assert H.rel_err(w0["grads"], gt) <= GRAD_TOL, (mode, H.rel_err(w0["grads"], gt))
             assert abs(w0["loss"] - ce_mean) / ce_mean <= LOSS_TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The lifecycle of a hand-written accelerate loop (issue 25): several passes, a short last window, an exception in
+# the middle of a window, a second TokenWindow on the same model; the weights move (SGD), every window is checked
+# against the ground truth at the weights it was computed at.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def test_lifecycle_of_an_accelerate_loop():
+    """10 micro-batches, GA 4: windows of 4, 4, 2 in every pass (the last one shorter than GA, one optimizer step).
+    Pass 0 and 1 whole; pass 2 raises after 2 micro-batches of its window 1; the loop recovers with zero_grad() and
+    a new pass (3), which must be exact from its first window (nothing of the broken window in it), accelerate's
+    ``sync_gradients`` back on (else ``optimizer.step()`` is skipped); then a second TokenWindow (GA 3, other data:
+    windows of 3, 3, 1) on the same model and optimizer, then the first one again."""
+    from accelerate import Accelerator
+
+    model = H.build_model("llama")
+    gt_model = H.build_model("llama")
+    accelerator = Accelerator(cpu=True)
+    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.5))
+    collate = H.RecordingCollator("causal", H.pad_id_of(model)).collate
+    loader = lambda samples: accelerator.prepare(torch.utils.data.DataLoader(  # noqa: E731
+        samples, batch_size=1, shuffle=False, collate_fn=lambda b: dict(collate(b), idx=[s["idx"] for s in b])))
+    first = H.make_samples("causal", n=10, seed=11, prompt_mask_frac=0.3)
+    second = [dict(s, idx=100 + s["idx"]) for s in H.make_samples("causal", n=7, seed=12)]
+    by_idx = {s["idx"]: s for s in first + second}
+    tw1 = TokenWindow(accelerator, loader(first), 4, model=model, count_rule="shifted")
+    tw2 = TokenWindow(accelerator, loader(second), 3, model=model, count_rule="shifted")
+    checked = []
+
+    def run_pass(tw, raise_at=None):
+        """One pass; per window: (idx, gradient, loss, weights it was computed at). ``raise_at``: (window, micro)."""
+        for window in tw:
+            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            idx = []
+            for batch, micro in window:
+                if (window.index, micro.index) == raise_at:
+                    raise _Boom("a micro-batch failed")
+                idx += batch["idx"]
+                inputs = {k: v for k, v in batch.items() if k != "idx"}
+                out = model(**inputs, num_items_in_batch=micro.num_items_in_batch)
+                accelerator.backward(micro.model_loss(out.loss))
+            checked.append(dict(idx=idx, grads=H._grads(model), loss=window.loss, num_items=window.num_items,
+                                weights=weights))
+            optimizer.step()
+            optimizer.zero_grad()
+            assert any(not torch.equal(v, weights[k]) for k, v in model.state_dict().items())  # the step ran
+
+    run_pass(tw1)
+    run_pass(tw1)
+    assert [len(c["idx"]) for c in checked] == [4, 4, 2] * 2
+    with pytest.raises(_Boom):
+        run_pass(tw1, raise_at=(1, 2))
+    assert len(checked) == 7  # window 0 of pass 2 stepped, window 1 broke off after 2 micro-batches
+    assert accelerator.sync_gradients  # the window's no_sync / sync_gradients state did not outlive it
+    optimizer.zero_grad()  # the broken window's partial gradient is the loop's to drop (like any PyTorch loop)
+    run_pass(tw1)
+    run_pass(tw2)
+    run_pass(tw1)
+    sizes = [len(c["idx"]) for c in checked]
+    assert sizes == [4, 4, 2] * 2 + [4] + [4, 4, 2] + [3, 3, 1] + [4, 4, 2], sizes
+    errs = []
+    for k, c in enumerate(checked):
+        gt_model.load_state_dict(c["weights"])
+        d = H.ground_truth_details(gt_model, [by_idx[i] for i in c["idx"]], "causal")
+        assert c["num_items"] == d["n_targets"], k
+        errs.append(H.rel_err(c["grads"], d["grads"]))
+        assert errs[-1] <= GRAD_TOL, (k, errs[-1])
+        assert abs(c["loss"] - d["loss"]) / d["loss"] <= LOSS_TOL, (k, c["loss"], d["loss"])
+    print(f"\nTokenWindow lifecycle: {len(checked)} windows, max gradient error {max(errs):.1e}")
+
+
+def test_a_window_broken_off_inside_the_loop_is_refused_and_the_next_pass_is_exact():
+    """``try/except`` around one window and ``continue``: the half window cannot be skipped silently (every rank must
+    run every micro-batch); the error says so, and a new pass afterwards is exact."""
+    model = H.build_model("llama")
+    samples = H.make_samples("causal", n=6, seed=13)
+    batches = micro_batches(model, samples, 1)
+    tw = TokenWindow(None, batches, 4, model=model)
+    with pytest.raises(UsageError, match="window 0 was not iterated to its end"):
+        for window in tw:
+            try:
+                for batch, micro in window:
+                    if micro.index == 1:
+                        raise _Boom("skip this window")
+                    micro.model_loss(model(**inputs_of(batch), num_items_in_batch=micro.num_items_in_batch).loss).backward()
+            except _Boom:
+                H._zero_grads(model)
+                continue
+    check_exact(model, samples, "causal", run_windows(model, batches, 4, "model"))

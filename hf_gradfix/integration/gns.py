@@ -34,6 +34,7 @@ import collections
 import logging
 import math
 import os
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -137,6 +138,13 @@ class GradientNoiseScaleCallback(TrainerCallback):
                 "loop use hf_gradfix.diagnostics.NoiseScaleMonitor."
             )
         _check_setup(trainer)
+        # A run that ended without on_train_end (an exception none of our wrappers saw), of this callback or of
+        # another one on the same model: its hooks come off now, before this run's hooks go on.
+        stale = _MEASURING.get(_unwrapped(trainer.model))
+        if stale is not None and stale is not self:
+            stale._abort()
+        if self._active:
+            self._abort()
         if self.monitor is None or self._trainer is not trainer:
             accelerator = trainer.accelerator
             if accelerator.num_processes > 1:
@@ -152,6 +160,7 @@ class GradientNoiseScaleCallback(TrainerCallback):
             self.monitor.attach()
         self._install(trainer)
         self._active = True
+        _MEASURING[_unwrapped(trainer.model)] = self
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -159,9 +168,7 @@ class GradientNoiseScaleCallback(TrainerCallback):
             return control
         self.monitor.discard_window()
         self.monitor.flush()  # every rank: the same steps are queued everywhere
-        self.monitor.remove()
-        self._active = False
-        self._uninstall()
+        self._detach()
         if self.plot_path is not None and state.is_world_process_zero and self.history:
             try:
                 self.plot(self.plot_path)
@@ -169,18 +176,44 @@ class GradientNoiseScaleCallback(TrainerCallback):
                 logger.warning("hf_gradfix: no gradient-noise-scale plot written: %s", err)
         return control
 
+    def _detach(self) -> None:
+        """Hooks off the model, wrappers off the trainer: the end of this callback's run."""
+        self.monitor.remove()
+        self._active = False
+        self._uninstall()
+        model = _unwrapped(self._trainer.model)
+        if _MEASURING.get(model) is self:
+            del _MEASURING[model]
+
+    def _abort(self) -> None:
+        """The run ended by an exception (the Trainer has no event for it): drop the broken window and detach, so the
+        model keeps no hooks. Completed steps still queued are reduced in one process; under DDP they are dropped (a
+        collective after one rank's exception could hang)."""
+        if not self._active:
+            return
+        try:
+            self.monitor.discard_window()
+            if self._trainer.accelerator.num_processes == 1:
+                self.monitor.flush()
+        except Exception:  # noqa: BLE001  (e.g. a failed device): the run's own exception is the one to see
+            logger.warning("hf_gradfix: the gradient noise scale of the steps before the exception is lost")
+        finally:
+            self._detach()
+
     def _install(self, trainer: Trainer) -> None:
-        """Wrap three methods on the trainer instance (its class is untouched)."""
-        wrappers = {"get_batch_samples": self._wrap_get_batch_samples, "log": self._wrap_log}
+        """Wrap methods on the trainer instance and its callback handler (their classes are untouched)."""
+        wrappers = {"get_batch_samples": self._wrap_get_batch_samples, "log": self._wrap_log,
+                    "training_step": self._wrap_raising, "call_event": self._wrap_raising}  # fmt: skip
         if hasattr(trainer, "_get_grad_norm"):  # transformers 5.x: the pre-clip norm, whatever computes it
             wrappers["_get_grad_norm"] = self._wrap_get_grad_norm
         for name, make in wrappers.items():
-            if self._wrappers.get(name) is not None and trainer.__dict__.get(name) is self._wrappers[name]:
+            owner = self._owner(trainer, name)
+            if self._wrappers.get(name) is not None and owner.__dict__.get(name) is self._wrappers[name]:
                 continue  # still installed from a previous train() call
-            self._saved[name] = trainer.__dict__.get(name, _MISSING)
-            wrapper = make(getattr(trainer, name))
+            self._saved[name] = owner.__dict__.get(name, _MISSING)
+            wrapper = make(getattr(owner, name))
             self._wrappers[name] = wrapper
-            setattr(trainer, name, wrapper)
+            setattr(owner, name, wrapper)
         if not hasattr(trainer, "_get_grad_norm"):  # transformers 4.57: read what clip_grad_norm_ returns
             accelerator = trainer.accelerator
             ours = self._wrappers.get("clip_grad_norm_")
@@ -193,7 +226,7 @@ class GradientNoiseScaleCallback(TrainerCallback):
     def _uninstall(self) -> None:
         trainer = self._trainer
         for name, wrapper in list(self._wrappers.items()):
-            owner = trainer.accelerator if name == "clip_grad_norm_" else trainer
+            owner = self._owner(trainer, name)
             saved = self._saved.pop(name, _MISSING)
             del self._wrappers[name]  # from now on that wrapper only passes calls through
             if owner.__dict__.get(name) is not wrapper:
@@ -202,6 +235,14 @@ class GradientNoiseScaleCallback(TrainerCallback):
                 delattr(owner, name)
             else:
                 setattr(owner, name, saved)
+
+    @staticmethod
+    def _owner(trainer: Trainer, name: str):
+        if name == "clip_grad_norm_":
+            return trainer.accelerator
+        if name == "call_event":
+            return trainer.callback_handler
+        return trainer
 
     # -- wrappers -------------------------------------------------------------------------------------------------
     # Each wrapper acts only while it is the installed one (``self._wrappers``): a wrapper left in a chain by
@@ -217,6 +258,20 @@ class GradientNoiseScaleCallback(TrainerCallback):
             return batches, num_items
 
         return get_batch_samples
+
+    def _wrap_raising(self, original):
+        """``training_step`` (forward and backward) and the callback handler's ``call_event`` (every other
+        callback): an exception there ends the run, so the hooks come off before it propagates."""
+
+        def wrapper(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except BaseException:
+                if self._live(wrapper):
+                    self._abort()
+                raise
+
+        return wrapper
 
     def _wrap_get_grad_norm(self, original):
         def get_grad_norm(*args, **kwargs):
@@ -299,6 +354,14 @@ class GradientNoiseScaleCallback(TrainerCallback):
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------------------------
+
+
+# model -> the callback whose hooks are on it (at most one run trains a model at a time)
+_MEASURING: "weakref.WeakKeyDictionary[torch.nn.Module, GradientNoiseScaleCallback]" = weakref.WeakKeyDictionary()
+
+
+def _unwrapped(model):
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _world(trainer: Trainer) -> int:
