@@ -33,12 +33,12 @@ TF457_TESTS=(tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_
     tests/test_packing_stream.py tests/test_optim_trainer.py tests/test_nd_parallel.py tests/test_token_window.py
     tests/test_noise_scale.py tests/test_plan.py tests/test_memory_timeline.py tests/test_ecosystem.py
     tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py tests/test_lock.py)
-# --quick: pure math, configuration, the packer, the loss fix through the Trainer, the CLI's parsers; no process
-# launches (the distributed marker) and no docs build. Measured in docs/testing.md.
-QUICK_TESTS=(tests/test_loss_math.py tests/test_config.py tests/test_bad_inputs.py tests/test_packing_binpack.py
-    tests/test_packing_sampler.py tests/test_packing_collator.py tests/test_packing_attention.py
-    tests/test_optim_unit.py tests/test_parallel_dims.py tests/test_exactness.py tests/test_entry_points.py
-    tests/test_layout.py)
+# --quick: pure math, configuration, the packer, the optimizers against their references, the loss fix against the
+# ground truth (harness self-check, TokenWindow), the lock and the layout; no process launches (the distributed
+# marker) and no docs build. Measured in docs/testing.md.
+QUICK_TESTS=(tests/test_loss_math.py tests/test_config.py tests/test_packing_binpack.py tests/test_packing_sampler.py
+    tests/test_packing_collator.py tests/test_optim_unit.py tests/test_parallel_dims.py tests/test_harness_selfcheck.py
+    tests/test_token_window.py tests/test_lock.py tests/test_layout.py)
 
 case "$mode" in
 quick)
