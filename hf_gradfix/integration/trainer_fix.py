@@ -19,6 +19,7 @@ How each loss behaves is detected by probing it on the first batch (:mod:`hf_gra
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import copy
 import inspect
@@ -448,6 +449,11 @@ class _IdleMicroBatch(dict):
 def _close_short_window(trainer: Trainer, batches: list, num_batches: int, device: Any) -> list:
     """A window the data ended inside, brought to ``num_batches`` micro-batches by idle ones in front (see
     :class:`_IdleMicroBatch`); every rank has the same number of micro-batches in every window then."""
+    # Only where transformers cannot close the window itself: a dataset without a length (a stream). A map-style
+    # epoch's last window is already asked for with its own, shorter num_batches; a shortfall there (4.57 on resume)
+    # is left exactly as stock.
+    if isinstance(getattr(trainer, "train_dataset", None), collections.abc.Sized):
+        return batches
     if 0 < len(batches) < num_batches:
         idle = [_IdleMicroBatch.for_model(trainer.model, device) for _ in range(num_batches - len(batches))]
         return idle + batches
