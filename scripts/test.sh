@@ -53,10 +53,10 @@ locked)
     HF_GRADFIX_LOCK="$TF5_LOCK" bash scripts/setup_env.sh "$TF5_VENV" "$TF5_EXTRAS" "${TF5_ARGS[@]}"
     HF_GRADFIX_LOCK="$TF457_LOCK" bash scripts/setup_env.sh "$TF457_VENV" "$TF457_EXTRAS" "${TF457_ARGS[@]}"
 
-    phase "2/3 transformers 5.x: full suite (about 12-20 min on 2 cores; pytest prints a dot per test and the percentage done)"
+    phase "2/3 transformers 5.x: full suite (about 18-28 min on 2 cores; pytest prints a dot per test and the percentage done)"
     "$TF5_VENV/bin/python" -m pytest -q -p no:cacheprovider --doctest-modules hf_gradfix tests "${pytest_args[@]}"
 
-    phase "3/3 transformers 4.57.x: loss, ecosystem, packing, optimizer-integration, ND, TokenWindow and noise-scale tests (about 7 min)"
+    phase "3/3 transformers 4.57.x: loss, ecosystem, packing, optimizer-integration, ND, TokenWindow and noise-scale tests (about 8-16 min)"
     "$TF457_VENV/bin/python" -m pytest -q -p no:cacheprovider "${TF457_TESTS[@]}" -k "not trl" "${pytest_args[@]}"
     phase "done: every phase passed"
     ;;
