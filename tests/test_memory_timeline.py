@@ -161,13 +161,18 @@ def test_recorder_on_fsdp2_equals_the_trace(tmp_path):
     from hf_gradfix.plan.simulate import simulate
 
     path = str(tmp_path / "timelines.pkl")
-    mp.spawn(_fsdp2_worker, args=(2, path, 29000 + (os.getpid() % 500)), nprocs=2)
+    mp.spawn(_fsdp2_worker, args=(2, path, H._free_port()), nprocs=2)
     with open(path, "rb") as f:
         steady, accumulated = pickle.load(f)
     pred = simulate(load_model_config("tiny-llama"), ParallelDims(2, dp_shard=2),
                     Settings(seq_len=64, micro_batch=2, dtype="fp32", optimizer="sgd"))["timeline"]
     assert steady.category_max()["comm_buffers"] > 0
-    assert steady.category_max() == pred.category_max() and steady.peak == pred.peak
+    assert steady.category_max() == pred.category_max()
+    # The peak itself depends on thread timing: gloo completes FSDP2's async reduce-scatter on a background thread,
+    # and in about 1 run in 6 a layer's reduce-scatter buffers are still alive when the next layer's backward
+    # samples (measured on 4.57.6: 6,750,024 vs 6,695,240 B, +0.8 %, every category maximum equal). The trace is the
+    # lower bound; the bound above it is one reduce-scatter's worth of overlap.
+    assert pred.peak <= steady.peak <= pred.peak * 1.01, (steady.peak, pred.peak)
     _assert_sums(accumulated)
     assert [e["label"] for e in accumulated.events()].count("backward layer 0") == 2
 
