@@ -54,8 +54,10 @@ PACKED_BUDGET, PACKED_GA, PACKED_SEED = 128, 2, 3
 PACKED_SCENARIOS: dict[str, dict] = {
     "packed_cp2": {"parallel": {"dp_shard": 1, "cp": 2}},
     # negative controls: the mask built after the split (each rank's own sdpa over its permuted shard, the model's
-    # mask from the local position_ids), and positions not restarted per document (0..L-1 over the row)
+    # mask from the local position_ids), and positions numbered per shard (not split with the tokens); positions not
+    # restarted per document (0..L-1 over the row) is recorded too: exact on a RoPE model (relative positions)
     "packed_cp2_control_mask_after_split": {"parallel": {"dp_shard": 1, "cp": 2}},
+    "packed_cp2_control_positions_local": {"parallel": {"dp_shard": 1, "cp": 2}},
     "packed_cp2_control_positions_not_restarted": {"parallel": {"dp_shard": 1, "cp": 2}},
     "packed_shard2_cp2": {"parallel": {"dp_shard": 2, "cp": 2}},
     "packed_cp2_tp2": {"parallel": {"dp_shard": 1, "cp": 2, "tp": 2}},
@@ -78,15 +80,22 @@ def packed_case(name: str, out: Path, rank: int, world: int) -> None:
     import hf_gradfix
     from hf_gradfix.parallel import context_packing
 
-    config = dict(PACKED_SCENARIOS[name], packing={"enabled": True, "token_budget": PACKED_BUDGET})
+    # the controls switch the guard off: it refuses the broken attention path before training (as it should)
+    packing = {"enabled": True, "token_budget": PACKED_BUDGET, "guard": "_control_" not in name}
+    config = dict(PACKED_SCENARIOS[name], packing=packing)
     original_block, original_build = context_packing.packed_attention_block, context_packing.PackedLayout.build
     if name.endswith("mask_after_split"):
         context_packing.packed_attention_block = lambda *a, **k: __import__("contextlib").nullcontext()
-    elif name.endswith("positions_not_restarted"):
+    elif "_control_positions" in name:
         def build(inputs, cp, pad_token_id=0):
             layout = original_build(inputs, cp, pad_token_id)
             pos = layout.padded["position_ids"]
-            layout.padded["position_ids"] = torch.arange(pos.shape[1]).expand_as(pos).clone()
+            if name.endswith("not_restarted"):  # 0..L-1 over the whole row (RoPE is relative: harmless, measured)
+                layout.padded["position_ids"] = torch.arange(pos.shape[1]).expand_as(pos).clone()
+            else:  # "local": positions not split with the tokens; each rank numbers its own shard 0..L/cp-1
+                shard = pos.shape[1] // cp
+                local = torch.arange(shard).repeat(cp).expand_as(pos)
+                layout.padded["position_ids"] = torch.empty_like(pos).scatter_(1, layout.indices, local)
             return layout
         context_packing.PackedLayout.build = staticmethod(build)
     try:

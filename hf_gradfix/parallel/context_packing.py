@@ -310,15 +310,17 @@ def masked_pairs_per_rank(doc_lengths: list[int], cp: int, balancer: str, block:
     else:
         raise ValueError(f"balancer {balancer!r}: one of none, head_tail, per_document")
     doc = torch.repeat_interleave(torch.arange(len(doc_lengths)), torch.tensor(doc_lengths))
+    starts = torch.repeat_interleave(torch.tensor([0] + doc_lengths[:-1]).cumsum(0), torch.tensor(doc_lengths))
+    allowed_keys = torch.arange(length) - starts + 1  # a query sees its document's tokens up to itself
     shard = length // cp
     work = []
     for rank in range(cp):
         q = indices[0, rank * shard:(rank + 1) * shard]
-        kv = indices[0]  # the gathered keys, permuted order
+        if not block:
+            work.append(int(allowed_keys[q].sum()))
+            continue
+        kv = indices[0]  # the gathered keys, in the permuted order
         allowed = (doc[q][:, None] == doc[kv][None, :]) & (q[:, None] >= kv[None, :])
-        if block:
-            blocks = allowed.reshape(shard // block, block, length // block, block).any(dim=3).any(dim=1)
-            work.append(int(blocks.sum()))
-        else:
-            work.append(int(allowed.sum()))
+        blocks = allowed.reshape(shard // block, block, length // block, block).any(dim=3).any(dim=1)
+        work.append(int(blocks.sum()))
     return work
