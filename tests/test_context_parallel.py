@@ -382,10 +382,10 @@ def _packed_compare(ranks: list[dict]) -> list[dict]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("scenario", ["packed_cp2", *PACKED_FOUR])
-def test_packed_cp_matches_each_document_alone(two, four, scenario):
+def test_packed_cp_matches_each_document_alone(request, scenario):
     """Every document's gradient as if trained alone on one process: short documents (3-41 tokens, under a shard)
     and long ones (70-110 tokens, over a shard of a 128-token row), every one split head-tail over both cp ranks."""
-    ranks = (two if scenario in two else four)[scenario]
+    ranks = request.getfixturevalue("two" if scenario in PACKED_TWO else "four")[scenario]
     r0 = ranks[0]
     assert r0["model_class"].startswith("FSDP")
     assert "split over 2 context-parallel ranks" in r0["packing_line"] and "guard passed" in r0["packing_line"]
@@ -477,3 +477,12 @@ def test_cp_packing_guard_refuses_attention_that_cannot_take_the_mask():
     sdpa = W.build_model(attn="sdpa")
     report = check_model_packs_under_cp(sdpa, cp=2)
     assert report.passed and report.details["attention_calls"] == 2 and report.max_diff < 1e-5
+
+
+def test_context_packing_doctests():
+    import doctest
+
+    from hf_gradfix.parallel import context_packing
+
+    result = doctest.testmod(context_packing, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
