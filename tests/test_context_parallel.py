@@ -441,6 +441,29 @@ def test_packed_layout_attention_equals_the_document_mask():
         assert 0 < len(rank0 & set(range(start, start + n))) < n
 
 
+def test_packed_layout_rows_mode_batches():
+    """The collator's ``rows`` mode (several rows, each tail its own segment): rows padded to one length, each row
+    balanced by its own documents, the mask per row."""
+    import torch.nn.functional as F
+
+    from hf_gradfix.packing.collator import PackedCollator
+    from hf_gradfix.parallel.context_packing import PackedLayout, packed_attention_block
+
+    batch = PackedCollator("rows", max_tokens=24)([[{"input_ids": list(range(4, 11))}, {"input_ids": [5, 6, 7]}],
+                                                   [{"input_ids": list(range(4, 21))}]])
+    layout = PackedLayout.build(batch, cp=2)
+    assert layout.indices.shape == (2, layout.length) and len(layout.doc_lengths) == 2
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, layout.length, 8, dtype=torch.float64) for _ in range(3))
+    dense = (layout.doc[:, None, :, None] == layout.doc[:, None, None, :]) & torch.ones(
+        layout.length, layout.length, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    idx = layout.indices[:, None, :, None].expand(-1, 2, -1, 8)
+    with packed_attention_block(layout.full_mask(), None):
+        got = F.scaled_dot_product_attention(*(torch.gather(t, 2, idx) for t in (q, k, v)), is_causal=True)
+    assert torch.allclose(got, torch.gather(want, 2, idx), atol=1e-12)
+
+
 def test_packed_layout_shifts_labels_on_the_full_row_and_never_across_documents():
     from hf_gradfix.parallel.context_packing import PackedLayout
 
