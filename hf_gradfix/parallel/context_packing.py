@@ -319,8 +319,12 @@ def masked_pairs_per_rank(doc_lengths: list[int], cp: int, balancer: str, block:
         if not block:
             work.append(int(allowed_keys[q].sum()))
             continue
-        kv = indices[0]  # the gathered keys, in the permuted order
-        allowed = (doc[q][:, None] == doc[kv][None, :]) & (q[:, None] >= kv[None, :])
-        blocks = allowed.reshape(shard // block, block, length // block, block).any(dim=3).any(dim=1)
+        # key block j (of the gathered keys, in the permuted order) has an allowed pair with query q iff the
+        # earliest token of q's document in block j comes at or before q
+        kv = indices[0].reshape(length // block, block)
+        first = torch.full((length // block, len(doc_lengths)), length, dtype=torch.long)
+        first.scatter_reduce_(1, doc[kv], kv, reduce="amin")
+        allowed = first[:, doc[q]] <= q[None, :]  # [key blocks, local queries]
+        blocks = allowed.reshape(length // block, shard // block, block).any(dim=2)
         work.append(int(blocks.sum()))
     return work
