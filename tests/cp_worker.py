@@ -125,7 +125,15 @@ def packed_case(name: str, out: Path, rank: int, world: int) -> None:
         trainer.remove_callback(PrinterCallback)
         trainer.train()
         state = hf_gradfix.state_of(trainer)
-        payload = dict(
+        extra = {}
+        if name == "packed_cp2":  # eval on packed rows too: transformers' own flattening collator (restarted positions)
+            trainer.data_collator = transformers.DataCollatorWithFlattening()
+            trainer.args.per_device_eval_batch_size = 4
+            before = state.nd.packed_cp_batches
+            metrics = trainer.evaluate(eval_dataset=harness.TokenDataset(packed_samples()[:11]))
+            extra = dict(eval_loss=metrics["eval_loss"], eval_targets=metrics.get("eval_loss_targets"),
+                         eval_packed_batches=state.nd.packed_cp_batches - before)
+        payload = dict(**extra,
             grads=recorder.grads, init=init, dims=state.nd.dims, packing_line=state.packing_line,
             logged=[float(h["loss"]) for h in trainer.state.log_history if "loss" in h],
             packed_batches=state.nd.packed_cp_batches, attention_calls=state.nd.packed_cp_calls[0],

@@ -399,6 +399,23 @@ def test_packed_cp_matches_each_document_alone(request, scenario):
 
 
 @pytest.mark.distributed
+def test_packed_cp_eval_loss_is_the_exact_token_mean(two):
+    """Eval batches packed by transformers' DataCollatorWithFlattening go through the same packed CP path."""
+    model = W.build_model(attn="sdpa")
+    model.load_state_dict(two["packed_cp2"][0]["init"])
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in CW.packed_samples()[:11]:
+            loss_sum, n = H.sample_loss_sum(model, s, "causal")
+            total, count = total + float(loss_sum), count + n
+    for r in two["packed_cp2"]:
+        assert r["eval_packed_batches"] == 3
+        assert abs(r["eval_loss"] - total / count) <= 1e-6 * (total / count), (r["eval_loss"], total / count)
+        assert r["eval_targets"] == count
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("control", ["packed_cp2_control_mask_after_split", "packed_cp2_control_positions_local"])
 def test_packed_cp_controls_fail(two, control):
     """The mask built after the split (each rank's own attention over its shard, the model's mask from the local
