@@ -453,6 +453,13 @@ def test_packed_layout_attention_equals_the_document_mask():
     with packed_attention_block(layout.full_mask(), None) as _:
         got = F.scaled_dot_product_attention(q[:, :, perm], k[:, :, perm], v[:, :, perm], is_causal=True)
     assert torch.allclose(got, want[:, :, perm], atol=1e-12)
+    # control: the mask built after the split, on the shards' own order (document-causal as if the permuted row were
+    # the original): far off
+    doc_perm = layout.doc[:, perm]
+    after = (doc_perm[:, None, :, None] == doc_perm[:, None, None, :]) & torch.ones(
+        layout.length, layout.length, dtype=torch.bool).tril()
+    wrong = F.scaled_dot_product_attention(q[:, :, perm], k[:, :, perm], v[:, :, perm], attn_mask=after)
+    assert (wrong - want[:, :, perm]).abs().max() > 0.1
     rank0 = set(layout.local_positions(0)[0].tolist())
     for start, n in zip([0, 8, 24, 28], layout.doc_lengths[0]):  # every document has tokens on both ranks
         assert 0 < len(rank0 & set(range(start, start + n))) < n
