@@ -414,9 +414,11 @@ def check_model_packs_correctly(
 def _fail(report: PackingCheckReport, raise_on_failure: bool, cause: BaseException | None) -> PackingCheckReport:
     if not raise_on_failure:
         return report
+    control = (f"; without restarted positions {report.control_diff:.3g}"
+               if report.control_diff == report.control_diff else "")  # nan: no control run (the CP probe)
     numbers = (
         f" (max |packed - separate| logit diff {report.max_diff:.3g} > tolerance {report.tolerance:.3g}; "
-        f"first sequence {report.first_sequence_diff:.3g}; without restarted positions {report.control_diff:.3g})"
+        f"first sequence {report.first_sequence_diff:.3g}{control})"
         if report.max_diff != float("inf")
         else ""
     )
