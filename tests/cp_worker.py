@@ -49,6 +49,102 @@ CP_SCENARIOS: dict[str, tuple[dict, dict]] = {
 }
 
 
+# CP x packing (issue 29): rows packed by the plugin's own collator, split over the cp ranks with the document mask
+PACKED_BUDGET, PACKED_GA, PACKED_SEED = 128, 2, 3
+PACKED_SCENARIOS: dict[str, dict] = {
+    "packed_cp2": {"parallel": {"dp_shard": 1, "cp": 2}},
+    # negative controls: the mask built after the split (each rank's own sdpa over its permuted shard, the model's
+    # mask from the local position_ids), and positions numbered per shard (not split with the tokens); positions not
+    # restarted per document (0..L-1 over the row) is recorded too: exact on a RoPE model (relative positions)
+    "packed_cp2_control_mask_after_split": {"parallel": {"dp_shard": 1, "cp": 2}},
+    "packed_cp2_control_positions_local": {"parallel": {"dp_shard": 1, "cp": 2}},
+    "packed_cp2_control_positions_not_restarted": {"parallel": {"dp_shard": 1, "cp": 2}},
+    "packed_shard2_cp2": {"parallel": {"dp_shard": 2, "cp": 2}},
+    "packed_cp2_tp2": {"parallel": {"dp_shard": 1, "cp": 2, "tp": 2}},
+}
+
+
+def packed_samples() -> list[dict]:
+    """Short documents (3-41 tokens, 40% prompt masked) and three long ones (70-110 tokens, longer than a rank's
+    shard of a row), so packed rows hold documents shorter than a shard and documents across both shards."""
+    short = harness.make_samples("causal", n=14, seed=0, prompt_mask_frac=PROMPT_MASK)
+    long = harness.make_samples("causal", n=3, lo=70, hi=110, seed=5, prompt_mask_frac=PROMPT_MASK)
+    out = short + long
+    return [dict(s, idx=i) for i, s in enumerate(out)]
+
+
+def packed_case(name: str, out: Path, rank: int, world: int) -> None:
+    import transformers
+    from transformers import TrainerCallback
+
+    import hf_gradfix
+    from hf_gradfix.parallel import context_packing
+
+    # the controls switch the guard off: it refuses the broken attention path before training (as it should)
+    packing = {"enabled": True, "token_budget": PACKED_BUDGET, "guard": "_control_" not in name}
+    config = dict(PACKED_SCENARIOS[name], packing=packing)
+    original_block, original_build = context_packing.packed_attention_block, context_packing.PackedLayout.build
+    if name.endswith("mask_after_split"):
+        context_packing.packed_attention_block = lambda *a, **k: __import__("contextlib").nullcontext()
+    elif "_control_positions" in name:
+        def build(inputs, cp, pad_token_id=0):
+            layout = original_build(inputs, cp, pad_token_id)
+            pos = layout.padded["position_ids"]
+            if name.endswith("not_restarted"):  # 0..L-1 over the whole row (RoPE is relative: harmless, measured)
+                layout.padded["position_ids"] = torch.arange(pos.shape[1]).expand_as(pos).clone()
+            else:  # "local": positions not split with the tokens; each rank numbers its own shard 0..L/cp-1
+                shard = pos.shape[1] // cp
+                local = torch.arange(shard).repeat(cp).expand_as(pos)
+                layout.padded["position_ids"] = torch.empty_like(pos).scatter_(1, layout.indices, local)
+            return layout
+        context_packing.PackedLayout.build = staticmethod(build)
+    try:
+        hf_gradfix.patch(config)
+        model = nd_worker.build_model(attn="sdpa")
+        init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+        class Full(TrainerCallback):
+            grads: list = []
+
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                self.grads.append({n: nd_worker._full(p.grad).detach().clone() for n, p in model.named_parameters()
+                                   if p.grad is not None})
+
+        recorder = Full()
+        recorder.grads = []
+        args = transformers.TrainingArguments(
+            output_dir=str(out / name / f"trainer_rank{rank}"), optim="sgd", learning_rate=0.0, max_grad_norm=0.0,
+            gradient_accumulation_steps=PACKED_GA, per_device_train_batch_size=1, num_train_epochs=1, logging_steps=1,
+            report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=PACKED_SEED,
+            remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=False,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=harness.TokenDataset(packed_samples()),
+                                       callbacks=[recorder])
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+        state = hf_gradfix.state_of(trainer)
+        extra = {}
+        if name == "packed_cp2":  # eval on packed rows too: transformers' own flattening collator (restarted positions)
+            trainer.data_collator = transformers.DataCollatorWithFlattening()
+            trainer.args.per_device_eval_batch_size = 4
+            before = state.nd.packed_cp_batches
+            metrics = trainer.evaluate(eval_dataset=harness.TokenDataset(packed_samples()[:11]))
+            extra = dict(eval_loss=metrics["eval_loss"], eval_targets=metrics.get("eval_loss_targets"),
+                         eval_packed_batches=state.nd.packed_cp_batches - before)
+        payload = dict(**extra,
+            grads=recorder.grads, init=init, dims=state.nd.dims, packing_line=state.packing_line,
+            logged=[float(h["loss"]) for h in trainer.state.log_history if "loss" in h],
+            packed_batches=state.nd.packed_cp_batches, attention_calls=state.nd.packed_cp_calls[0],
+            model_class=type(trainer.model).__name__,
+        )
+        torch.save(payload, out / name / f"rank{rank}.pt")
+    finally:
+        context_packing.packed_attention_block, context_packing.PackedLayout.build = original_block, original_build
+        hf_gradfix.unpatch()
+
+
 def _cp_samples(config: dict, world: int, seed: int = 0) -> list[dict]:
     samples = harness.make_samples("causal", n=nd_worker.N_SAMPLES, seed=seed, prompt_mask_frac=PROMPT_MASK)
     return harness.arrange_for_ranks(samples, nd_worker.dp_size(config, world), 1)
@@ -148,6 +244,8 @@ def main(argv=None) -> None:
         try:
             if name == "attention":
                 attention_case(out, rank, world)
+            elif name in PACKED_SCENARIOS:
+                packed_case(name, out, rank, world)
             elif name == "verify":  # hf-gradfix verify under CP (its own ground truth, lr 1e-3: the weights move)
                 from hf_gradfix.verify import verify
 

@@ -64,7 +64,6 @@ def test_config_check_prints_world_mesh_and_global_batch(tmp_path, capsys):
         ({"parallelism_config": {"tp_size": 2}}, "accelerate only reads keys with the 'parallelism_config_' prefix"),
         ({"hf_gradfix": {"parallel": {"dp_shard": 3, "tp": 2}}}, "= 6 processes, but the world size is 4"),
         ({"hf_gradfix": {"parallel": {"tp": 3}}}, "does not divide the world size 4"),
-        ({"hf_gradfix": {"parallel": {"tp": 2, "cp": 2}, "packing": True}}, "cp=2 with packing enabled"),
         ({"hf_gradfix": {"parallel": {"tp": 2}}, "parallelism_config": {"parallelism_config_tp_size": 4}}, "keep one of them"),
         ({"hf_gradfix": {"paralel": {"tp": 2}}}, "did you mean 'parallel'"),
         ({"hf_gradfix": {"parallel": {"tp": 0}}}, "parallel.tp: invalid value 0"),
@@ -74,6 +73,12 @@ def test_config_check_errors_name_the_key_and_the_fix(tmp_path, capsys, content,
     path = _write(tmp_path, {**_cpu_yaml(4), **content})
     assert main(["config", "check", str(path)]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_config_check_runs_cp_with_packing(tmp_path, capsys):
+    path = _write(tmp_path, {**_cpu_yaml(4), "hf_gradfix": {"parallel": {"tp": 2, "cp": 2}, "packing": True}})
+    assert main(["config", "check", str(path)]) == 0
+    assert "cp=2 over packed rows: documents padded to a multiple of 4" in capsys.readouterr().out
 
 
 def test_config_check_validates_tp_against_the_model_heads(tmp_path, capsys):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cp_worker as CW
 import harness as H
 import nd_worker as W
 import test_nd_parallel as ND
@@ -27,9 +28,13 @@ import test_nd_parallel as ND
 GRAD_TOL = 1e-5
 LOSS_TOL = 1e-5
 CPU_CP_CONFIG = H.REPO_ROOT / "configs" / "cpu_cp.yaml"
-TWO = ["attention", "verify", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", "cp2_eager_refused",
-       "cp2_data_differs_refused"]  # the guard last: it aborts a training run
-FOUR = ["shard2_cp2", "cp2_tp2", "rep2_cp2"]
+PACKED_TWO = ["packed_cp2", "packed_cp2_control_mask_after_split", "packed_cp2_control_positions_local",
+              "packed_cp2_control_positions_not_restarted"]
+PACKED_FOUR = ["packed_shard2_cp2", "packed_cp2_tp2"]
+TWO = ["attention", "verify", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", *PACKED_TWO,
+       "cp2_eager_refused", "cp2_data_differs_refused"]  # the guard last: it aborts a training run
+RING_FOUR = ["shard2_cp2", "cp2_tp2", "rep2_cp2"]
+FOUR = [*RING_FOUR, *PACKED_FOUR]
 
 
 def _launch(n: int, scenarios: list[str]) -> dict:
@@ -186,7 +191,7 @@ def test_cp_refuses_non_sdpa_attention_and_cp_ranks_with_different_batches(two):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("scenario", FOUR)
+@pytest.mark.parametrize("scenario", RING_FOUR)
 def test_cp_meshes_match_single_process_full_sequence(four, scenario):
     ranks = four[scenario]
     rows = _check_exact(ranks, cp=2)
@@ -344,3 +349,187 @@ def test_cp_hook_refuses_compute_metrics_in_eval():
     hook = nd._cp_inputs_hook(trainer, plan)
     with pytest.raises(nd.NDParallelError, match="compute_metrics under context parallelism"):
         hook(model, {"input_ids": torch.arange(4)[None] + 4, "labels": torch.arange(4)[None] + 4})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CP x packing (issue 29): packed rows split over the cp ranks, document mask built on the full row
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _packed_compare(ranks: list[dict]) -> list[dict]:
+    """Each optimizer step's full gradient on every rank vs. plain PyTorch on one process, every document of the
+    step's packed rows alone and unsplit (the bins the plugin's own sampler drew, as the Trainer trained them)."""
+    from hf_gradfix.packing.sampler import PackedBatchSampler
+
+    dims = ranks[0]["dims"]
+    samples = CW.packed_samples()
+    sampler = PackedBatchSampler([len(s["input_ids"]) for s in samples], CW.PACKED_BUDGET, num_replicas=dims.dp,
+                                 rank="all", seed=CW.PACKED_SEED)
+    sampler.set_epoch(0)
+    bins = list(sampler)
+    model = W.build_model(attn="sdpa")
+    model.load_state_dict(ranks[0]["init"])
+    per_window = CW.PACKED_GA * dims.dp
+    rows = []
+    for k in range(len(ranks[0]["grads"])):
+        window = [samples[i] for b in bins[k * per_window:(k + 1) * per_window] for i in b]
+        gt_loss, gt = H.ground_truth(model, window, "causal")
+        rows.append(dict(step=k, rel_err=max(H.rel_err(r["grads"][k], gt) for r in ranks),
+                         loss_rel_err=abs(ranks[0]["logged"][k] - gt_loss) / gt_loss,
+                         lengths=[len(s["input_ids"]) for s in window]))
+    return rows
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("scenario", ["packed_cp2", *PACKED_FOUR])
+def test_packed_cp_matches_each_document_alone(request, scenario):
+    """Every document's gradient as if trained alone on one process: short documents (3-41 tokens, under a shard)
+    and long ones (70-110 tokens, over a shard of a 128-token row), every one split head-tail over both cp ranks."""
+    ranks = request.getfixturevalue("two" if scenario in PACKED_TWO else "four")[scenario]
+    r0 = ranks[0]
+    assert r0["model_class"].startswith("FSDP")
+    assert "split over 2 context-parallel ranks" in r0["packing_line"] and "guard passed" in r0["packing_line"]
+    assert r0["packed_batches"] >= 3 and r0["attention_calls"] == 2 * r0["packed_batches"]  # 2 layers: the path ran
+    rows = _packed_compare(ranks)
+    assert len(rows) >= 2
+    assert any(max(r["lengths"]) > CW.PACKED_BUDGET // 2 for r in rows)  # a document longer than a rank's shard
+    for row in rows:
+        assert row["rel_err"] <= GRAD_TOL, (scenario, row)
+        assert row["loss_rel_err"] <= LOSS_TOL, (scenario, row)
+
+
+@pytest.mark.distributed
+def test_packed_cp_eval_loss_is_the_exact_token_mean(two):
+    """Eval batches packed by transformers' DataCollatorWithFlattening go through the same packed CP path."""
+    model = W.build_model(attn="sdpa")
+    model.load_state_dict(two["packed_cp2"][0]["init"])
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in CW.packed_samples()[:11]:
+            loss_sum, n = H.sample_loss_sum(model, s, "causal")
+            total, count = total + float(loss_sum), count + n
+    for r in two["packed_cp2"]:
+        assert r["eval_packed_batches"] == 3
+        assert abs(r["eval_loss"] - total / count) <= 1e-6 * (total / count), (r["eval_loss"], total / count)
+        assert r["eval_targets"] == count
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("control", ["packed_cp2_control_mask_after_split", "packed_cp2_control_positions_local"])
+def test_packed_cp_controls_fail(two, control):
+    """The mask built after the split (each rank's own attention over its shard, the model's mask from the local
+    positions: measured 0.76-0.82 gradient error), or positions numbered per shard (9e-3): far outside."""
+    rows = _packed_compare(two[control])
+    assert min(row["rel_err"] for row in rows) > 100 * GRAD_TOL, rows
+
+
+@pytest.mark.distributed
+def test_packed_cp_positions_not_restarted_is_harmless_on_rope(two):
+    """Positions 0..L-1 over the whole row instead of restarting per document: on a RoPE model attention sees only
+    relative positions inside a document, so this is exact (measured 2e-7); absolute position tables would not be."""
+    for row in _packed_compare(two["packed_cp2_control_positions_not_restarted"]):
+        assert row["rel_err"] <= GRAD_TOL, row
+
+
+def test_packed_layout_attention_equals_the_document_mask():
+    """One process holding every rank's slice: the permuted row under the rewritten mask gives each token the same
+    output as full-row attention under the document-causal mask (the decomposition the cp ranks run)."""
+    import torch.nn.functional as F
+
+    from hf_gradfix.parallel.context_packing import PackedLayout, packed_attention_block
+
+    lengths = [5, 13, 2, 9]
+    batch = {"input_ids": torch.arange(sum(lengths))[None] + 4,
+             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    layout = PackedLayout.build(batch, cp=2)
+    assert all(n % 4 == 0 for n in layout.doc_lengths[0]) and layout.length % 4 == 0
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, layout.length, 8, dtype=torch.float64) for _ in range(3))
+    dense = (layout.doc[:, None, :, None] == layout.doc[:, None, None, :]) & torch.ones(
+        layout.length, layout.length, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    perm = layout.indices[0]
+    with packed_attention_block(layout.full_mask(), None) as _:
+        got = F.scaled_dot_product_attention(q[:, :, perm], k[:, :, perm], v[:, :, perm], is_causal=True)
+    assert torch.allclose(got, want[:, :, perm], atol=1e-12)
+    # control: the mask built after the split, on the shards' own order (document-causal as if the permuted row were
+    # the original): far off
+    doc_perm = layout.doc[:, perm]
+    after = (doc_perm[:, None, :, None] == doc_perm[:, None, None, :]) & torch.ones(
+        layout.length, layout.length, dtype=torch.bool).tril()
+    wrong = F.scaled_dot_product_attention(q[:, :, perm], k[:, :, perm], v[:, :, perm], attn_mask=after)
+    assert (wrong - want[:, :, perm]).abs().max() > 0.1
+    rank0 = set(layout.local_positions(0)[0].tolist())
+    for start, n in zip([0, 8, 24, 28], layout.doc_lengths[0]):  # every document has tokens on both ranks
+        assert 0 < len(rank0 & set(range(start, start + n))) < n
+
+
+def test_packed_layout_rows_mode_batches():
+    """The collator's ``rows`` mode (several rows, each tail its own segment): rows padded to one length, each row
+    balanced by its own documents, the mask per row."""
+    import torch.nn.functional as F
+
+    from hf_gradfix.packing.collator import PackedCollator
+    from hf_gradfix.parallel.context_packing import PackedLayout, packed_attention_block
+
+    batch = PackedCollator("rows", max_tokens=24)([[{"input_ids": list(range(4, 11))}, {"input_ids": [5, 6, 7]}],
+                                                   [{"input_ids": list(range(4, 21))}]])
+    layout = PackedLayout.build(batch, cp=2)
+    assert layout.indices.shape == (2, layout.length) and len(layout.doc_lengths) == 2
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, layout.length, 8, dtype=torch.float64) for _ in range(3))
+    dense = (layout.doc[:, None, :, None] == layout.doc[:, None, None, :]) & torch.ones(
+        layout.length, layout.length, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    idx = layout.indices[:, None, :, None].expand(-1, 2, -1, 8)
+    with packed_attention_block(layout.full_mask(), None):
+        got = F.scaled_dot_product_attention(*(torch.gather(t, 2, idx) for t in (q, k, v)), is_causal=True)
+    assert torch.allclose(got, torch.gather(want, 2, idx), atol=1e-12)
+
+
+def test_packed_layout_shifts_labels_on_the_full_row_and_never_across_documents():
+    from hf_gradfix.parallel.context_packing import PackedLayout
+
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "labels": torch.tensor([[5, 6, 7, 8, 9]]),
+             "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
+    layout = PackedLayout.build(batch, cp=2)
+    # documents padded to 4: [5 6 7 pad | 8 9 pad pad]; the target 8 after 7 crosses a boundary: dropped
+    assert layout.padded["shift_labels"].tolist() == [[6, 7, -100, -100, 9, -100, -100, -100]]
+    assert layout.padded["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert torch.equal(torch.cat([layout.shard("input_ids", 0), layout.shard("input_ids", 1)], 1),
+                       layout.permuted("input_ids"))
+
+
+def test_torch_per_document_balancer_order_is_regrouped_by_rank():
+    """torch 2.13's _PerDocumentHeadTailLoadBalancer lists chunks document by document, so a contiguous split hands
+    whole documents to one rank; hf_gradfix regroups them so every rank gets a head and a tail of every document."""
+    from hf_gradfix.parallel.context_packing import masked_pairs_per_rank
+
+    lengths = [64, 8, 8, 8, 8, 8, 8, 16]
+    torch_order = masked_pairs_per_rank(lengths, 2, "per_document_torch_order")
+    regrouped = masked_pairs_per_rank(lengths, 2, "per_document")
+    assert max(torch_order) / min(torch_order) > 3 and max(regrouped) == min(regrouped)
+
+
+def test_cp_packing_guard_refuses_attention_that_cannot_take_the_mask():
+    import transformers as tf
+
+    from hf_gradfix.packing.guard import PackingCheckError, check_model_packs_under_cp
+
+    torch.manual_seed(0)
+    eager = tf.LlamaForCausalLM._from_config(tf.LlamaConfig(**W.LLAMA), attn_implementation="eager")
+    with pytest.raises(PackingCheckError, match="never calls torch.nn.functional.scaled_dot_product_attention"):
+        check_model_packs_under_cp(eager, cp=2)
+    sdpa = W.build_model(attn="sdpa")
+    report = check_model_packs_under_cp(sdpa, cp=2)
+    assert report.passed and report.details["attention_calls"] == 2 and report.max_diff < 1e-5
+
+
+def test_context_packing_doctests():
+    import doctest
+
+    from hf_gradfix.parallel import context_packing
+
+    result = doctest.testmod(context_packing, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

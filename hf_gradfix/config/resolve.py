@@ -98,7 +98,14 @@ class ResolvedConfig:
         ]
         if self.deepspeed is not None:
             out[1:2] = _deepspeed_lines(self)
-        if self.mesh.cp > 1:
+        if self.mesh.cp > 1 and g.packing.enabled:
+            out.insert(3, (
+                f"context parallel  cp={self.mesh.cp} over packed rows: documents padded to a multiple of "
+                f"{2 * self.mesh.cp} and split head-tail over the cp ranks (torch's per-document balancer), sdpa with the "
+                "document mask built on the full row, keys/values all-gathered; FSDP2 over dp_shard x cp; labels "
+                "shifted and counted before the split"
+            ))
+        elif self.mesh.cp > 1:
             out.insert(3, (
                 f"context parallel  cp={self.mesh.cp}: torch ring attention (sdpa, causal only), FSDP2 over dp_shard x cp; "
                 f"sequences padded to a multiple of {2 * self.mesh.cp}, labels shifted and counted before the split"
@@ -205,11 +212,6 @@ def resolve_config(
             f"{path}: cp={mesh.cp} with accelerate's FSDP plugin (distributed_type FSDP / fsdp_config): hf_gradfix shards "
             "the model itself for context parallelism (FSDP2 over dp_shard x cp); use distributed_type MULTI_GPU without "
             "fsdp_config"
-        )
-    if mesh.cp > 1 and gradfix.packing.enabled:
-        raise ConfigError(
-            f"{path}: {SECTION}.parallel.cp={mesh.cp} with packing enabled: context parallelism splits sequences with "
-            "torch's ring attention, which does not take packed (varlen) rows; disable packing or cp"
         )
     for flag, value in (("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
         if value is not None and value < 1:

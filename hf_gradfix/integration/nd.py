@@ -45,7 +45,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,6 +78,8 @@ class NDPlan:
     data_mesh: Any = None  # accelerate-layout DeviceMesh used for data loading (None: accelerate's own / none)
     checked_window: bool = False
     cp_mesh: Any = None  # the cp sub-mesh torch's context_parallel runs on (cp > 1)
+    packed_cp_batches: int = 0  # packed batches split over the cp ranks (document-masked attention)
+    packed_cp_calls: list = field(default_factory=lambda: [0])  # attention calls those batches made
 
     @property
     def line(self) -> str:
@@ -527,6 +529,7 @@ def _cp_inputs_hook(trainer, plan: NDPlan):
     from functools import partial
 
     from ..parallel.context import ContextParallelError, context_parallel_block, prepare_batch
+    from ..parallel.context_packing import PACKED_DROPPED, PackedLayout, is_packed, packed_attention_block
 
     cp = plan.dims.cp
     model_dtype = {p.dtype for p in trainer.model.parameters() if p.is_floating_point()}
@@ -541,8 +544,6 @@ def _cp_inputs_hook(trainer, plan: NDPlan):
                 f"hf_gradfix parallel.cp={cp} needs the loss fix (loss.enabled: true): the targets must be counted on "
                 "the full sequences before CP splits them, and transformers' own count does not know this mesh."
             )
-        if state is not None and state.config.packing.enabled:
-            raise NDParallelError(_PACKING_CP.format(cp=cp))
         if not model.training and trainer.compute_metrics is not None and not trainer.args.prediction_loss_only:
             raise NDParallelError(
                 f"hf_gradfix parallel.cp={cp}: compute_metrics under context parallelism would see each rank's "
@@ -550,19 +551,31 @@ def _cp_inputs_hook(trainer, plan: NDPlan):
                 "Fix: prediction_loss_only=True (or no compute_metrics) for the CP run."
             )
         pad = getattr(_text_config(model), "pad_token_id", None)
+        pad = pad if isinstance(pad, int) else 0
+        inputs = trainer._prepare_inputs(inputs)
         try:
-            prepared, buffers, seq_dims = prepare_batch(
-                trainer._prepare_inputs(inputs), cp, pad if isinstance(pad, int) else 0
-            )
+            if is_packed(inputs):  # documents split over the cp ranks, the document mask built on the full rows
+                return _packed_cp_inputs(inputs, pad)
+            prepared, buffers, seq_dims = prepare_batch(inputs, cp, pad)
         except ContextParallelError as err:
             raise NDParallelError(str(err)) from err
         return partial(context_parallel_block, plan.cp_mesh, buffers, seq_dims, float64=float64), prepared
 
+    def _packed_cp_inputs(inputs, pad):
+        layout = PackedLayout.build(inputs, cp, pad)
+        rank = plan.cp_mesh.get_local_rank()
+        prepared = {k: layout.shard(k, rank) for k in layout.padded}
+        rows, length = inputs["input_ids"].shape
+        for key, value in inputs.items():
+            if key in prepared or key in PACKED_DROPPED or key == "attention_mask":
+                continue
+            if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (rows, length):
+                raise ContextParallelError(
+                    f"hf_gradfix parallel.cp: batch entry {key!r} has the sequence dim, and hf_gradfix does not know "
+                    "how to split it under context parallelism. Fix: drop it from the batch (remove_unused_columns)."
+                )
+            prepared[key] = value
+        plan.packed_cp_batches += 1
+        return partial(packed_attention_block, layout.mask(rank), plan.cp_mesh.get_group(), plan.packed_cp_calls), prepared
+
     return _prepare_context_parallel_inputs
-
-
-_PACKING_CP = (
-    "hf_gradfix parallel.cp={cp} with packing: torch's ring attention is causal over the whole packed row, so "
-    "packed documents would attend to each other across the ring (no varlen / per-document mask under CP). "
-    "Fix: packing.enabled: false, or parallel.cp: 1."
-)

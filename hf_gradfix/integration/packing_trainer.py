@@ -169,6 +169,9 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
         if config is not None and hasattr(config, "use_cache"):
             config.use_cache = False  # a cache created inside forward switches packed detection off
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    dims = _nd_dims(trainer)
+    if dims is not None and dims.cp > 1:
+        return _prepare_model_for_cp_packing(trainer, cfg, dims.cp, attention)
     if cfg.mode == "varlen" and cfg.attention == "auto":
         attention = select_varlen_attention(trainer.args.device)
         set_attention_implementation(model, attention)
@@ -199,6 +202,26 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
         if report.position_ids_start:
             line += f" (positions start at {report.position_ids_start}, as the model's own)"
     return line
+
+
+def _prepare_model_for_cp_packing(trainer, cfg: PackingConfig, cp: int, attention: str | None) -> str:
+    """Context parallelism over packed rows: the model keeps sdpa (every attention call becomes the document-masked
+    all-gather attention of :mod:`hf_gradfix.parallel.context_packing`); the guard probes that path."""
+    from ..packing.guard import check_model_packs_under_cp
+
+    line = (f"packing: {cfg.mode} mode, rows of <= {cfg.token_budget} tokens, split over {cp} context-parallel ranks "
+            "(documents padded to a multiple of 2 x cp, per-document head-tail load balance, document mask built on "
+            "the full row, keys/values all-gathered)")
+    if not cfg.guard:
+        logger.warning(
+            "hf_gradfix packing: packing.guard is false, so the model is not checked for taking the document mask on "
+            "the context-parallel path; a model that does not trains on wrong gradients with no error."
+        )
+        return line + ", guard off"
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []), \
+            trainer.accelerator.autocast():
+        check_model_packs_under_cp(trainer.model, cp)
+    return line + ", guard passed (context-parallel layout)"
 
 
 class _OneBin:

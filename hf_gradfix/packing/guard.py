@@ -28,7 +28,8 @@ from .attention import (
 from .collator import PackedCollator
 from ..errors import HfGradfixError, InvalidArgumentError
 
-__all__ = ["PackingCheckError", "PackingCheckReport", "check_model_packs_correctly", "probe_lengths"]
+__all__ = ["PackingCheckError", "PackingCheckReport", "check_model_packs_correctly", "check_model_packs_under_cp",
+           "probe_lengths"]
 
 
 class PackingCheckError(HfGradfixError, RuntimeError):
@@ -413,9 +414,11 @@ def check_model_packs_correctly(
 def _fail(report: PackingCheckReport, raise_on_failure: bool, cause: BaseException | None) -> PackingCheckReport:
     if not raise_on_failure:
         return report
+    control = (f"; without restarted positions {report.control_diff:.3g}"
+               if report.control_diff == report.control_diff else "")  # nan: no control run (the CP probe)
     numbers = (
         f" (max |packed - separate| logit diff {report.max_diff:.3g} > tolerance {report.tolerance:.3g}; "
-        f"first sequence {report.first_sequence_diff:.3g}; without restarted positions {report.control_diff:.3g})"
+        f"first sequence {report.first_sequence_diff:.3g}{control})"
         if report.max_diff != float("inf")
         else ""
     )
@@ -428,3 +431,81 @@ def _fail(report: PackingCheckReport, raise_on_failure: bool, cause: BaseExcepti
     if cause is not None:
         raise err from cause
     raise err
+
+
+def check_model_packs_under_cp(
+    model: torch.nn.Module,
+    cp: int,
+    *,
+    lengths: tuple[int, ...] = (5, 11, 3, 7),
+    tolerance: float | None = None,
+    seed: int = 0,
+    raise_on_failure: bool = True,
+) -> PackingCheckReport:
+    """The context-parallel packing path (:mod:`hf_gradfix.parallel.context_packing`) on ``model``, in one process:
+    a packed row laid out as ``cp`` ranks would hold it (documents padded, permuted by the document-aware load
+    balancer, positions permuted with the tokens), every attention call given the document mask over the whole
+    permuted row, versus each sequence alone. Refuses (:class:`PackingCheckError`) a model whose attention never
+    reaches ``torch.nn.functional.scaled_dot_product_attention`` (so it cannot take the mask), or whose output
+    under that layout differs (attention or positions read from anything but the mask and ``position_ids``).
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+    ...                   num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
+    >>> report = check_model_packs_under_cp(LlamaForCausalLM(cfg), cp=2)
+    >>> report.passed, report.mode, report.details["attention_calls"], report.max_diff < 1e-5
+    (True, 'cp=2', 1, True)
+    """
+    from ..parallel.context_packing import PackedLayout, packed_attention_block
+
+    cls_name = type(model).__name__
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+    vocab = _vocab_size(model)
+    device = _device(model)
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
+    extra = {"use_cache": False} if _accepts(model, "use_cache") else {}
+    was_training = model.training
+    model.eval()
+    details: dict[str, Any] = {}
+    try:
+        with torch.no_grad():
+            alone = [_output_tensor(model(input_ids=s[None].to(device), **extra)).float()[0] for s in seqs]
+            batch = {"input_ids": torch.cat(seqs)[None],
+                     "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+            layout = PackedLayout.build(batch, cp, pad_token_id=0)
+            calls = [0]
+            with packed_attention_block(layout.full_mask().to(device), None, calls):
+                out = _output_tensor(model(input_ids=layout.permuted("input_ids").to(device),
+                                           position_ids=layout.permuted("position_ids").to(device), **extra)).float()[0]
+    except Exception as exc:  # noqa: BLE001 - any failure of the probe is a refusal with its reason
+        report = PackingCheckReport(cls_name, impl, f"cp={cp}", tuple(lengths), float("inf"), float("inf"),
+                                    float("nan"), float("nan"), False,
+                                    f"its forward fails on the context-parallel packed layout ({type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''})", details)
+        return _fail(report, raise_on_failure, exc)
+    finally:
+        model.train(was_training)
+    original = torch.empty_like(out)
+    original[layout.indices[0].to(out.device)] = out  # back to the padded row's order
+    starts = [sum(layout.doc_lengths[0][:i]) for i in range(len(lengths))]
+    diffs = [float((original[a:a + n] - ref).abs().max()) for a, n, ref in zip(starts, lengths, alone)]
+    scale = max(1.0, max(float(r.abs().max()) for r in alone))
+    tol = (tolerance if tolerance is not None else 1e-4) * scale
+    details["attention_calls"] = calls[0]
+    reason = None
+    if calls[0] == 0:
+        reason = ("its attention never calls torch.nn.functional.scaled_dot_product_attention, so it cannot take the "
+                  "document mask that context parallelism needs (load the model with attn_implementation='sdpa')")
+    elif max(diffs) > tol:
+        reason = ("under the context-parallel layout (documents split and permuted over the cp ranks) a document's "
+                  "output differs from the document alone: the model reads something besides the attention mask and "
+                  "position_ids that depends on token order")
+    report = PackingCheckReport(cls_name, impl, f"cp={cp}", tuple(lengths), max(diffs), diffs[0], float("nan"),
+                                tol, reason is None, reason, details)
+    if reason is not None:
+        return _fail(report, raise_on_failure, None)
+    return report
