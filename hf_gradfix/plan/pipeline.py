@@ -22,18 +22,28 @@ schedule's micro-batches (the accumulation window's) and ``p`` stages:
   Recomputation in Large Transformer Models", Sec. 4.2.3, and Megatron-LM's
   ``interleaved_schedule_memory_penalty`` (``megatron/training/theoretical_memory_usage.py``).
 * Zero bubble (torch's ``ScheduleInterleavedZeroBubble``, ZB-H1 / ZB1P of Qi et al. 2024, "Zero Bubble
-  Pipeline Parallelism"): the backward is split into input gradients (B) and weight gradients (W) that fill
-  the bubble; ZB-H1 keeps 1F1B's in-flight count (the paper's H1 memory bound), so the count above is used.
+  Pipeline Parallelism"): the backward is split into input gradients (I) and weight gradients (W) that fill
+  the bubble; a micro-batch's activations stay until its W (the weight gradients need the layer inputs).
+  torch warms up with ``(v - 1) r + (p - 1 - s)`` forwards (``_get_warmup_ops`` with factor 1) and the
+  deferred W keep every stage at the first stage's level: ``min((v - 1) r + p, m v)`` chunk activations on
+  every stage (``min(m, p)`` micro-batches for ``v = 1``: the paper's H1 bound, 1F1B's first stage), found by
+  replaying torch's own op order (tests/test_plan_pipeline.py).
 
 Bubble fraction (idle time / step time, equal forward and backward times per stage, Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 2.2: bubble time
 ``(p - 1)`` forward+backward slots, ``/ v`` when interleaved, against ``m`` slots of work):
 
 * GPipe, 1F1B: ``(p - 1) / (m + p - 1)``;
-* interleaved 1F1B: ``(p - 1) / (v m + p - 1)``;
+* interleaved 1F1B: ``(p - 1) / (v m + p - 1)``; with fewer micro-batches than stages (``m < p``) each round
+  leaves ``(p - m) (v - 1)`` more chunk slots idle: ``e / (v m + e)``, ``e = p - 1 + (p - m)(v - 1)`` (not in
+  the paper, which assumes ``m >= p``; it is what torch's op order gives, replayed in the tests);
 * zero bubble (ZB-H1, with ``T_F = T_B = T_W``, i.e. a forward, an input-gradient and a weight-gradient pass of
   equal length): the bubble shrinks to ``(p - 1) (T_F + T_B - T_W)`` = a third of 1F1B's (Qi et al. 2024,
-  Sec. 3.1): ``(p - 1) / (3 v m + p - 1)``.
+  Sec. 3.1): ``(p - 1) / (3 v m + p - 1)``, for ``m >= p`` (below that the planner refuses it).
+
+The tests replay GPipe and 1F1B op orders written there, and torch's own ``ScheduleInterleaved1F1B`` /
+``ScheduleInterleavedZeroBubble`` op orders, on a time-slot simulation: the bubble and the peak chunk
+activations per stage equal these formulas.
 """
 
 from __future__ import annotations
@@ -107,6 +117,8 @@ def in_flight(spec: PipelineSpec, stage: int) -> float:
     p, v, m = spec.pp, spec.virtual_stages, spec.microbatches
     if spec.schedule == "gpipe":
         return m
+    if spec.schedule == "zero_bubble":
+        return min((v - 1) * _rounds_size(m, p) + p, m * v) / v
     if v == 1:
         return min(m, p - stage)
     warmup = min((v - 1) * _rounds_size(m, p) + 2 * (p - 1 - stage), m * v)
@@ -125,7 +137,8 @@ def bubble_fraction(spec: PipelineSpec) -> float:
     if spec.schedule in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if spec.schedule == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
+        idle = p - 1 + max(0, p - m) * (v - 1)
+        return idle / (v * m + idle)
     return (p - 1) / (3 * v * m + p - 1)  # zero bubble (ZB-H1, T_F = T_B = T_W)
 
 
@@ -147,6 +160,10 @@ def check_pipeline(spec: PipelineSpec, *, world_size: int, n_layers: int, raise_
     if p > 1 and n_layers < p * v:
         raise raise_as(f"--pp {p} x --pp-virtual-stages {v} = {p * v} model chunks, but the model has {n_layers} "
                        f"decoder layers; every chunk needs at least one layer: lower pp or the virtual stages")
+    if p > 1 and spec.schedule == "zero_bubble" and m < p:
+        raise raise_as(f"--grad-accum {m} with --pp-schedule zero_bubble and --pp {p}: the zero-bubble schedule "
+                       f"needs at least as many micro-batches as stages to fill its bubble (the planner's formula "
+                       f"holds for m >= p); raise --grad-accum to {p} or use 1f1b")
     if p > 1 and spec.schedule in ("interleaved_1f1b", "zero_bubble") and m % max(1, m // p):
         rounds = max(1, m // p)
         raise raise_as(f"--grad-accum {m}: the interleaved schedules run the micro-batches in rounds of "
