@@ -423,12 +423,12 @@ class Plan:
             lines.append(f"pipeline    pp {p}, {pipe['schedule']}" + (f", {v} virtual stages" if v > 1 else "")
                          + f", m = {mb} micro-batches (grad-accum): bubble {100 * pipe['bubble_fraction']:.1f} % "
                          f"{formula}; the table above is stage {pipe['worst_stage']}, the fullest")
-            lines.append(f"  {'stage':>5} {'layers':<18}{'params':>14} {'in flight':>9} {'activations':>12} "
+            lines.append(f"  {'stage':>5} {'layers':<20}{'params':>14} {'in flight':>9} {'activations':>12} "
                          f"{'p2p bufs':>9} {'peak':>9}  ({unit})")
             for st in self.extra["stages"]:
                 where = _layer_span(st["layers"])[len("layers "):] + (" +emb" if st["first"] else "") + (
                     " +head" if st["last"] else "")
-                lines.append(f"  {st['stage']:>5} {where:<18}{st['parameters']:>14,} {st['in_flight']:>9g} "
+                lines.append(f"  {st['stage']:>5} {where:<20}{st['parameters']:>14,} {st['in_flight']:>9g} "
                              f"{st['activations'] / div:>12.3f} {st['p2p_buffers'] / div:>9.3f} "
                              f"{st['peak'] / div:>9.3f}")
         if self.gpu_memory is not None:
