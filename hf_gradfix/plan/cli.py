@@ -118,7 +118,8 @@ def _mesh_and_settings(ns, config):
     packing = bool(ns.packing)
     if virtual > 1 and ns.pp_schedule is None:
         schedule = "interleaved_1f1b"  # virtual stages name the interleaved schedule
-    if ns.seq_len is None:
+    seq_given = ns.seq_len is not None
+    if not seq_given:
         ns.seq_len = 2048
     if ns.config:
         from ..config.loader import read_config_file
@@ -137,7 +138,7 @@ def _mesh_and_settings(ns, config):
             schedule = "interleaved_1f1b"
         if cf.gradfix.packing.enabled:
             packing = True
-            if "--seq-len" not in (ns.argv or ()):
+            if not seq_given:
                 ns.seq_len = cf.gradfix.packing.token_budget  # one packed row per micro-batch
         world = ns.num_gpus or int(cf.accelerate.get("num_processes") or 1)
         mesh_has_pp = "pp" in getattr(ParallelDims, "__dataclass_fields__", {})
@@ -342,9 +343,7 @@ def _check_flags(ns) -> None:
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
-    argv = list(argv) if argv is not None else sys.argv[1:]
-    ns = build_parser().parse_args(argv)
-    ns.argv = [a.split("=", 1)[0] for a in argv]  # which flags were given (a --config's packing sets --seq-len)
+    ns = build_parser().parse_args(list(argv) if argv is not None else None)
     from ..errors import HfGradfixError
 
     try:
