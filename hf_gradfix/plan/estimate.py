@@ -22,6 +22,11 @@ Rules (Ultra-Scale Playbook, "memory usage in transformers"; N = parameter count
   plus one recomputed layer's footprint (the larger of its re-run forward and its backward working set, both
   traced).  TP (transformers' tp plans, no sequence parallelism) divides what attention
   and MLP create by ``tp`` (norms and the residual stream stay replicated); CP divides the tokens by ``cp``.
+* CP with packed rows (``Settings.packing``): FlexAttention saves each layer's all-gathered full-sequence K/V,
+  plus the document BlockMask of this rank's queries against the whole row (sizes in the code below).
+* pipeline parallelism (``Settings.pp``; ``pipeline.py``): each stage's own parameters (its layers, the
+  embeddings on the first, norm and head on the last), its activations times the micro-batches its schedule
+  keeps in flight, and a receive buffer per micro-batch; every stage is planned and the fullest returned.
 """
 
 from __future__ import annotations
@@ -420,6 +425,8 @@ class Plan:
             p, v, mb = pipe["pp"], pipe["virtual_stages"], pipe["microbatches"]
             formula = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved_1f1b": "(p-1)/(v m+p-1)",
                        "zero_bubble": "(p-1)/(3 v m+p-1)"}[pipe["schedule"]]
+            if pipe["schedule"] == "interleaved_1f1b" and mb < p:
+                formula = "e/(v m+e), e = p-1+(p-m)(v-1)"
             lines.append(f"pipeline    pp {p}, {pipe['schedule']}" + (f", {v} virtual stages" if v > 1 else "")
                          + f", m = {mb} micro-batches (grad-accum): bubble {100 * pipe['bubble_fraction']:.1f} % "
                          f"{formula}; the table above is stage {pipe['worst_stage']}, the fullest")
