@@ -720,8 +720,9 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     if cp_flex:
         # FlexAttention under CP saves the all-gathered full-sequence K and V of every layer for backward (its
         # inputs; torch's _ContextParallel.flex_input_fn gathers them), where the fused trace counted this rank's
-        # 1/cp shard: (cp - 1) more shards of K and V per layer
-        kv_gathered = 2 * tokens * (mesh.cp - 1) * kv_width * eb
+        # 1/cp shard: (cp - 1) more shards of K and V per layer; its autograd also keeps max_scores beside the
+        # log-sum-exp (fp32, one per query and head; torch/_higher_order_ops/flex_attention.py)
+        kv_gathered = 2 * tokens * (mesh.cp - 1) * kv_width * eb + 4 * tokens * heads / tp
         per_layer = [a + kv_gathered for a in per_layer]
         layer_bwd += kv_gathered  # a layer's backward (and its recomputation) holds them too
         layer_rc += kv_gathered
@@ -765,8 +766,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                       f"{_fmt(tr.loss_transient)}" if last else " + the input ids" if first_saved else "")
                    + (f"; a recomputed layer peaks at {_fmt(layer_rc)}" if settings.recompute == "full" else ""))
     if cp_flex:
-        act_how += (f"; CP x packing: FlexAttention saves each layer's all-gathered K/V ({_fmt(kv_gathered)} more "
-                    f"per layer than the local shard), document block mask {_fmt(mask_b)}"
+        act_how += (f"; CP x packing: FlexAttention saves each layer's all-gathered K/V and max scores "
+                    f"({_fmt(kv_gathered)} more per layer than the local shard), document block mask {_fmt(mask_b)}"
                     + (f", sequence padded to {seq_len:,} (a multiple of cp x 128)" if seq_len != settings.seq_len
                        else ""))
     if stage is not None:
