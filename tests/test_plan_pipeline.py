@@ -221,6 +221,8 @@ def test_cli_pipeline_table_and_json(capsys):
      "--pp-virtual-stages 0: invalid value"),
     (["--num-gpus", "2", "--pp", "0"], "--pp 0: invalid value"),
     (["--num-gpus", "4", "--pp", "2", "--deepspeed"], "DeepSpeed's own pipeline engine is not planned"),
+    (["--config", "configs/accelerate/deepspeed_zero2.yaml", "--pp", "2"],
+     "DeepSpeed's own pipeline engine is not planned"),
     (["--num-gpus", "2", "--pp", "2", "--simulate", "--dtype", "fp32"], "--simulate / --timeline with pp=2"),
     (["--num-gpus", "2", "--pp", "2", "--pp-schedule", "zero_bubble"], "needs at least as many micro-batches"),
     (["--num-gpus", "2", "--pp", "2", "--pp-schedule", "zero_bubble", "--grad-accum", "5"],

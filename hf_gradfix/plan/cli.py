@@ -160,6 +160,9 @@ def _mesh_and_settings(ns, config):
             lowrank, gap = o.lowrank_grads, o.update_proj_gap
         zero, offload = _deepspeed_zero(rc, zero, offload)
         deepspeed = deepspeed or rc.deepspeed is not None
+        if pp > 1 and deepspeed:
+            raise PlanError(f"--pp {pp} with DeepSpeed ({ns.config}): DeepSpeed's own pipeline engine is not "
+                            "planned; plan pp with FSDP2 / DDP or drop --pp")
     else:
         n = ns.num_gpus or 1
         if n % pp:
