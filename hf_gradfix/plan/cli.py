@@ -39,13 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
         "when the plan fits (or no GPU memory was given), 1 when it does not, 2 for a diagnosed error.",
         epilog="examples:\n  hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100\n"
         "  hf-gradfix plan --model tiny-llama --num-gpus 8 --gpu-memory 80GiB --suggest\n"
+        "  hf-gradfix plan --model llama-3.1-8b --num-gpus 8 --pp 4 --pp-schedule 1f1b --grad-accum 8 --gpu h100\n"
         "  hf-gradfix plan --model ./my-model/config.json --num-gpus 4 --optimizer galore_adamw --rank 256 --json",
     )
     ap.add_argument("--model", required=True, help="tiny name (tiny-llama, llama-3.1-8b, ...), config.json, local dir or hub id")
     ap.add_argument("--config", help="accelerate YAML with an hf_gradfix: section (mesh, optimizer)")
     ap.add_argument("--num-gpus", type=int, help="world size, 1 .. 2**20 (overrides num_processes; required for --suggest "
                     "without --config)")
-    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence, 1 .. 2**24")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence, 1 .. 2**24 (default: a --config's "
+                    "packing.token_budget when packing is on, else 2048)")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch and rank, 1 .. 2**20")
     ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps, 1 .. 2**20")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
@@ -61,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "of the projected weights' gradients")
     ap.add_argument("--update-proj-gap", type=int, help="GaLore refresh gap, 1 .. 2**31-1 (default: the YAML's, else 200)")
     ap.add_argument("--recompute", default="none", choices=["none", "full"], help="activation recomputation")
+    ap.add_argument("--pp", type=int, help="pipeline stages, 1 .. 2**20 (default: the --config's parallel.pp, else 1); "
+                    "the other degrees share world / pp ranks, the schedule's micro-batches are --grad-accum's")
+    ap.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
+                    help="pipeline schedule (default: the --config's parallel.pp_schedule, else 1f1b)")
+    ap.add_argument("--pp-virtual-stages", type=int,
+                    help="model chunks per pipeline rank for interleaved_1f1b / zero_bubble, 1 .. 2**20 (default: the "
+                         "--config's parallel.pp_virtual_stages, else 1)")
+    ap.add_argument("--packing", action="store_true",
+                    help="packed rows (the plugin's packer; implied by a --config with packing.enabled): with cp > 1 "
+                         "FlexAttention with a document block mask and a K/V all-gather over the cp ranks")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
                     help="ZeRO stage (default: a DeepSpeed --config's zero_stage; 3 with FSDP sharding; else 0)")
     ap.add_argument("--deepspeed", action="store_true",
@@ -85,16 +97,59 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _schedule_name(value) -> str:
+    """A configuration's schedule spelled the planner's way (``Interleaved1F1B``, ``interleaved-1f1b`` ->
+    ``interleaved_1f1b``; the zero-bubble family -> ``zero_bubble``)."""
+    key = str(value).lower().replace("_", "").replace("-", "").removeprefix("schedule")
+    names = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b", "zerobubble": "zero_bubble",
+             "interleavedzerobubble": "zero_bubble", "zb": "zero_bubble"}
+    if key not in names:
+        raise PlanError(f"parallel.pp_schedule={value!r}: the planner knows gpipe, 1f1b, interleaved_1f1b and "
+                        "zero_bubble; use one of them")
+    return names[key]
+
+
 def _mesh_and_settings(ns, config):
     from ..parallel import ParallelDims
 
     opt_name, rank, side, targets, exclude, min_size = "adamw", 128, "auto", None, (), 0
     lowrank, gap = False, 200
     zero, offload, deepspeed = ns.zero, bool(ns.offload_optimizer), bool(ns.deepspeed)
+    pp, schedule, virtual = ns.pp or 1, ns.pp_schedule or "1f1b", ns.pp_virtual_stages or 1
+    packing = bool(ns.packing)
+    if virtual > 1 and ns.pp_schedule is None:
+        schedule = "interleaved_1f1b"  # virtual stages name the interleaved schedule
+    seq_given = ns.seq_len is not None
+    if not seq_given:
+        ns.seq_len = 2048
     if ns.config:
+        from ..config.loader import read_config_file
         from ..config.resolve import resolve_config
 
-        rc = resolve_config(ns.config, num_processes=ns.num_gpus, micro_batch=ns.micro_batch, seq_len=ns.seq_len,
+        cf = read_config_file(ns.config)
+        par = cf.gradfix.parallel
+        # pipeline keys of the parallel section (issue 28); read by name so that a schema without them plans pp 1
+        pp_cfg = int(getattr(par, "pp", 1) or 1)
+        if ns.pp is not None and pp_cfg > 1 and ns.pp != pp_cfg:
+            raise PlanError(f"--pp {ns.pp}: {ns.config} sets parallel.pp={pp_cfg}; keep one of them")
+        pp = ns.pp or pp_cfg
+        schedule = ns.pp_schedule or _schedule_name(getattr(par, "pp_schedule", None) or "1f1b")
+        virtual = ns.pp_virtual_stages or int(getattr(par, "pp_virtual_stages", 1) or 1)
+        if virtual > 1 and ns.pp_schedule is None and getattr(par, "pp_schedule", None) is None:
+            schedule = "interleaved_1f1b"
+        if cf.gradfix.packing.enabled:
+            packing = True
+            if not seq_given:
+                ns.seq_len = cf.gradfix.packing.token_budget  # one packed row per micro-batch
+        world = ns.num_gpus or int(cf.accelerate.get("num_processes") or 1)
+        mesh_has_pp = "pp" in getattr(ParallelDims, "__dataclass_fields__", {})
+        num_processes = ns.num_gpus
+        if pp > 1 and not (mesh_has_pp and pp_cfg == pp):
+            # the other degrees share world / pp ranks (a mesh without pp, or --pp on a file without it)
+            if world % pp:
+                raise PlanError(f"--pp {pp}: does not divide the world size {world}; use a divisor of {world}")
+            num_processes = world // pp
+        rc = resolve_config(ns.config, num_processes=num_processes, micro_batch=ns.micro_batch, seq_len=ns.seq_len,
                             grad_accum=ns.grad_accum, model_config=config)
         mesh = rc.mesh
         o = rc.gradfix.optimizer
@@ -105,8 +160,17 @@ def _mesh_and_settings(ns, config):
             lowrank, gap = o.lowrank_grads, o.update_proj_gap
         zero, offload = _deepspeed_zero(rc, zero, offload)
         deepspeed = deepspeed or rc.deepspeed is not None
+        if pp > 1 and deepspeed:
+            raise PlanError(f"--pp {pp} with DeepSpeed ({ns.config}): DeepSpeed's own pipeline engine is not "
+                            "planned; plan pp with FSDP2 / DDP or drop --pp")
     else:
         n = ns.num_gpus or 1
+        if n % pp:
+            raise PlanError(f"--pp {pp}: does not divide the world size {n} (--num-gpus); use a divisor of {n}")
+        if pp > 1 and deepspeed:
+            raise PlanError(f"--pp {pp} with --deepspeed: DeepSpeed's own pipeline engine is not planned; plan pp with "
+                            "FSDP2 / DDP (drop --deepspeed) or drop --pp")
+        n //= pp  # the other degrees share world / pp ranks
         # DeepSpeed partitions over every process (a replica each); accelerate's default stage is 2
         mesh = ParallelDims(n, dp_replicate=n, dp_shard=1) if deepspeed else ParallelDims(n)
         zero = 2 if deepspeed and zero is None else zero
@@ -117,7 +181,9 @@ def _mesh_and_settings(ns, config):
                  targets=targets, exclude=exclude, min_size=min_size, recompute=ns.recompute, zero=zero,
                  attention=ns.attention, lowrank_grads=bool(ns.lowrank_grads or lowrank),
                  update_proj_gap=ns.update_proj_gap if ns.update_proj_gap is not None else gap,
-                 offload_optimizer=offload, deepspeed=deepspeed)
+                 offload_optimizer=offload, deepspeed=deepspeed,
+                 pp=1 if getattr(mesh, "pp", 1) > 1 else pp, pp_schedule=schedule, pp_virtual_stages=virtual,
+                 packing=packing)
     return mesh, s
 
 
@@ -143,6 +209,7 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
     from dataclasses import replace
 
     from ..parallel import ParallelDims, ParallelDimsError
+    from .pipeline import PipelineSpec, bubble_fraction, check_pipeline
     from .throughput import GPU_SPECS, layout_throughput
 
     spec = GPU_SPECS.get((gpu or "h100").lower().replace(" ", ""), GPU_SPECS["h100"])
@@ -155,42 +222,63 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
     kv_hidden = (getattr(config, "num_key_value_heads", None) or heads or 1) * head_dim
     rows = []
     tps = [d for d in _divisors(num_gpus) if d <= 8 and heads and heads % d == 0] or [1]
-    for tp in tps:
-        for cp in [c for c in (1, 2, 4) if num_gpus % (tp * c) == 0 and base.seq_len % c == 0]:
-            rest = num_gpus // (tp * cp)
-            for rep in _divisors(rest):
-                try:
-                    mesh = ParallelDims(num_gpus, dp_replicate=rep, dp_shard=rest // rep, tp=tp, cp=cp)
-                    mesh.check_model(config)
-                except ParallelDimsError:
-                    continue
-                for mb in (1, 2, 4, 8):
-                    for rc in ("none", "full"):
-                        # GaLore: with and without low-rank gradient accumulation (DDP / one process only)
-                        variants = [(o, False) for o in dict.fromkeys((base.optimizer, "adamw"))]
-                        if base.optimizer.startswith("galore"):
-                            variants.insert(1, (base.optimizer, True))
-                        for opt, lowrank in variants:
-                            s = replace(base, micro_batch=mb, recompute=rc, optimizer=opt, zero=None,
-                                        lowrank_grads=lowrank)
-                            try:
-                                p = estimate(config, mesh, s, gpu_memory=gpu_memory, params=params)
-                            except PlanError:  # e.g. a low-rank optimizer on FSDP2 x TP row-wise weights
-                                continue
-                            if not p.fits:
-                                continue
-                            t = layout_throughput(
-                                n_params, n_layers, hidden, kv_hidden, seq_len=s.seq_len, micro_batch=mb,
-                                grad_accum=s.grad_accum, dp_replicate=rep, dp_shard=rest // rep, tp=tp, cp=cp,
-                                recompute=rc == "full", gpu=spec,
-                                optimizer_overhead=1.02 if opt.startswith(("galore", "apollo")) else 1.0)
-                            rows.append({"dp_replicate": rep, "dp_shard": rest // rep, "tp": tp, "cp": cp,
-                                         "micro_batch": mb, "recompute": rc, "optimizer": opt,
-                                         "lowrank_grads": lowrank,
-                                         "peak_gib": round(p.peak / GiB, 2),
-                                         "tokens_per_s_per_gpu": round(t["tokens_per_s_per_gpu"]),
-                                         "mfu": round(t["mfu"], 3), "global_batch_tokens": p.global_batch_tokens})
-    rows.sort(key=lambda r: (-r["tokens_per_s_per_gpu"], r["peak_gib"]))
+    # pipeline stages: divisors of the world up to 8 with a layer per chunk; 1F1B, and interleaved 1F1B with 2
+    # virtual stages where the layers and the micro-batches allow it (pipeline.check_pipeline)
+    pps = [q for q in _divisors(num_gpus) if q <= 8 and q <= n_layers]
+    for pp in pps:
+        pipes = [("1f1b", 1)] if pp > 1 else [(base.pp_schedule, 1)]
+        if pp > 1:
+            try:
+                check_pipeline(PipelineSpec(pp, "interleaved_1f1b", 2, base.grad_accum), world_size=num_gpus,
+                               n_layers=n_layers)
+                pipes.append(("interleaved_1f1b", 2))
+            except ValueError:
+                pass
+        inner = num_gpus // pp
+        for tp in [t for t in tps if inner % t == 0]:
+            for cp in [c for c in (1, 2, 4) if inner % (tp * c) == 0 and base.seq_len % c == 0]:
+                rest = inner // (tp * cp)
+                for rep in _divisors(rest):
+                    try:
+                        mesh = ParallelDims(inner, dp_replicate=rep, dp_shard=rest // rep, tp=tp, cp=cp)
+                        mesh.check_model(config)
+                    except ParallelDimsError:
+                        continue
+                    for schedule, virtual in pipes:
+                        bubble = bubble_fraction(PipelineSpec(pp, schedule, virtual, base.grad_accum))
+                        for mb in (1, 2, 4, 8):
+                            for rc in ("none", "full"):
+                                # GaLore: with and without low-rank gradient accumulation (DDP / one process only)
+                                variants = [(o, False) for o in dict.fromkeys((base.optimizer, "adamw"))]
+                                if base.optimizer.startswith("galore"):
+                                    variants.insert(1, (base.optimizer, True))
+                                for opt, lowrank in variants:
+                                    s = replace(base, micro_batch=mb, recompute=rc, optimizer=opt, zero=None,
+                                                lowrank_grads=lowrank, pp=pp, pp_schedule=schedule,
+                                                pp_virtual_stages=virtual)
+                                    try:
+                                        p = estimate(config, mesh, s, gpu_memory=gpu_memory, params=params)
+                                    except PlanError:  # e.g. a low-rank optimizer on FSDP2 x TP row-wise weights
+                                        continue
+                                    if not p.fits:
+                                        continue
+                                    t = layout_throughput(
+                                        n_params, n_layers, hidden, kv_hidden, seq_len=s.seq_len, micro_batch=mb,
+                                        grad_accum=s.grad_accum, dp_replicate=rep, dp_shard=rest // rep, tp=tp,
+                                        cp=cp, recompute=rc == "full", gpu=spec,
+                                        optimizer_overhead=1.02 if opt.startswith(("galore", "apollo")) else 1.0,
+                                        pp=pp, bubble=bubble)
+                                    rows.append({"pp": pp, "pp_schedule": schedule if pp > 1 else None,
+                                                 "pp_virtual_stages": virtual, "bubble": round(bubble, 4),
+                                                 "dp_replicate": rep, "dp_shard": rest // rep, "tp": tp, "cp": cp,
+                                                 "micro_batch": mb, "recompute": rc, "optimizer": opt,
+                                                 "lowrank_grads": lowrank,
+                                                 "peak_gib": round(p.peak / GiB, 2),
+                                                 "tokens_per_s_per_gpu": round(t["tokens_per_s_per_gpu"]),
+                                                 "mfu": round(t["mfu"], 3),
+                                                 "global_batch_tokens": p.global_batch_tokens})
+    # best expected throughput first; at equal throughput the smaller peak, then the smaller bubble
+    rows.sort(key=lambda r: (-r["tokens_per_s_per_gpu"], r["peak_gib"], r["bubble"]))
     return rows[:limit]
 
 
@@ -231,6 +319,7 @@ def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memor
 _FLAG_BOUNDS = {
     "--num-gpus": ("num_gpus", 2**20), "--seq-len": ("seq_len", 2**24), "--micro-batch": ("micro_batch", 2**20),
     "--grad-accum": ("grad_accum", 2**20), "--rank": ("rank", 65536), "--update-proj-gap": ("update_proj_gap", 2**31 - 1),
+    "--pp": ("pp", 2**20), "--pp-virtual-stages": ("pp_virtual_stages", 2**20),
 }
 _IMAGE_TYPES = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp", "eps", "ps", "pgf", "raw", "rgba")
 
@@ -274,6 +363,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         plan = estimate(config, mesh, s, gpu_memory=gpu, model_name=ns.model, params=params)
         out: dict = {"plan": plan.to_dict()}
         sim = None
+        if (ns.simulate or ns.timeline) and plan.mesh.get("pp", 1) > 1:
+            raise PlanError(f"--simulate / --timeline with pp={plan.mesh['pp']}: the fake-tensor step traces one rank "
+                            "without pipeline stages; drop them (the closed form above plans every stage)")
         if ns.simulate or ns.timeline:
             from .simulate import simulate
 
@@ -297,7 +389,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         if ns.suggest:
             if gpu is None:
                 raise PlanError("--suggest needs --gpu-memory or --gpu")
-            rows = suggest(config, ns.num_gpus or mesh.world_size, gpu, s, params=params, gpu=ns.gpu)
+            rows = suggest(config, ns.num_gpus or plan.mesh["world_size"], gpu, s, params=params, gpu=ns.gpu)
             out["suggest"] = rows
         if ns.plot:
             # every rank holds the same shard sizes: one bar, not world_size identical ones
@@ -327,10 +419,13 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     if rows is not None:
         print(f"\nlayouts that fit ({len(rows)} shown, best expected throughput/GPU first; an analytic model "
               f"for {(ns.gpu or 'h100') if (ns.gpu or 'h100').lower() in _gpu_specs() else 'h100'}, not measured):")
-        print(f"  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'mb':>3} {'recompute':>9} {'optimizer':>22} "
-              f"{'peak GiB':>9} {'tok/s/GPU':>10} {'MFU':>5}")
+        print(f"  {'pp':>2} {'schedule':>18} {'bubble':>6} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'mb':>3} "
+              f"{'recompute':>9} {'optimizer':>22} {'peak GiB':>9} {'tok/s/GPU':>10} {'MFU':>5}")
         for r in rows:
-            print(f"  {r['dp_replicate']:>6} {r['dp_shard']:>8} {r['tp']:>3} {r['cp']:>3} {r['micro_batch']:>3} "
+            sched = "-" if r["pp"] == 1 else r["pp_schedule"] + (f" v{r['pp_virtual_stages']}"
+                                                                 if r["pp_virtual_stages"] > 1 else "")
+            print(f"  {r['pp']:>2} {sched:>18} {100 * r['bubble']:>5.1f}% "
+                  f"{r['dp_replicate']:>6} {r['dp_shard']:>8} {r['tp']:>3} {r['cp']:>3} {r['micro_batch']:>3} "
                   f"{r['recompute']:>9} {r['optimizer'] + ('+lowrank_grads' if r.get('lowrank_grads') else ''):>22} {r['peak_gib']:>9} {r['tokens_per_s_per_gpu']:>10,} "
                   f"{r['mfu']:>5.2f}")
         if not rows:

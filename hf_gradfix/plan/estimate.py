@@ -22,6 +22,11 @@ Rules (Ultra-Scale Playbook, "memory usage in transformers"; N = parameter count
   plus one recomputed layer's footprint (the larger of its re-run forward and its backward working set, both
   traced).  TP (transformers' tp plans, no sequence parallelism) divides what attention
   and MLP create by ``tp`` (norms and the residual stream stay replicated); CP divides the tokens by ``cp``.
+* CP with packed rows (``Settings.packing``): FlexAttention saves each layer's all-gathered full-sequence K/V,
+  plus the document BlockMask of this rank's queries against the whole row (sizes in the code below).
+* pipeline parallelism (``Settings.pp``; ``pipeline.py``): each stage's own parameters (its layers, the
+  embeddings on the first, norm and head on the last), its activations times the micro-batches its schedule
+  keeps in flight, and a receive buffer per micro-batch; every stage is planned and the fullest returned.
 """
 
 from __future__ import annotations
@@ -207,6 +212,10 @@ class ParamInfo:
     tp_style: str | None  # colwise / rowwise / None
     projected: bool = False  # a GaLore/APOLLO target
     layer: int | None = None  # index of the decoder block holding it (None: embeddings, final norm, head)
+    # outside the decoder blocks: "input" (registered before them: embeddings, the first pipeline stage) or
+    # "output" (after them: final norm, output head, the last pipeline stage)
+    place: str | None = None
+    tied: bool = False  # the input embedding is also the output head (both end stages hold it under pp)
 
     @property
     def numel(self) -> int:
@@ -249,10 +258,20 @@ def param_table(config, *, targets=None, exclude=(), min_size: int = 0, model=No
     for i, (_, block) in enumerate(decoder_layers(model)):
         for p in block.parameters():
             layer_of.setdefault(id(p), i)
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied_ids = ({id(out.weight)} if inp is not None and out is not None and getattr(out, "weight", None) is not None
+                and out.weight is getattr(inp, "weight", None) else set())
+    out_ids = {id(p) for p in out.parameters()} if out is not None else set()
     rows = ParamTable()
+    seen_layer = False
     for n, p in named:
         proj = n in projected and p.dim() == 2 and min(p.shape) >= min_size
-        rows.append(ParamInfo(n, tuple(p.shape), _tp_style(n, plan), proj, layer_of.get(id(p))))
+        layer = layer_of.get(id(p))
+        seen_layer = seen_layer or layer is not None
+        # registration order places the rest: before the blocks (embeddings) or after them (norm, head)
+        place = None if layer is not None else ("output" if seen_layer or id(p) in out_ids and id(p) not in tied_ids
+                                                else "input")
+        rows.append(ParamInfo(n, tuple(p.shape), _tp_style(n, plan), proj, layer, place, id(p) in tied_ids))
     # buffers (rotary tables, GPT-2's causal-mask buffer on transformers 4.x): replicated on every rank
     rows.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     return rows
@@ -311,6 +330,14 @@ class Settings:
     offload_optimizer: bool = False
     # DeepSpeed's ZeRO optimizers keep an fp32 master partition even when the weights are fp32 (a clone, not an alias)
     deepspeed: bool = False
+    # pipeline parallelism (pipeline.py): stages, schedule, virtual stages per rank; the schedule's micro-batches
+    # are the accumulation window's (grad_accum)
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    # packed rows (the plugin's packer): with cp > 1 they run FlexAttention with a document block mask and an
+    # all-gather of K/V over the cp ranks (issue 29) instead of the SDPA ring
+    packing: bool = False
 
     def check(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -328,6 +355,15 @@ class Settings:
             raise PlanError(f"activation_model={self.activation_model!r}: traced | formula | playbook")
         if self.attention not in ("fused", "eager"):
             raise PlanError(f"--attention {self.attention!r}: fused (FlashAttention / SDPA) | eager")
+        from .pipeline import SCHEDULES
+
+        if self.pp_schedule not in SCHEDULES:
+            raise PlanError(f"--pp-schedule {self.pp_schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        for key in ("pp", "pp_virtual_stages"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**20:
+                raise PlanError(f"--{key.replace('_', '-')} {value!r}: invalid value; it must be a whole number >= 1 "
+                                "and <= 1048576")
 
 
 COMPONENTS = ("parameters", "master_weights", "gradients", "optimizer_state", "activations", "comm_buffers",
@@ -366,7 +402,8 @@ class Plan:
         lines = [
             f"model       {self.model}: {self.n_params / 1e9:.3f} B parameters" if self.n_params >= 1e8
             else f"model       {self.model}: {self.n_params / 1e6:.3f} M parameters",
-            f"mesh        world {m['world_size']}: dp_replicate={m['dp_replicate']} dp_shard={m['dp_shard']} "
+            f"mesh        world {m['world_size']}: {'pp=%d ' % m['pp'] if m.get('pp', 1) > 1 else ''}"
+            f"dp_replicate={m['dp_replicate']} dp_shard={m['dp_shard']} "
             f"cp={m['cp']} tp={m['tp']} (ZeRO-{self.extra['zero']} over {self.extra['shard_degree']})",
             f"batch       micro-batch {self.settings['micro_batch']} x seq {self.settings['seq_len']} x grad-accum "
             f"{self.settings['grad_accum']} x dp {m['dp_replicate'] * m['dp_shard']} = {self.global_batch_tokens:,} tokens/step",
@@ -383,6 +420,24 @@ class Plan:
             f"{self.activations_full_recompute / div:.3f} {unit} with full recomputation "
             f"(Playbook GPT formula, bf16: {self.playbook_activations / div:.3f} {unit})"
         )
+        pipe = self.extra.get("pipeline")
+        if pipe:
+            p, v, mb = pipe["pp"], pipe["virtual_stages"], pipe["microbatches"]
+            formula = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved_1f1b": "(p-1)/(v m+p-1)",
+                       "zero_bubble": "(p-1)/(3 v m+p-1)"}[pipe["schedule"]]
+            if pipe["schedule"] == "interleaved_1f1b" and mb < p:
+                formula = "e/(v m+e), e = p-1+(p-m)(v-1)"
+            lines.append(f"pipeline    pp {p}, {pipe['schedule']}" + (f", {v} virtual stages" if v > 1 else "")
+                         + f", m = {mb} micro-batches (grad-accum): bubble {100 * pipe['bubble_fraction']:.1f} % "
+                         f"{formula}; the table above is stage {pipe['worst_stage']}, the fullest")
+            lines.append(f"  {'stage':>5} {'layers':<20}{'params':>14} {'in flight':>9} {'activations':>12} "
+                         f"{'p2p bufs':>9} {'peak':>9}  ({unit})")
+            for st in self.extra["stages"]:
+                where = _layer_span(st["layers"])[len("layers "):] + (" +emb" if st["first"] else "") + (
+                    " +head" if st["last"] else "")
+                lines.append(f"  {st['stage']:>5} {where:<20}{st['parameters']:>14,} {st['in_flight']:>9g} "
+                             f"{st['activations'] / div:>12.3f} {st['p2p_buffers'] / div:>9.3f} "
+                             f"{st['peak'] / div:>9.3f}")
         if self.gpu_memory is not None:
             verdict = "FITS" if self.fits else "DOES NOT FIT"
             lines.append(f"verdict     {verdict} in {self.gpu_memory / GiB:.1f} GiB "
@@ -450,16 +505,89 @@ def _head_activation(config, tokens: float, e: int, seq: float = 0) -> float:
     return 4 * tokens * h + 4 * tokens + 2 * e * tokens * h + 2 * e * seq * hd + e * tokens * v + 12 * tokens * v
 
 
+@dataclass
+class _Stage:
+    """One pipeline stage as the planner sees it (pipeline.py's split rule)."""
+
+    index: int
+    layers: list[int]  # global decoder-layer indices it runs
+    first: bool  # holds the input embeddings (chunk 0)
+    last: bool  # holds the final norm and the output head (the last chunk)
+    in_flight: float  # micro-batches whose activations it holds at its peak (pipeline.in_flight)
+    recv_fwd: int  # activation buffers it receives into (one per micro-batch and chunk that is not chunk 0)
+    recv_grad: int  # gradient buffers it receives into (one per micro-batch and chunk that is not the last)
+
+
+def pipeline_degree(mesh, settings: Settings) -> int:
+    """``pp`` from the mesh (a ParallelDims that carries ``pp``) or from the settings (``--pp``), never both
+    different."""
+    mesh_pp = int(getattr(mesh, "pp", 1) or 1)
+    if mesh_pp > 1 and settings.pp > 1 and mesh_pp != settings.pp:
+        raise PlanError(f"--pp {settings.pp}: the configuration's parallel.pp is {mesh_pp}; keep one of them")
+    return max(mesh_pp, settings.pp)
+
+
 def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = None, model_name: str = "model",
              params: list[ParamInfo] | None = None) -> Plan:
-    """The closed-form per-rank plan (see the module docstring for every rule)."""
+    """The closed-form per-rank plan (see the module docstring for every rule).
+
+    With pipeline parallelism (``settings.pp > 1``, or a ``mesh`` that carries ``pp``) ``mesh`` holds the other
+    degrees over ``world / pp`` ranks; every stage is planned and the worst one returned, each stage's summary in
+    ``extra["stages"]`` (``pipeline.py`` has the split rule, the schedules' in-flight counts and the bubble)."""
+    from . import pipeline as pl
+
     settings.check()
-    mesh.check_model(config)
-    if settings.seq_len % mesh.cp:
-        raise PlanError(f"--seq-len {settings.seq_len} is not divisible by cp={mesh.cp}")
-    opt = settings.optimizer
+    pp = pipeline_degree(mesh, settings)
     if params is None:
         params = param_table(config, targets=settings.targets, exclude=settings.exclude, min_size=settings.min_size)
+    if pp == 1:
+        return _estimate_rank(config, mesh, settings, gpu_memory=gpu_memory, model_name=model_name, params=params)
+    n_layers = len({p.layer for p in params if p.layer is not None}) or config.num_hidden_layers
+    world = mesh.world_size if getattr(mesh, "pp", 1) > 1 else mesh.world_size * pp
+    spec = pl.PipelineSpec(pp, settings.pp_schedule, settings.pp_virtual_stages, settings.grad_accum)
+    pl.check_pipeline(spec, world_size=world, n_layers=n_layers, raise_as=PlanError)
+    n_chunks = spec.chunks
+    plans = []
+    for s in range(pp):
+        chunks = pl.stage_chunks(s, pp, spec.virtual_stages)
+        stage = _Stage(s, pl.stage_layers(n_layers, s, pp, spec.virtual_stages), first=0 in chunks,
+                       last=n_chunks - 1 in chunks, in_flight=pl.in_flight(spec, s),
+                       recv_fwd=spec.microbatches * sum(1 for c in chunks if c > 0),
+                       recv_grad=spec.microbatches * sum(1 for c in chunks if c < n_chunks - 1))
+        keep = set(stage.layers)
+        rows = ParamTable(
+            p for p in params
+            if (p.layer is not None and p.layer in keep)
+            or (p.layer is None and ((p.place == "input" and stage.first) or (p.place == "output" and stage.last)
+                                     or (p.tied and stage.last))))
+        rows.buffer_bytes = getattr(params, "buffer_bytes", 0)  # rotary tables: every stage computes them
+        plans.append(_estimate_rank(config, mesh, settings, gpu_memory=gpu_memory, model_name=model_name,
+                                    params=rows, stage=stage, pp=pp, world=world))
+    worst = max(plans, key=lambda q: q.peak)
+    bubble = pl.bubble_fraction(spec)
+    worst.extra["pipeline"] = {"pp": pp, "schedule": spec.schedule, "virtual_stages": spec.virtual_stages,
+                               "microbatches": spec.microbatches, "bubble_fraction": bubble,
+                               "worst_stage": plans.index(worst), "model_parameters": sum(p.numel for p in params)}
+    worst.extra["stages"] = [q.extra["stage"] for q in plans]
+    worst.extra["stage_parameters"] = worst.n_params
+    worst.n_params = sum(p.numel for p in params)  # the model's; each stage's count is in extra["stages"]
+    return worst
+
+
+def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None, model_name: str,
+                   params: list[ParamInfo], stage: _Stage | None = None, pp: int = 1,
+                   world: int | None = None) -> Plan:
+    """One rank's plan: the whole model, or one pipeline ``stage`` (its parameters in ``params``)."""
+    mesh.check_model(config)
+    cp_flex = mesh.cp > 1 and settings.packing  # packed rows under CP: FlexAttention + K/V all-gather (issue 29)
+    seq_len = settings.seq_len
+    if cp_flex:
+        # torch's CP block mask needs the sequence in whole 128-blocks per cp rank (_create_cp_block_mask)
+        quantum = mesh.cp * 128
+        seq_len = -(-seq_len // quantum) * quantum
+    elif settings.seq_len % mesh.cp:
+        raise PlanError(f"--seq-len {settings.seq_len} is not divisible by cp={mesh.cp}")
+    opt = settings.optimizer
     wb, gb, mb, momb, eb = PRECISIONS[settings.dtype]
     if settings.deepspeed and (settings.zero or 0) >= 1 and not mb:
         mb = 4
@@ -491,7 +619,8 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     n_proj = 0
     layer_elems: dict[int, float] = {}  # per decoder layer, after TP
     root_local = 0.0  # embeddings, final norm, head: FSDP2's root unit, unsharded through forward and backward
-    n_layers = len({p.layer for p in params if p.layer is not None}) or config.num_hidden_layers
+    n_layers = len({p.layer for p in params if p.layer is not None}) or (
+        len(stage.layers) if stage is not None else config.num_hidden_layers)
     for p in params:
         shape = list(p.shape)
         sharded = set()
@@ -558,42 +687,91 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     # activations, per micro-batch, this rank's tokens
     amp = settings.dtype == "amp-bf16"
     fsdp = zero >= 3 and d_eff > 1
-    tokens = settings.micro_batch * settings.seq_len / mesh.cp
-    pb_act = playbook_activation_bytes(config, settings.seq_len, settings.micro_batch, tp=tp, cp=mesh.cp)
+    tokens = settings.micro_batch * seq_len / mesh.cp
+    pb_act = playbook_activation_bytes(config, seq_len, settings.micro_batch, tp=tp, cp=mesh.cp)
     act_how = ""
     tr = None
+    heads = getattr(config, "num_attention_heads", None) or 1
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * head_dim / tp
     if settings.activation_model == "traced":
         from .activations import trace_activations
 
-        tr = trace_activations(config, micro_batch=settings.micro_batch, seq_len=settings.seq_len // mesh.cp,
+        tr = trace_activations(config, micro_batch=settings.micro_batch, seq_len=seq_len // mesh.cp,
                                dtype="fp32" if eb == 4 else "amp" if (amp and not fsdp) else "bf16",
                                attention=settings.attention)
-        per_layer = [tr.layer(i, tp) for i in range(len(tr.layer_split))]
+        all_layers = [tr.layer(i, tp) for i in range(len(tr.layer_split))]
         # a layer's backward footprint (its saved tensors + gradients) shrinks with tp as its activations do
-        tp_share = max(per_layer) / max(tr.layer(i) for i in range(len(per_layer)))
+        tp_share = max(all_layers) / max(tr.layer(i) for i in range(len(all_layers)))
         layer_bwd, layer_rc = tr.layer_backward * tp_share, tr.layer_recompute * tp_share
-        head_act = tr.outside + tr.logits + tr.loss_transient
-        # without recompute the peak is where backward starts (everything saved + the loss gradients), or in the
-        # last layer's backward for a model whose layer working set outweighs the loss gradients
-        act_none = tr.outside + tr.logits + max(sum(per_layer) + tr.loss_transient, sum(per_layer[:-1]) + layer_bwd)
-        # full recompute: the checkpointed layer inputs, plus the larger of the loss (end of forward) and one
-        # recomputed layer's backward footprint (by then only the logits of the head are still alive)
-        ckpt = len(per_layer) * tr.hidden
-        act_full = ckpt + max(head_act, tr.logits + layer_rc)
-        act_how = (f"counted from the forward ({tr.attention} attention): {len(per_layer)} layers x "
-                   f"{_fmt(sum(per_layer) / len(per_layer))} + outside the layers {_fmt(tr.outside)} + logits "
-                   f"{_fmt(tr.logits)} + fp32 loss gradients {_fmt(tr.loss_transient)}"
-                   + (f"; a recomputed layer peaks at {_fmt(layer_rc)}"
-                      if settings.recompute == "full" else ""))
+        hidden = tr.hidden
+        per_layer = all_layers if stage is None else [all_layers[i] for i in stage.layers]
+        head_saved, logits_b, loss_t = tr.outside, tr.logits, tr.loss_transient
     else:
         layer_act = _decoder_layer_activation(config, tokens, eb, tp)
-        head_act = _head_activation(config, tokens, eb, settings.seq_len / mesh.cp)
-        act_none = n_layers * layer_act + head_act
-        ckpt = n_layers * eb * tokens * config.hidden_size
-        act_full = ckpt + max(head_act, layer_act + eb * tokens * config.vocab_size)
+        per_layer = [layer_act] * n_layers
+        layer_bwd = layer_rc = layer_act
+        hidden = eb * tokens * config.hidden_size
+        logits_b, loss_t = eb * tokens * config.vocab_size, 12 * tokens * config.vocab_size
+        head_saved = _head_activation(config, tokens, eb, seq_len / mesh.cp) - logits_b - loss_t
         if settings.activation_model == "playbook":
-            act_none = pb_act * eb / 2 + head_act
-            act_full = ckpt + pb_act * eb / 2 / n_layers + head_act
+            per_layer = [pb_act * eb / 2 / config.num_hidden_layers] * n_layers
+            layer_rc = per_layer[0] + head_saved + loss_t
+    if cp_flex:
+        # FlexAttention under CP saves the all-gathered full-sequence K and V of every layer for backward (its
+        # inputs; torch's _ContextParallel.flex_input_fn gathers them), where the fused trace counted this rank's
+        # 1/cp shard: (cp - 1) more shards of K and V per layer; its autograd also keeps max_scores beside the
+        # log-sum-exp (fp32, one per query and head; torch/_higher_order_ops/flex_attention.py)
+        kv_gathered = 2 * tokens * (mesh.cp - 1) * kv_width * eb + 4 * tokens * heads / tp
+        per_layer = [a + kv_gathered for a in per_layer]
+        layer_bwd += kv_gathered  # a layer's backward (and its recomputation) holds them too
+        layer_rc += kv_gathered
+    # what the head keeps per micro-batch (final norm, loss log-softmax, the logits) lives on the last stage; the
+    # first keeps the input ids its embedding saves (int64); without pp one rank has both (the trace's outside
+    # already holds the ids)
+    last = stage is None or stage.last
+    first_saved = 8 * tokens if stage is not None and stage.first and not stage.last else 0.0
+    head_kept = (head_saved + logits_b) if last else 0.0
+    loss_now = loss_t if last else 0.0
+    # without recompute the peak is where backward starts (everything saved + the loss gradients), or in the
+    # last layer's backward for a model whose layer working set outweighs the loss gradients
+    saved_mb = sum(per_layer) + head_kept + first_saved
+    peak_mb = head_kept + first_saved + max(sum(per_layer) + loss_now, sum(per_layer[:-1]) + layer_bwd)
+    # full recompute: the checkpointed layer inputs, plus the larger of the loss (end of forward) and one
+    # recomputed layer's backward footprint (by then only the logits of the head are still alive)
+    ckpt = len(per_layer) * hidden
+    saved_mb_full = ckpt + head_kept + first_saved
+    peak_mb_full = ckpt + first_saved + (max(head_kept + loss_now, logits_b + layer_rc) if last else layer_rc)
+    if settings.activation_model == "playbook" and stage is None:
+        peak_mb = pb_act * eb / 2 + head_kept + loss_now
+    mask_b = 0.0
+    if cp_flex:
+        # the document BlockMask (torch.nn.attention.flex_attention.BlockMask, 128 x 128 blocks, int32), per
+        # sequence of the micro-batch and one head (the mask is the same for every head): for the queries of this
+        # rank (q_blocks = seq / cp / 128) against the whole sequence (kv_blocks = seq / 128),
+        # kv_num_blocks [q_blocks] + kv_indices [q_blocks, kv_blocks] and their full_* twins (blocks with no
+        # masked element), and the transposed q direction for the backward: q_num_blocks [kv_blocks] +
+        # q_indices [kv_blocks, q_blocks] and full_*: 4 B x (4 q_blocks kv_blocks + 2 q_blocks + 2 kv_blocks)
+        qb, kvb = seq_len // mesh.cp // 128, seq_len // 128
+        mask_b = settings.micro_batch * 4 * (4 * qb * kvb + 2 * qb + 2 * kvb)
+        saved_mb += mask_b; peak_mb += mask_b; saved_mb_full += mask_b; peak_mb_full += mask_b
+    # a pipeline stage holds the saved activations of its micro-batches in flight: all but the one at its peak
+    held = (stage.in_flight - 1) if stage is not None else 0.0
+    act_none = held * saved_mb + peak_mb
+    act_full = held * saved_mb_full + peak_mb_full
+    if tr is not None:
+        act_how = (f"counted from the forward ({tr.attention} attention): {len(per_layer)} layers x "
+                   f"{_fmt(sum(per_layer) / max(1, len(per_layer)))}"
+                   + (f" + outside the layers {_fmt(tr.outside)} + logits {_fmt(tr.logits)} + fp32 loss gradients "
+                      f"{_fmt(tr.loss_transient)}" if last else " + the input ids" if first_saved else "")
+                   + (f"; a recomputed layer peaks at {_fmt(layer_rc)}" if settings.recompute == "full" else ""))
+    if cp_flex:
+        act_how += (f"; CP x packing: FlexAttention saves each layer's all-gathered K/V and max scores "
+                    f"({_fmt(kv_gathered)} more per layer than the local shard), document block mask {_fmt(mask_b)}"
+                    + (f", sequence padded to {seq_len:,} (a multiple of cp x 128)" if seq_len != settings.seq_len
+                       else ""))
+    if stage is not None:
+        act_how += f"; x {stage.in_flight:g} micro-batches in flight ({settings.pp_schedule})"
     act = act_full if settings.recompute == "full" else act_none
 
     # communication buffers
@@ -616,12 +794,22 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         comm, comm_txt = 0.0, "one process per replica: no collectives"
     if tp > 1:
         comm_txt += "; TP all-reduces write the layer outputs (counted in activations)"
-    if mesh.cp > 1:
-        heads = getattr(config, "num_attention_heads", None) or 1
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_width = (getattr(config, "num_key_value_heads", None) or heads) * head_dim / tp
+    if cp_flex:
+        # backward of one layer: the gradients of the gathered full-sequence K and V before their reduce-scatter
+        comm += 2 * tokens * mesh.cp * kv_width * eb
+        comm_txt += "; CP all-gather: one layer's full-sequence dK/dV before the reduce-scatter"
+    elif mesh.cp > 1:
         comm += 2 * tokens * 2 * kv_width * eb
         comm_txt += "; CP ring: the next K/V chunk in flight, double-buffered"
+    p2p = 0.0
+    if stage is not None:
+        # torch.distributed.pipelining allocates a receive buffer per micro-batch (PipelineStage's
+        # _prepare_forward_infra / _setup_backward_recv_info): activations from the previous stage, gradients
+        # from the next, each one layer input (the hidden state is replicated over tp)
+        p2p = (stage.recv_fwd + stage.recv_grad) * hidden
+        comm += p2p
+        comm_txt += (f"; pipeline receive buffers: {stage.recv_fwd} activation + {stage.recv_grad} gradient x "
+                     f"{_fmt(hidden)}")
     subtotal = params_b + master_b + grads_b + opt_bytes + act + comm
     host_b = 0.0
     if settings.offload_optimizer:
@@ -647,7 +835,10 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     if settings.offload_optimizer:
         opt_txt = f"offloaded to host memory (DeepSpeed offload_optimizer): {_fmt(host_b)} per rank with the master copy; {opt_txt}"
     explain = {
-        "parameters": f"{wb} B x {n_total:,} params{tp_txt}{shard_txt(zero >= 3)}",
+        "parameters": (f"{wb} B x {n_total:,} params{tp_txt}{shard_txt(zero >= 3)}"
+                       + (f" (stage {stage.index}: {_layer_span(stage.layers)}"
+                          + (", embeddings" if stage.first else "") + (", final norm + head" if stage.last else "")
+                          + ")" if stage is not None else "")),
         "master_weights": ("offloaded to host memory with the optimizer state" if settings.offload_optimizer else
                            f"fp32 master copy 4 B/param{shard_txt(zero >= 1)}" if mb else "none (weights are the master)"),
         "gradients": (f"{gb} B/param{' (incl. 4 B fp32 accumulation)' if settings.grad_fp32 else ''}{shard_txt(zero >= 2)}"
@@ -657,7 +848,7 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
                       f"{refreshing} largest refreshing at once (staggered over --update-proj-gap "
                       f"{settings.update_proj_gap}; the first step needs initial_basis: first_microbatch)"),
         "optimizer_state": opt_txt,
-        "activations": (f"{'full recompute: layer inputs + 1 layer' if settings.recompute == 'full' else 'all layers'}"
+        "activations": (f"{'full recompute: layer inputs + 1 layer' if settings.recompute == 'full' else 'all layers' if stage is None else 'the stage' + chr(39) + 's layers'}"
                         f", {int(tokens):,} tokens/rank{' (seq / cp)' if mesh.cp > 1 else ''}"
                         f"{', attention/MLP / tp (norms replicated)' if tp > 1 else ''}"
                         + (f"; {act_how}" if act_how else ", + logits and fp32 log-softmax")
@@ -666,15 +857,33 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
         "fragmentation": f"{100 * settings.fragmentation:.0f} % allocator/fragmentation margin",
     }
     gbt = settings.micro_batch * settings.seq_len * settings.grad_accum * mesh.dp
+    stage_info = None
+    if stage is not None:
+        stage_info = {"stage": stage.index, "layers": list(stage.layers), "first": stage.first, "last": stage.last,
+                      "parameters": n_total, "in_flight": stage.in_flight, "activations": act,
+                      "p2p_buffers": p2p, "peak": subtotal + frag,
+                      "model_state": params_b + master_b + grads_b + opt_bytes}
     return Plan(
         model=model_name, n_params=n_total,
-        mesh={"world_size": mesh.world_size, "dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard,
-              "cp": mesh.cp, "tp": mesh.tp},
+        mesh={"world_size": world or mesh.world_size, "pp": pp, "dp_replicate": mesh.dp_replicate,
+              "dp_shard": mesh.dp_shard, "cp": mesh.cp, "tp": mesh.tp},
         settings=asdict(settings), components=comp, explain=explain, peak=subtotal + frag,
         global_batch_tokens=gbt, activations_no_recompute=act_none, activations_full_recompute=act_full,
         playbook_activations=pb_act, gpu_memory=gpu_memory,
         extra={"zero": zero, "shard_degree": d_eff, "host_bytes_per_rank": host_b, "projected_matrices": n_proj, "prefetch_bytes": prefetch,
                # what the first decoder layer saves for backward, tensor by tensor (the traced count's evidence)
                "layer0_saved_tensors": [{"op": w, "shape": list(sh), "dtype": dt, "bytes": b}
-                                        for w, sh, dt, b in (tr.layer0 if tr is not None else [])]},
+                                        for w, sh, dt, b in (tr.layer0 if tr is not None else [])],
+               "stage": stage_info, "block_mask_bytes": mask_b, "padded_seq_len": seq_len},
     )
+
+
+def _layer_span(layers: list[int]) -> str:
+    """``layers 0-15`` / ``layers 0-3, 8-11`` (an interleaved stage's chunks)."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return "layers " + ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)

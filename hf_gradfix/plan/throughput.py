@@ -16,6 +16,10 @@ be checked and re-fitted:
   micro-batch, overlapped with compute (only the excess shows).
 * data-parallel replicas (DDP / HSDP): one all-reduce of the grads per optimizer step, overlapped with the last
   micro-batch's backward (2/3 of its compute).
+* pipeline parallelism (``pp`` stages, outermost in the mesh): each rank computes ``1 / pp`` of the layers; the
+  accumulation window's micro-batches run through the schedule and the step stretches by ``1 / (1 - bubble)``
+  (``bubble``: :func:`hf_gradfix.plan.pipeline.bubble_fraction`); each micro-batch sends its layer output to
+  the next stage and its gradient back (one hidden state each way per stage boundary, on the critical path).
 * bandwidth: NVLink inside a node (``gpus_per_node``), the network across nodes; a group that spans nodes runs at
   the network's speed.
 
@@ -62,12 +66,16 @@ def _bandwidth(group: int, inner: int, gpu: GpuSpec) -> float:
 
 def layout_throughput(n_params: float, n_layers: int, hidden: int, kv_hidden: int, *, seq_len: int, micro_batch: int,
                       grad_accum: int, dp_replicate: int, dp_shard: int, tp: int, cp: int, recompute: bool,
-                      gpu: GpuSpec, bytes_per_elem: int = 2, optimizer_overhead: float = 1.0) -> dict:
-    """Seconds per optimizer step and tokens/s per GPU for one layout (mesh order: dp_replicate, dp_shard, cp,
-    tp, with tp innermost as in ``ParallelDims``).  ``kv_hidden``: the K/V width (heads_kv x head_dim)."""
-    world = dp_replicate * dp_shard * tp * cp
+                      gpu: GpuSpec, bytes_per_elem: int = 2, optimizer_overhead: float = 1.0, pp: int = 1,
+                      bubble: float = 0.0) -> dict:
+    """Seconds per optimizer step and tokens/s per GPU for one layout (mesh order: pp, dp_replicate, dp_shard, cp,
+    tp, with tp innermost as in ``ParallelDims``).  ``kv_hidden``: the K/V width (heads_kv x head_dim);
+    ``bubble``: the pipeline schedule's idle share of the step (0 without pp)."""
+    world = pp * dp_replicate * dp_shard * tp * cp
     tokens = micro_batch * seq_len  # per micro-batch of one data-parallel rank
-    flops = (6 * n_params * tokens + 6 * n_layers * hidden * seq_len * tokens) / (tp * cp)
+    flops = (6 * n_params * tokens + 6 * n_layers * hidden * seq_len * tokens) / (tp * cp * pp)
+    n_layers_all, n_params_all = n_layers, n_params
+    n_layers, n_params = max(1, n_layers // pp), n_params / pp  # this rank's stage
     if recompute:
         flops *= 4 / 3
     rows = tokens / cp  # GEMM row count on a rank
@@ -97,12 +105,16 @@ def layout_throughput(n_params: float, n_layers: int, hidden: int, kv_hidden: in
         grad_bytes = local / dp_shard * 4
         comm = 2 * (dp_replicate - 1) / dp_replicate * grad_bytes / _bandwidth(dp_replicate, dp_shard * tp * cp, gpu)
         t_dp = max(0.0, comm - (2 / 3) * t_compute)
-    step = (grad_accum * (t_compute + t_tp + t_cp + t_fsdp) + t_dp) * optimizer_overhead
+    t_pp = 0.0
+    if pp > 1:  # a hidden state forward and its gradient back per micro-batch, across the stage boundary
+        t_pp = 2 * act_bytes / _bandwidth(2, dp_replicate * dp_shard * tp * cp, gpu)
+    step = ((grad_accum * (t_compute + t_tp + t_cp + t_fsdp + t_pp)) / (1 - bubble) + t_dp) * optimizer_overhead
     step_tokens = tokens * grad_accum * dp_replicate * dp_shard
-    model_flops = 6 * n_params * step_tokens + 6 * n_layers * hidden * seq_len * step_tokens
+    model_flops = 6 * n_params_all * step_tokens + 6 * n_layers_all * hidden * seq_len * step_tokens
     return {
         "seconds_per_step": step,
         "tokens_per_s_per_gpu": step_tokens / step / world,
         "mfu": model_flops / (step * world * gpu.tflops * 1e12),
         "exposed_comm_fraction": 1 - grad_accum * t_compute * optimizer_overhead / step,
+        "bubble_fraction": bubble,
     }
