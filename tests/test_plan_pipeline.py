@@ -5,7 +5,7 @@
 - bubble and micro-batches in flight: a time-slot simulation written here, replaying each schedule's op order
   (GPipe and 1F1B written out here, interleaved 1F1B and zero bubble taken from torch's own schedule classes),
   with dependencies between stages (a forward waits for the previous chunk's, a backward for the next chunk's);
-- the document BlockMask's bytes: a real ``create_block_mask`` for a packed row's document mask;
+- the document mask's and the gathered K/V's bytes: what autograd saves through the packed-CP attention;
 - bad input: one line, exit code 2.
 """
 
@@ -288,22 +288,44 @@ def test_config_pipeline_keys_when_the_schema_has_them(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ CP x packing
 
 
-def test_cp_packing_block_mask_equals_a_real_block_mask():
-    from torch.nn.attention.flex_attention import create_block_mask
+def _saved_by_packed_attention(cfg, seq: int, cp: int, layers: int) -> tuple[int, int]:
+    """Bytes autograd saves for ``layers`` attention calls of one cp rank through the packed-CP attention (one
+    process: the gathered keys are given whole), split into (mask storages, K/V storages), each storage once."""
+    from hf_gradfix.parallel.context_packing import PackedLayout, packed_attention_block
 
+    ids = torch.arange(1, seq + 1)[None]
+    quarter = seq // 4 // (2 * cp) * (2 * cp)  # three documents, each a whole number of the balancer's chunks
+    positions = torch.cat([torch.arange(n) for n in (quarter, seq - 2 * quarter, quarter)])[None]
+    layout = PackedLayout.build({"input_ids": ids, "labels": ids, "position_ids": positions}, cp=cp, pad_token_id=0)
+    assert layout.length == seq  # no padding: the documents' lengths are multiples of 2 x cp already
+    length, heads = layout.length, cfg.num_attention_heads
+    head_dim = cfg.hidden_size // heads
+    mask = layout.mask(0)
+    storages: dict[int, tuple[str, int]] = {}
+    q = torch.randn(1, heads, length // cp, head_dim, requires_grad=True)
+
+    def pack(t):
+        kind = "mask" if t.dim() == 4 and t.shape[1] == 1 else "kv" if t.dim() == 4 and t.shape[2] == length else "other"
+        storages[t.untyped_storage().data_ptr()] = (kind, t.untyped_storage().nbytes())
+        return t
+
+    with packed_attention_block(mask, None), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for _ in range(layers):  # the model's grouped K/V (kv heads) over the whole row, as after the all-gather
+            kv = torch.randn(1, cfg.num_key_value_heads, length, head_dim, requires_grad=True)
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv.clone(), is_causal=True)
+    by_kind = {k: sum(n for kind, n in storages.values() if kind == k) for k in ("mask", "kv")}
+    return by_kind["mask"] + mask.untyped_storage().nbytes(), by_kind["kv"]
+
+
+def test_cp_packing_document_mask_equals_what_attention_saves():
+    """The planner's document mask = the boolean mask kept for the step + the additive mask SDPA saves, ONE
+    storage for every layer (measured through the packed-CP attention the training uses)."""
     cfg = load_model_config("tiny-llama")
-    seq, cp = 1000, 2  # padded to 1024: whole 128-token blocks on each cp rank
-    plan = estimate(cfg, ParallelDims(2, dp_shard=1, cp=2), Settings(seq_len=seq, dtype="fp32", packing=True))
-    assert plan.extra["padded_seq_len"] == 1024
-    docs = torch.tensor([0] * 300 + [1] * 500 + [2] * 224)
-    local = 1024 // cp
-
-    def document_causal(b, h, q, kv):  # rank 1's queries against the whole row
-        return (docs[q + local] == docs[kv]) & (q + local >= kv)
-
-    mask = create_block_mask(document_causal, 1, 1, local, 1024, device="cpu", _compile=False)
-    real = sum(t.numel() * t.element_size() for t in mask.as_tuple() if isinstance(t, torch.Tensor))
-    assert plan.extra["block_mask_bytes"] == real
+    seq, cp = 250, 2  # padded to a multiple of 2 x cp
+    plan = estimate(cfg, ParallelDims(2, dp_shard=1, cp=cp), Settings(seq_len=seq, dtype="fp32", packing=True))
+    assert plan.extra["padded_seq_len"] == 252
+    mask_bytes, _ = _saved_by_packed_attention(cfg, 252, cp, layers=3)
+    assert plan.extra["document_mask_bytes"] == mask_bytes
 
 
 def test_cp_packing_counts_the_gathered_kv_of_every_layer():
@@ -311,15 +333,13 @@ def test_cp_packing_counts_the_gathered_kv_of_every_layer():
     mesh = ParallelDims(2, dp_shard=1, cp=2)
     plain = estimate(cfg, mesh, Settings(seq_len=1024, dtype="fp32"))
     packed = estimate(cfg, mesh, Settings(seq_len=1024, dtype="fp32", packing=True))
-    # what the all-gather hands FlexAttention per layer: the cp shards of K and V concatenated
-    shard_k = torch.empty(1, cfg.num_key_value_heads, 1024 // 2, cfg.hidden_size // cfg.num_attention_heads)
-    gathered = torch.cat([shard_k, shard_k], dim=2)
-    extra_per_layer = 2 * (gathered.nbytes - shard_k.nbytes)  # K and V, beyond the local shard already counted
-    # FlexAttention's autograd also saves max_scores: fp32 [batch, heads, local queries]
-    extra_per_layer += torch.empty(1, cfg.num_attention_heads, 1024 // 2).nbytes
-    expected = cfg.num_hidden_layers * extra_per_layer + packed.extra["block_mask_bytes"]
+    # what attention saves per layer, measured: K and V over the whole row, every query head
+    _, kv_saved_per_layer = _saved_by_packed_attention(cfg, 1024, 2, layers=1)
+    local_kv = 2 * torch.empty(1, cfg.num_key_value_heads, 1024 // 2, cfg.hidden_size // cfg.num_attention_heads).nbytes
+    extra_per_layer = kv_saved_per_layer - local_kv  # beyond the local K/V the unpacked trace already counts
+    expected = cfg.num_hidden_layers * extra_per_layer + packed.extra["document_mask_bytes"]
     assert packed.activations_no_recompute - plain.activations_no_recompute == pytest.approx(expected)
-    assert "FlexAttention" in packed.explain["activations"] and "all-gather" in packed.explain["comm_buffers"]
+    assert "all-gathered K/V" in packed.explain["activations"] and "all-gather" in packed.explain["comm_buffers"]
 
 
 def test_cp_packing_from_the_flag(capsys):
@@ -327,7 +347,7 @@ def test_cp_packing_from_the_flag(capsys):
     assert plan_main(["--model", "tiny-llama", "--config", "configs/cpu_cp.yaml", "--seq-len", "1000",
                       "--packing"]) == 0
     out = capsys.readouterr().out
-    assert "document block mask" in out and "padded to 1,024" in out
+    assert "document mask" in out and "padded to 1,000" not in out
 
 
 def test_pp_flag_with_a_config_shares_the_rest_of_the_world(tmp_path, capsys):
@@ -359,6 +379,6 @@ def test_packing_config_plans_its_rows(tmp_path, capsys):
     rc = plan_main(["--model", "tiny-llama", "--config", str(cfg), "--json"])
     captured = capsys.readouterr()
     if rc == 0:
-        assert json.loads(captured.out)["plan"]["extra"]["block_mask_bytes"] > 0
+        assert json.loads(captured.out)["plan"]["extra"]["document_mask_bytes"] > 0
     else:
         assert rc == 2 and "packing" in captured.err and len(captured.err.strip().splitlines()) == 1

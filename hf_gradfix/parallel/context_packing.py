@@ -245,6 +245,19 @@ class _GatherSeq(torch.autograd.Function):
 def _document_sdpa(sdpa, mask: torch.Tensor, group, calls: list[int]):
     """Every SDPA call inside the block: keys/values gathered over the cp group, the document mask applied."""
 
+    # SDPA turns a boolean mask into an additive one of the query's dtype on every call and saves THAT for its
+    # backward: [B, 1, L/cp, L] x 4 bytes per layer (measured on torch 2.13 CPU). Converting once (as torch does:
+    # 0 where allowed, -inf elsewhere) and passing the same tensor to every layer makes autograd save one shared
+    # storage instead of one per layer; the numbers are the same.
+    additive: dict[tuple, torch.Tensor] = {}
+
+    def additive_mask(dtype: torch.dtype, device: Any) -> torch.Tensor:
+        key = (dtype, str(device))
+        if key not in additive:
+            additive[key] = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
+                ~mask.to(device), float("-inf"))
+        return additive[key]
+
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if attn_mask is None and not is_causal:
             raise ContextParallelError(
@@ -265,8 +278,8 @@ def _document_sdpa(sdpa, mask: torch.Tensor, group, calls: list[int]):
         if group is not None:  # None: one process holding every shard (the guard's probe)
             key, value = _GatherSeq.apply(key, group), _GatherSeq.apply(value, group)
         # the model's own mask (built from the local, permuted positions) is dropped: this one is global
-        return sdpa(query, key, value, attn_mask=mask.to(query.device), dropout_p=dropout_p, is_causal=False,
-                    scale=scale)
+        return sdpa(query, key, value, attn_mask=additive_mask(query.dtype, query.device), dropout_p=dropout_p,
+                    is_causal=False, scale=scale)
 
     return attention
 

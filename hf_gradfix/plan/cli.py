@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--config's parallel.pp_virtual_stages, else 1)")
     ap.add_argument("--packing", action="store_true",
                     help="packed rows (the plugin's packer; implied by a --config with packing.enabled): with cp > 1 "
-                         "FlexAttention with a document block mask and a K/V all-gather over the cp ranks")
+                         "SDPA with a dense document mask and a K/V all-gather over the cp ranks")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
                     help="ZeRO stage (default: a DeepSpeed --config's zero_stage; 3 with FSDP sharding; else 0)")
     ap.add_argument("--deepspeed", action="store_true",

@@ -22,8 +22,9 @@ Rules (Ultra-Scale Playbook, "memory usage in transformers"; N = parameter count
   plus one recomputed layer's footprint (the larger of its re-run forward and its backward working set, both
   traced).  TP (transformers' tp plans, no sequence parallelism) divides what attention
   and MLP create by ``tp`` (norms and the residual stream stay replicated); CP divides the tokens by ``cp``.
-* CP with packed rows (``Settings.packing``): FlexAttention saves each layer's all-gathered full-sequence K/V,
-  plus the document BlockMask of this rank's queries against the whole row (sizes in the code below).
+* CP with packed rows (``Settings.packing``, :mod:`hf_gradfix.parallel.context_packing`): SDPA saves each layer's
+  all-gathered full-sequence K/V (every query head), plus the document mask of this rank's queries against the
+  whole row, boolean and additive, shared by the layers (sizes in the code below).
 * pipeline parallelism (``Settings.pp``; ``pipeline.py``): each stage's own parameters (its layers, the
   embeddings on the first, norm and head on the last), its activations times the micro-batches its schedule
   keeps in flight, and a receive buffer per micro-batch; every stage is planned and the fullest returned.
@@ -335,8 +336,8 @@ class Settings:
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
-    # packed rows (the plugin's packer): with cp > 1 they run FlexAttention with a document block mask and an
-    # all-gather of K/V over the cp ranks (issue 29) instead of the SDPA ring
+    # packed rows (the plugin's packer): with cp > 1 they run SDPA with a dense document mask and an all-gather
+    # of K/V over the cp ranks (issue 29, hf_gradfix.parallel.context_packing) instead of the SDPA ring
     packing: bool = False
 
     def check(self) -> None:
@@ -579,11 +580,12 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                    world: int | None = None) -> Plan:
     """One rank's plan: the whole model, or one pipeline ``stage`` (its parameters in ``params``)."""
     mesh.check_model(config)
-    cp_flex = mesh.cp > 1 and settings.packing  # packed rows under CP: FlexAttention + K/V all-gather (issue 29)
+    cp_flex = mesh.cp > 1 and settings.packing  # packed rows under CP: document mask + K/V all-gather (issue 29)
     seq_len = settings.seq_len
     if cp_flex:
-        # torch's CP block mask needs the sequence in whole 128-blocks per cp rank (_create_cp_block_mask)
-        quantum = mesh.cp * 128
+        # the packed layout pads every document to a multiple of 2 x cp (torch's per-document head-tail
+        # balancer cuts each into 2 x cp chunks); a row is counted as one document, so padded the same way
+        quantum = 2 * mesh.cp
         seq_len = -(-seq_len // quantum) * quantum
     elif settings.seq_len % mesh.cp:
         raise PlanError(f"--seq-len {settings.seq_len} is not divisible by cp={mesh.cp}")
@@ -718,11 +720,11 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
             per_layer = [pb_act * eb / 2 / config.num_hidden_layers] * n_layers
             layer_rc = per_layer[0] + head_saved + loss_t
     if cp_flex:
-        # FlexAttention under CP saves the all-gathered full-sequence K and V of every layer for backward (its
-        # inputs; torch's _ContextParallel.flex_input_fn gathers them), where the fused trace counted this rank's
-        # 1/cp shard: (cp - 1) more shards of K and V per layer; its autograd also keeps max_scores beside the
-        # log-sum-exp (fp32, one per query and head; torch/_higher_order_ops/flex_attention.py)
-        kv_gathered = 2 * tokens * (mesh.cp - 1) * kv_width * eb + 4 * tokens * heads / tp
+        # SDPA saves its inputs for backward: K and V of the whole row (gathered over cp, grouped KV heads
+        # expanded to every query head before the gather), where the fused trace counted this rank's own K and V
+        # (tokens x kv_width each); the log-sum-exp it also saves is in the trace already
+        q_width = heads * head_dim / tp
+        kv_gathered = 2 * tokens * (mesh.cp * q_width - kv_width) * eb
         per_layer = [a + kv_gathered for a in per_layer]
         layer_bwd += kv_gathered  # a layer's backward (and its recomputation) holds them too
         layer_rc += kv_gathered
@@ -746,14 +748,10 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         peak_mb = pb_act * eb / 2 + head_kept + loss_now
     mask_b = 0.0
     if cp_flex:
-        # the document BlockMask (torch.nn.attention.flex_attention.BlockMask, 128 x 128 blocks, int32), per
-        # sequence of the micro-batch and one head (the mask is the same for every head): for the queries of this
-        # rank (q_blocks = seq / cp / 128) against the whole sequence (kv_blocks = seq / 128),
-        # kv_num_blocks [q_blocks] + kv_indices [q_blocks, kv_blocks] and their full_* twins (blocks with no
-        # masked element), and the transposed q direction for the backward: q_num_blocks [kv_blocks] +
-        # q_indices [kv_blocks, q_blocks] and full_*: 4 B x (4 q_blocks kv_blocks + 2 q_blocks + 2 kv_blocks)
-        qb, kvb = seq_len // mesh.cp // 128, seq_len // 128
-        mask_b = settings.micro_batch * 4 * (4 * qb * kvb + 2 * qb + 2 * kvb)
+        # the document mask of this rank's queries against the whole row, [micro_batch, 1, seq / cp, seq], kept
+        # for the step: boolean (1 B) and its additive form in the attention dtype, which SDPA saves for backward
+        # (one storage shared by every layer: context_packing converts it once)
+        mask_b = settings.micro_batch * (seq_len // mesh.cp) * seq_len * (1 + eb)
         saved_mb += mask_b; peak_mb += mask_b; saved_mb_full += mask_b; peak_mb_full += mask_b
     # a pipeline stage holds the saved activations of its micro-batches in flight: all but the one at its peak
     held = (stage.in_flight - 1) if stage is not None else 0.0
@@ -766,9 +764,9 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                       f"{_fmt(tr.loss_transient)}" if last else " + the input ids" if first_saved else "")
                    + (f"; a recomputed layer peaks at {_fmt(layer_rc)}" if settings.recompute == "full" else ""))
     if cp_flex:
-        act_how += (f"; CP x packing: FlexAttention saves each layer's all-gathered K/V and max scores "
-                    f"({_fmt(kv_gathered)} more per layer than the local shard), document block mask {_fmt(mask_b)}"
-                    + (f", sequence padded to {seq_len:,} (a multiple of cp x 128)" if seq_len != settings.seq_len
+        act_how += (f"; CP x packing: SDPA saves each layer's all-gathered K/V ({_fmt(kv_gathered)} more per layer "
+                    f"than the local shard), document mask {_fmt(mask_b)} (boolean + additive, shared by the layers)"
+                    + (f", sequence padded to {seq_len:,} (a multiple of 2 x cp)" if seq_len != settings.seq_len
                        else ""))
     if stage is not None:
         act_how += f"; x {stage.in_flight:g} micro-batches in flight ({settings.pp_schedule})"
@@ -795,9 +793,10 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     if tp > 1:
         comm_txt += "; TP all-reduces write the layer outputs (counted in activations)"
     if cp_flex:
-        # backward of one layer: the gradients of the gathered full-sequence K and V before their reduce-scatter
-        comm += 2 * tokens * mesh.cp * kv_width * eb
-        comm_txt += "; CP all-gather: one layer's full-sequence dK/dV before the reduce-scatter"
+        # backward of one layer: the gradients of the gathered full-sequence K and V (every query head) before
+        # the all-reduce that hands each rank its own slice
+        comm += 2 * tokens * mesh.cp * heads * head_dim / tp * eb
+        comm_txt += "; CP all-gather: one layer's full-sequence dK/dV before the all-reduce"
     elif mesh.cp > 1:
         comm += 2 * tokens * 2 * kv_width * eb
         comm_txt += "; CP ring: the next K/V chunk in flight, double-buffered"
@@ -874,7 +873,7 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                # what the first decoder layer saves for backward, tensor by tensor (the traced count's evidence)
                "layer0_saved_tensors": [{"op": w, "shape": list(sh), "dtype": dt, "bytes": b}
                                         for w, sh, dt, b in (tr.layer0 if tr is not None else [])],
-               "stage": stage_info, "block_mask_bytes": mask_b, "padded_seq_len": seq_len},
+               "stage": stage_info, "document_mask_bytes": mask_b, "padded_seq_len": seq_len},
     )
 
 
