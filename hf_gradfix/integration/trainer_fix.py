@@ -578,6 +578,8 @@ class _GradFixTop:
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         state = state_of(self)
+        if state is not None and state.pp is not None:
+            return self._gradfix_pipeline_window(state, epoch_iterator, num_batches, device)
         if state is not None:
             _end_stock_window(self, state)  # a deferred probe is tried again on every window
         if state is not None and state.config.packing.enabled and not state.config.loss.enabled:
@@ -632,7 +634,61 @@ class _GradFixTop:
         value = int(global_count) if float(global_count).is_integer() else float(global_count)
         return _close_short_window(self, batches, num_batches, device), torch.tensor(value, device=device)
 
+    def _gradfix_pipeline_window(self, state, epoch_iterator, num_batches, device):
+        """Pipeline parallelism: the window's micro-batches and their target count over the data-parallel ranks."""
+        from .nd import check_window
+        from .pipeline import count_window
+
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        check_window(self, state.nd, batches)
+        plan = state.pp
+        plan.pending = []
+        plan.window_size = len(batches)
+        plan.window_count = count_window(self, plan, batches) if batches else 0.0
+        state.window = _Window(plan.window_count, len(batches)) if batches else None
+        count = plan.window_count
+        return batches, torch.tensor(int(count) if float(count).is_integer() else count, device=device)
+
+    def _sync_replicated_trainable_parameters(self, model):
+        # a pipelined model holds different weights on each stage: transformers' world-wide broadcast does not apply
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            return None
+        return super()._sync_replicated_trainable_parameters(model)
+
+    def _clip_grad_norm(self, model):
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            from .pipeline import clip_grad_norm
+
+            return clip_grad_norm(self, state.pp, self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        state = state_of(self)
+        if grad_norm is None and state is not None and state.pp is not None:
+            from .pipeline import clip_grad_norm
+
+            grad_norm = clip_grad_norm(self, state.pp, float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
     def training_step(self, model, inputs, *args, **kwargs):
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            # the whole window runs as one schedule step, on its last micro-batch
+            from .pipeline import run_window
+
+            plan = state.pp
+            plan.pending.append(self._prepare_inputs(inputs))
+            if len(plan.pending) < plan.window_size:
+                return torch.zeros((), device=self.args.device)
+            batches, plan.pending = plan.pending, []
+            return run_window(self, plan, batches)
         if isinstance(inputs, _IdleMicroBatch):  # the front of a window the data ended inside: nothing to train
             return torch.zeros((), device=self.args.device)
         return super().training_step(model, inputs, *args, **kwargs)
@@ -989,17 +1045,27 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
     check_launched_world(trainer)
     check_optimizer_setup(trainer, config.optimizer)
     state = GradFixState(config=config, source=source)
+    # Pipeline parallelism (parallel.pp > 1): the model split into this rank's stages, data by data-parallel rank
+    from .pipeline import setup as pipeline_setup
+
+    state.pp = pipeline_setup(trainer, config)
+    if state.pp is not None:
+        from .nd import NDPlan
+
+        state.nd = NDPlan(dims=state.pp.dims, route="pipeline", source="config")
+        state.fixes.append(state.pp.line)
     # ND-parallel mesh from the `parallel` section (or a model sharded at load time): validated against the world
     # size and the model, the model sharded, data loading sharded by data-parallel rank. Before the class swap, and
     # also when the loss fix is off: the mesh is part of the launch, not of the loss.
-    state.nd = nd_setup(trainer, config.parallel)
-    if state.nd is not None:
-        state.fixes.append(state.nd.line)
+    if state.pp is None:
+        state.nd = nd_setup(trainer, config.parallel)
+        if state.nd is not None:
+            state.fixes.append(state.nd.line)
     trainer.__dict__[_STATE_ATTR] = state
     wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
     # a lowrank_grads optimizer given to the constructor: its hooks' lifetime follows train() (the fixed class's)
     given_lowrank = lowrank_optimizer_of(trainer) is not None
-    if config.loss.enabled or config.packing.enabled or wants_optimizer or given_lowrank:
+    if config.loss.enabled or config.packing.enabled or wants_optimizer or given_lowrank or state.pp is not None:
         _keep_instance_ga_flag(trainer)
         trainer.__class__ = fixed_class_for(type(trainer))
     route_clipping(trainer)  # max_grad_norm clips a lowrank_grads optimizer's accumulators, however it arrives

@@ -1,0 +1,173 @@
+"""Pipeline parallelism (``parallel.pp``) through a plain ``transformers.Trainer``: exact against one process.
+
+ONE launch of 2 processes (gloo, CPU) runs every case of ``tests/pp_worker.py`` in sequence. Window k's ground truth
+is the samples the pipeline consumed in that window (both stages consumed the same ones), run in one process with
+plain PyTorch (``harness.ground_truth``: each sample alone, CE sum / total targets, one backward) on the same
+initial weights (lr 0). Each stage's gradients (its own parameters; together they are the whole model) are compared
+with the ground truth's; the logged loss (on every rank) with its loss; the logged grad norm with its norm.
+The ``*_stock`` cases (torch's default: per-micro-batch mean, ``scale_grads=True``) must fail the same comparison.
+
+Set ``HGF_PP_TABLE=1`` to print the exactness table (``pytest -s``). The other tests (no processes) check the
+layer split, the schedule and combination refusals and the model-plan refusals.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness as H
+import pp_worker as W
+
+TOL = 1e-5
+EXACT = ["pp2_1f1b_ga4", "pp2_gpipe_ga4", "pp2_1f1b_ga1", "pp2_interleaved_ga4", "pp2_zero_bubble_ga4",
+         "pp2_1f1b_ga4_callback_clip"]
+STOCK = ["pp2_1f1b_ga4_stock"]
+REFUSED = ["tied_refused", "loss_off_refused", "save_refused"]
+ALL = EXACT + STOCK + REFUSED
+
+
+@pytest.fixture(scope="module")
+def pp_runs():
+    from hf_gradfix.integration.versions import transformers_major
+
+    if transformers_major() < 5:
+        pytest.skip("pipeline parallelism needs transformers 5.x (refused on 4.57)")
+    out = Path(tempfile.mkdtemp(prefix="hgf_pp_"))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+        "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
+        str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(ALL),
+    ]
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=480)
+    if proc.returncode != 0:
+        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
+        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
+        pytest.fail(f"pp_worker failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
+    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in ALL}
+    shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+def compare(ranks: list[dict]) -> dict:
+    """Max relative gradient error, max logged-loss error and max grad-norm error over the windows."""
+    samples = {s["idx"]: s for s in ranks[0]["samples"]}
+    model = W.build_model()
+    clip = ranks[0]["opts"].get("clip", 0.0)
+    grad_err, loss_err, norm_err = 0.0, 0.0, 0.0
+    assert len(ranks[0]["steps"]) == len(ranks[1]["steps"]) > 0
+    for k, (s0, s1) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"])):
+        assert s0["idx_batches"] == s1["idx_batches"], "the two stages consumed different micro-batches"
+        window = [samples[i] for b in s0["idx_batches"] for i in b]
+        loss, ref = H.ground_truth(model, window, "causal")
+        grads = {**s0["grads"], **s1["grads"]}
+        assert not set(s0["grads"]) & set(s1["grads"]), "a parameter lives on both stages"
+        assert set(grads) == set(ref), sorted(set(ref) ^ set(grads))
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.values()))
+        scale = min(1.0, clip / (norm + 1e-6)) if clip else 1.0
+        if clip:
+            assert scale < 0.5, f"clip {clip} does not clip (norm {norm})"
+        grad_err = max(grad_err, H.rel_err(grads, {n: g * scale for n, g in ref.items()}))
+        for r in ranks:
+            loss_err = max(loss_err, abs(r["logged_losses"][k] - loss) / abs(loss))
+            norm_err = max(norm_err, abs(r["grad_norms"][k] - norm) / norm)
+    return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
+
+
+@pytest.fixture(scope="module")
+def table(pp_runs):
+    rows = {name: compare(pp_runs[name]) for name in EXACT + STOCK}
+    if os.environ.get("HGF_PP_TABLE") == "1":
+        print("\ncase                      windows  grad rel err  loss rel err  grad-norm rel err")
+        for name, r in rows.items():
+            print(f"{name:26s}{r['windows']:7d}  {r['grad']:12.2e}  {r['loss']:12.2e}  {r['norm']:12.2e}")
+    return rows
+
+
+@pytest.mark.parametrize("case", EXACT)
+def test_pipeline_exact_against_one_process(table, pp_runs, case):
+    row = table[case]
+    assert row["grad"] <= TOL, row
+    assert row["loss"] <= TOL, row  # the logged loss reached the first stage too (checked on both ranks)
+    assert row["norm"] <= TOL, row  # the clipping norm is reduced over the stages
+    assert pp_runs[case][0]["logged_losses"] == pp_runs[case][1]["logged_losses"]
+
+
+@pytest.mark.parametrize("case", STOCK)
+def test_stock_normalization_fails_the_same_check(table, case):
+    assert table[case]["grad"] > 100 * TOL, table[case]
+
+
+def test_stages_hold_disjoint_parameters(pp_runs):
+    r0, r1 = (r["params"] for r in pp_runs["pp2_1f1b_ga4"])
+    assert "model.embed_tokens.weight" in r0 and "lm_head.weight" in r1
+    assert not set(r0) & set(r1)
+    assert any(".layers.3." in n for n in r1) and not any(".layers.3." in n for n in r0)
+    inter0 = pp_runs["pp2_interleaved_ga4"][0]["params"]  # looped: stages 0 and 2 = layers 0 and 2
+    assert any(".layers.0." in n for n in inter0) and any(".layers.2." in n for n in inter0)
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("tied_refused", "tie_word_embeddings"),
+    ("loss_off_refused", "loss.enabled"),
+    ("save_refused", "save_strategy"),
+])
+def test_refusals_name_key_and_fix(pp_runs, case, needle):
+    for r in pp_runs[case]:
+        assert needle in r["error"], r["error"]
+        assert "\n" not in r["error"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# No processes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_split_rule_and_schedule_checks():
+    from hf_gradfix.parallel import ParallelDims, ParallelDimsError
+    from hf_gradfix.parallel.pipeline import PipelineError, check_combination, check_schedule, split_layers
+
+    assert [len(r) for r in split_layers(7, 3)] == [3, 2, 2]
+    with pytest.raises(PipelineError, match="at least one layer"):
+        split_layers(2, 4)
+    with pytest.raises(PipelineError, match="pp_virtual_stages=2 with pp_schedule='gpipe'"):
+        check_schedule(2, "gpipe", 2)
+    with pytest.raises(PipelineError, match="parallel.pp=2 with tp=2"):
+        check_combination(pp=2, tp=2)
+    with pytest.raises(PipelineError, match="packing"):
+        check_combination(pp=2, packing=True)
+    with pytest.raises(PipelineError, match="galore"):
+        check_combination(pp=2, optimizer="galore_adamw")
+    d = ParallelDims(8, pp=2, dp_replicate=2, dp_shard=2)
+    assert d.coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0}
+    assert d.group_of(5, "pp") == [1, 5] and d.group_of(5, "dp") == [4, 5, 6, 7]
+    assert d.non_data_parallel == 2 and d.dp == 4
+    with pytest.raises(ParallelDimsError, match="num_processes"):
+        ParallelDims(4, pp=2, dp_shard=3)
+    from types import SimpleNamespace
+
+    with pytest.raises(ParallelDimsError, match="pp_virtual_stages=2 = 4 pipeline stages"):
+        ParallelDims(2, pp=2, pp_virtual_stages=2).check_model(SimpleNamespace(num_hidden_layers=3))
+
+
+def test_model_without_pp_plan_is_refused():
+    from hf_gradfix.parallel.pipeline import PipelineError, pp_plan_of
+
+    model = H.build_model("bert_mlm") if "bert_mlm" in H.ARCH_TASK else None
+    if model is None:
+        pytest.skip("no BERT in this harness")
+    with pytest.raises(PipelineError, match="base_model_pp_plan"):
+        pp_plan_of(model)
