@@ -38,7 +38,8 @@ LLAMA = dict(harness.TINY_GQA_LLAMA, num_hidden_layers=4)
 
 # name -> (hf_gradfix config, options)
 CASES: dict[str, tuple[dict, dict]] = {
-    "pp2_1f1b_ga4": ({"parallel": {"pp": 2}}, {"ga": 4}),
+    # from_env: patch() with no argument reads the section `hf-gradfix launch` exported from configs/accelerate/cpu_pp.yaml
+    "pp2_1f1b_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "from_env": True}),
     "pp2_gpipe_ga4": ({"parallel": {"pp": 2, "pp_schedule": "gpipe"}}, {"ga": 4, "yaml": True}),
     "pp2_1f1b_ga1": ({"parallel": {"pp": 2}}, {"ga": 1}),
     "pp2_interleaved_ga4": ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}}, {"ga": 4}),
@@ -46,6 +47,9 @@ CASES: dict[str, tuple[dict, dict]] = {
     "pp2_1f1b_ga4_callback_clip": ({"parallel": {"pp": 2}}, {"ga": 4, "callback": True, "clip": 0.05}),
     "pp2_1f1b_ga4_stock": ({"parallel": {"pp": 2}}, {"ga": 4, "stock": True}),
     "tied_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "tied": True}),
+    # 4 processes (a separate launch): pp 2 x dp_replicate 2, ranks 0-1 stage 0, ranks 2-3 stage 1
+    "pp2_rep2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4}),
+    "pp2_rep2_1f1b_ga4_stock": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "stock": True}),
     "loss_off_refused": ({"parallel": {"pp": 2}, "loss": {"enabled": False}}, {"ga": 4}),
     "save_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "save": True}),
 }
@@ -99,7 +103,8 @@ def _make_recorder():
             self._seen = 0
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            # windows are whole (8 batches, GA 1 or 4); the Trainer and accelerate prefetch ahead of the window
+            # windows are whole (8 batches per data rank / GA 1 or 4, or 4 / GA 4); the Trainer and accelerate
+            # prefetch ahead of the window
             n = (state.global_step + 1) * args.gradient_accumulation_steps
             batches = self.collator.batches[self._seen : n]
             self._seen = n
@@ -119,7 +124,9 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     saved = (glue.window_loss_fn, glue.make_schedule)
     if opts.get("stock"):
         _stock_normalization(glue)
-    source = config
+    source = None if opts.get("from_env") else config
+    if opts.get("from_env"):
+        assert os.environ.get("HF_GRADFIX_CONFIG"), "launch this worker with hf-gradfix launch"
     if opts.get("yaml"):
         import yaml
 

@@ -42,12 +42,14 @@ def pp_runs():
     if transformers_major() < 5:
         pytest.skip("pipeline parallelism needs transformers 5.x (refused on 4.57)")
     out = Path(tempfile.mkdtemp(prefix="hgf_pp_"))
+    # through the user's route: hf-gradfix launch with the shipped CPU config (its section reaches every rank)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
+        sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(H.REPO_ROOT / "configs/accelerate/cpu_pp.yaml"),
+        "--main_process_port", str(H._free_port()),
         str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(ALL),
     ]
     env = dict(os.environ)
+    env.pop("HF_GRADFIX_CONFIG", None)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,6 +87,65 @@ def compare(ranks: list[dict]) -> dict:
             loss_err = max(loss_err, abs(r["logged_losses"][k] - loss) / abs(loss))
             norm_err = max(norm_err, abs(r["grad_norms"][k] - norm) / norm)
     return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
+
+
+DP_CASES = ["pp2_rep2_1f1b_ga4", "pp2_rep2_1f1b_ga4_stock"]
+
+
+@pytest.fixture(scope="module")
+def pp_dp_runs():
+    """The one 4-process launch: pp 2 x dp_replicate 2 (ranks 0-1 stage 0, ranks 2-3 stage 1)."""
+    from hf_gradfix.integration.versions import transformers_major
+
+    if transformers_major() < 5:
+        pytest.skip("pipeline parallelism needs transformers 5.x (refused on 4.57)")
+    out = Path(tempfile.mkdtemp(prefix="hgf_ppdp_"))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--nnodes", "1",
+        "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
+        str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(DP_CASES),
+    ]
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=480)
+    if proc.returncode != 0:
+        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
+        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
+        pytest.fail(f"pp_worker (4 processes) failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
+    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(4)] for name in DP_CASES}
+    shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+def compare_dp(ranks: list[dict]) -> dict:
+    """pp 2 x dp 2: window k = both data ranks' micro-batches; stage 0 = ranks 0-1 (equal gradients), stage 1 = 2-3."""
+    samples = {s["idx"]: s for s in ranks[0]["samples"]}
+    model = W.build_model()
+    grad_err = loss_err = 0.0
+    for k in range(len(ranks[0]["steps"])):
+        steps = [r["steps"][k] for r in ranks]
+        assert steps[0]["idx_batches"] == steps[2]["idx_batches"] and steps[1]["idx_batches"] == steps[3]["idx_batches"]
+        assert steps[0]["idx_batches"] != steps[1]["idx_batches"], "the data-parallel ranks got the same batches"
+        window = [samples[i] for st in steps[:2] for b in st["idx_batches"] for i in b]
+        loss, ref = H.ground_truth(model, window, "causal")
+        for a, b in ((0, 2), (1, 3)):
+            grad_err = max(grad_err, H.rel_err({**steps[a]["grads"], **steps[b]["grads"]}, ref))
+        for r in ranks:
+            loss_err = max(loss_err, abs(r["logged_losses"][k] - loss) / abs(loss))
+    return dict(grad=grad_err, loss=loss_err, norm=float("nan"), windows=len(ranks[0]["steps"]))
+
+
+@pytest.mark.parametrize("case", DP_CASES)
+def test_pipeline_times_data_parallel_exact(pp_dp_runs, case):
+    row = compare_dp(pp_dp_runs[case])
+    if os.environ.get("HGF_PP_TABLE") == "1":
+        print(f"\n{case:26s}{row['windows']:7d}  {row['grad']:12.2e}  {row['loss']:12.2e}")
+    if case.endswith("_stock"):
+        assert row["grad"] > 100 * TOL, row
+    else:
+        assert row["grad"] <= TOL and row["loss"] <= TOL, row
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +227,6 @@ def test_split_rule_and_schedule_checks():
 def test_model_without_pp_plan_is_refused():
     from hf_gradfix.parallel.pipeline import PipelineError, pp_plan_of
 
-    model = H.build_model("bert_mlm") if "bert_mlm" in H.ARCH_TASK else None
-    if model is None:
-        pytest.skip("no BERT in this harness")
+    model = H.build_model("bert_mlm")
     with pytest.raises(PipelineError, match="base_model_pp_plan"):
         pp_plan_of(model)

@@ -206,14 +206,8 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
                         dp_replicate=section.dp_replicate, dp_shard=section.dp_shard, tp=section.tp, cp=section.cp)
     check_schedule(dims.pp, section.pp_schedule, dims.pp_virtual_stages)
     fsdp_plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) is not None
-    check_combination(pp=dims.pp, tp=dims.tp, cp=dims.cp, packing=config.packing.enabled,
+    check_combination(pp=dims.pp, tp=dims.tp, cp=dims.cp, dp_shard=dims.dp_shard, packing=config.packing.enabled,
                       optimizer=config.optimizer.name, fsdp_plugin=fsdp_plugin)
-    if dims.dp_shard > 1:
-        raise PipelineError(
-            f"hf_gradfix parallel.pp={dims.pp} with dp_shard={dims.dp_shard}: FSDP2 per pipeline stage is not built yet; "
-            f"use dp_replicate={dims.dp_shard} (whole stages replicated, gradients averaged over the data-parallel "
-            "group) with dp_shard: 1"
-        )
     model = trainer.model
     from ..config.schema import ParallelConfig  # noqa: F401  (the section's type, for the reader)
 

@@ -93,11 +93,17 @@ def check_schedule(pp: int, schedule: str, virtual_stages: int) -> None:
         )
 
 
-def check_combination(*, pp: int, tp: int = 1, cp: int = 1, packing: bool = False, optimizer: str = "none",
-                      fsdp_plugin: bool = False) -> None:
+def check_combination(*, pp: int, tp: int = 1, cp: int = 1, dp_shard: int = 1, packing: bool = False,
+                      optimizer: str = "none", fsdp_plugin: bool = False) -> None:
     """Refuse what pipeline parallelism does not run exactly yet (each with its reason and the fix)."""
     if pp <= 1:
         return
+    if dp_shard > 1:
+        raise PipelineError(
+            f"parallel.pp={pp} with dp_shard={dp_shard}: FSDP2 per pipeline stage is not built yet; use "
+            f"dp_replicate: {dp_shard} and dp_shard: 1 (whole stages replicated, gradients averaged over the "
+            "data-parallel group)"
+        )
     if tp > 1 or cp > 1:
         which = "tp" if tp > 1 else "cp"
         raise PipelineError(
