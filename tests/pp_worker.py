@@ -49,6 +49,7 @@ CASES: dict[str, tuple[dict, dict]] = {
     "tied_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "tied": True}),
     # 4 processes (a separate launch): pp 2 x dp_replicate 2, ranks 0-1 stage 0, ranks 2-3 stage 1
     "pp2_rep2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4}),
+    "pp2_shard2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_shard": 2}}, {"ga": 4, "clip": 0.05}),
     "pp2_rep2_1f1b_ga4_stock": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "stock": True}),
     "loss_off_refused": ({"parallel": {"pp": 2}, "loss": {"enabled": False}}, {"ga": 4}),
     "save_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "save": True}),
@@ -108,7 +109,11 @@ def _make_recorder():
             n = (state.global_step + 1) * args.gradient_accumulation_steps
             batches = self.collator.batches[self._seen : n]
             self._seen = n
-            grads = {name: p.grad.detach().clone() for name, p in self.trainer.model.named_parameters() if p.grad is not None}
+            grads = {}
+            for name, p in self.trainer.model.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.detach()
+                    grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()  # FSDP2: all shards
             self.steps.append(dict(idx_batches=[list(b) for b in batches], grads=grads))
 
     return Recorder()

@@ -89,7 +89,7 @@ def compare(ranks: list[dict]) -> dict:
     return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
 
 
-DP_CASES = ["pp2_rep2_1f1b_ga4", "pp2_rep2_1f1b_ga4_stock"]
+DP_CASES = ["pp2_rep2_1f1b_ga4", "pp2_shard2_1f1b_ga4"]  # stock control for pp 2 x dp 2 measured once: 0.571
 
 
 @pytest.fixture(scope="module")
@@ -123,29 +123,34 @@ def compare_dp(ranks: list[dict]) -> dict:
     """pp 2 x dp 2: window k = both data ranks' micro-batches; stage 0 = ranks 0-1 (equal gradients), stage 1 = 2-3."""
     samples = {s["idx"]: s for s in ranks[0]["samples"]}
     model = W.build_model()
-    grad_err = loss_err = 0.0
+    clip = ranks[0]["opts"].get("clip", 0.0)
+    grad_err = loss_err = norm_err = 0.0
     for k in range(len(ranks[0]["steps"])):
         steps = [r["steps"][k] for r in ranks]
         assert steps[0]["idx_batches"] == steps[2]["idx_batches"] and steps[1]["idx_batches"] == steps[3]["idx_batches"]
         assert steps[0]["idx_batches"] != steps[1]["idx_batches"], "the data-parallel ranks got the same batches"
         window = [samples[i] for st in steps[:2] for b in st["idx_batches"] for i in b]
         loss, ref = H.ground_truth(model, window, "causal")
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.values()))
+        scale = min(1.0, clip / (norm + 1e-6)) if clip else 1.0
         for a, b in ((0, 2), (1, 3)):
-            grad_err = max(grad_err, H.rel_err({**steps[a]["grads"], **steps[b]["grads"]}, ref))
+            grads = {**steps[a]["grads"], **steps[b]["grads"]}
+            grad_err = max(grad_err, H.rel_err(grads, {n: g * scale for n, g in ref.items()}))
         for r in ranks:
             loss_err = max(loss_err, abs(r["logged_losses"][k] - loss) / abs(loss))
-    return dict(grad=grad_err, loss=loss_err, norm=float("nan"), windows=len(ranks[0]["steps"]))
+            norm_err = max(norm_err, abs(r["grad_norms"][k] - norm) / norm)
+    return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
 
 
 @pytest.mark.parametrize("case", DP_CASES)
 def test_pipeline_times_data_parallel_exact(pp_dp_runs, case):
     row = compare_dp(pp_dp_runs[case])
     if os.environ.get("HGF_PP_TABLE") == "1":
-        print(f"\n{case:26s}{row['windows']:7d}  {row['grad']:12.2e}  {row['loss']:12.2e}")
+        print(f"\n{case:26s}{row['windows']:7d}  {row['grad']:12.2e}  {row['loss']:12.2e}  {row['norm']:12.2e}")
     if case.endswith("_stock"):
         assert row["grad"] > 100 * TOL, row
     else:
-        assert row["grad"] <= TOL and row["loss"] <= TOL, row
+        assert row["grad"] <= TOL and row["loss"] <= TOL and row["norm"] <= TOL, row
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +215,8 @@ def test_split_rule_and_schedule_checks():
         check_combination(pp=2, tp=2)
     with pytest.raises(PipelineError, match="packing"):
         check_combination(pp=2, packing=True)
+    with pytest.raises(PipelineError, match="FSDP plugin"):
+        check_combination(pp=2, fsdp_plugin=True)
     with pytest.raises(PipelineError, match="galore"):
         check_combination(pp=2, optimizer="galore_adamw")
     d = ParallelDims(8, pp=2, dp_replicate=2, dp_shard=2)

@@ -5,7 +5,7 @@ The user's Trainer script is unchanged. At ``install`` (``patch()`` or the callb
 * validates the degrees (:class:`~hf_gradfix.parallel.ParallelDims` with ``pp`` outermost) and refuses what is not
   exact yet (:func:`~hf_gradfix.parallel.pipeline.check_combination`);
 * gives every rank rank 0's weights, then splits the model in place into this rank's stage(s) (the model keeps only
-  its own parameters, so the Trainer's optimizer holds only those);
+  its own parameters, so the Trainer's optimizer holds only those), sharded with FSDP2 per stage over dp_shard;
 * marks the model as "sharded at load time" for the Trainer (``is_distributed_loading_by_transformers``, an
   attribute transformers itself sets): accelerate neither wraps it in DDP over the whole world nor moves it;
 * shards data loading by data-parallel rank (the ranks of one pipeline get the same batches): accelerate's
@@ -62,6 +62,8 @@ class PipelinePlan:
     loss_fn: Any
     device: Any
     pad_token_id: int = 0
+    shard_group: Any = None  # the dp_shard group (FSDP2 shards of each stage)
+    fsdp: bool = False  # stages sharded with FSDP2 (it averages the gradients over the data-parallel ranks)
     schedule_obj: Any = None  # torch's schedule for the last window's shape
     schedule_shape: tuple = ()  # (micro-batches, rows, length) it was built for
     shape_changes: int = 0
@@ -224,13 +226,19 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
     _broadcast_from_rank0(model)
     pp_group = _new_groups(dims, "pp", rank)
     dp_group = _new_groups(dims, "dp", rank)
+    shard_group = _new_groups(dims, "dp_shard", rank)
+    fsdp_mesh = None
+    if dims.dp_shard > 1:  # FSDP2 per stage over dp_shard (HSDP: dp_replicate x dp_shard)
+        mesh = dims.build_mesh(device.type)
+        fsdp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     modules, stages = build_stages(model, pp=dims.pp, pp_rank=dims.pp_rank(rank),
-                                   virtual_stages=dims.pp_virtual_stages, device=device, group=pp_group)
+                                   virtual_stages=dims.pp_virtual_stages, device=device, group=pp_group,
+                                   fsdp_mesh=fsdp_mesh)
     pad = getattr(text, "pad_token_id", None)
     plan = PipelinePlan(
         dims=dims, schedule=section.pp_schedule, pp_rank=dims.pp_rank(rank), pp_group=pp_group, dp_group=dp_group,
         modules=modules, stages=stages, loss_fn=window_loss_fn(model, dims.dp), device=device,
-        pad_token_id=pad if isinstance(pad, int) else 0,
+        pad_token_id=pad if isinstance(pad, int) else 0, shard_group=shard_group, fsdp=fsdp_mesh is not None,
     )
     # what Trainer.__init__ sets for a model sharded at load time: accelerate must not wrap it (DDP over the
     # world would mix stages) nor move it
@@ -373,7 +381,7 @@ def run_window(trainer, plan: PipelinePlan, batches: list) -> torch.Tensor:
     schedule.step(ids, mask, pos, target=labels, losses=losses, loss_kwargs={"num_items": count}, return_outputs=False)
     total = torch.stack([l.detach().float() for l in losses]).sum() if (plan.is_last and losses) else torch.zeros((), device=plan.device)
     dist.all_reduce(total, group=plan.pp_group)  # the loss lives on the last stage only
-    if plan.dims.dp > 1:  # replicas of each stage: average the gradients over the data-parallel group only
+    if plan.dims.dp > 1 and not plan.fsdp:  # replicas of each stage: average the gradients over the data-parallel group
         for p in trainer.model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=plan.dp_group)
@@ -388,8 +396,12 @@ def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor
     params = [p for p in trainer.model.parameters() if p.grad is not None]
     local = torch.zeros((), dtype=torch.float32, device=plan.device)
     for p in params:
-        local += p.grad.detach().float().pow(2).sum()
+        grad = p.grad.detach()
+        grad = grad.to_local() if hasattr(grad, "to_local") else grad  # an FSDP2 shard: summed over dp_shard below
+        local += grad.float().pow(2).sum()
     dist.all_reduce(local, group=plan.pp_group)  # stages hold different weights; dp replicas hold equal gradients
+    if plan.fsdp and plan.dims.dp_shard > 1:
+        dist.all_reduce(local, group=plan.shard_group)
     total = local.sqrt()
     if max_norm != float("inf") and params:
         clip_grads_with_norm_(params, max_norm, total)

@@ -23,7 +23,9 @@ What it does, in the order a run meets it:
 Refused (one line, naming the key, value and fix): a model without ``base_model_pp_plan``; base-model weights
 the plan does not name (e.g. absolute position embeddings); input and output embeddings tied across the first
 and last stage; attention layer types other than full and sliding-window causal attention; pp combined with
-tp or cp, with packing, with GaLore / APOLLO (:func:`check_combination`).
+tp or cp, with packing, with GaLore / APOLLO (:func:`check_combination`). Data parallelism composes: whole
+stages replicated (``dp_replicate``; gradients averaged over the data-parallel group) or sharded with FSDP2 per
+stage (``dp_shard``; HSDP with both).
 
 Pure torch / transformers; no import of the Trainer glue (that is :mod:`hf_gradfix.integration.pipeline`).
 """
@@ -98,12 +100,6 @@ def check_combination(*, pp: int, tp: int = 1, cp: int = 1, dp_shard: int = 1, p
     """Refuse what pipeline parallelism does not run exactly yet (each with its reason and the fix)."""
     if pp <= 1:
         return
-    if dp_shard > 1:
-        raise PipelineError(
-            f"parallel.pp={pp} with dp_shard={dp_shard}: FSDP2 per pipeline stage is not built yet; use "
-            f"dp_replicate: {dp_shard} and dp_shard: 1 (whole stages replicated, gradients averaged over the "
-            "data-parallel group)"
-        )
     if tp > 1 or cp > 1:
         which = "tp" if tp > 1 else "cp"
         raise PipelineError(
@@ -346,11 +342,23 @@ def _prune(model, plan: PPPlan, kept_layers: set[int], first: bool, last: bool) 
         setattr(model, plan.head, None)
 
 
-def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, group) -> tuple[list, list]:
+def shard_stage(module, fsdp_mesh) -> None:
+    """FSDP2 over the data-parallel sub-mesh of one stage: each decoder layer its own unit, then the stage's
+    remaining weights (embedding / norm / head). FSDP2 averages the gradients over that mesh (HSDP on a 2-D one)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module.layers.values():
+        fully_shard(layer, mesh=fsdp_mesh)
+    fully_shard(module, mesh=fsdp_mesh)
+
+
+def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, group,
+                 fsdp_mesh=None) -> tuple[list, list]:
     """Split ``model`` in place for pipeline rank ``pp_rank``: returns ``(stage modules, torch PipelineStages)``.
 
     The model keeps only this rank's parts (embedding on the first stage, norm and head on the last); every
-    rank must call it with the same model (same weights)."""
+    rank must call it with the same model (same weights). With ``fsdp_mesh`` each stage is sharded with FSDP2
+    over it (:func:`shard_stage`) before torch's ``PipelineStage`` wraps it."""
     from torch.distributed.pipelining import PipelineStage
 
     plan = pp_plan_of(model)
@@ -369,6 +377,9 @@ def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, g
     modules = [cls(model, plan, s, num_stages, ranges[s]) for s in ids]
     kept = {i for s in ids for i in ranges[s]}
     _prune(model, plan, kept, first=0 in ids, last=(num_stages - 1) in ids)
+    if fsdp_mesh is not None:
+        for m in modules:
+            shard_stage(m, fsdp_mesh)
     stages = [PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, ids)]
     return modules, stages
 
