@@ -40,7 +40,7 @@ LLAMA = dict(harness.TINY_GQA_LLAMA, num_hidden_layers=4)
 CASES: dict[str, tuple[dict, dict]] = {
     # from_env: patch() with no argument reads the section `hf-gradfix launch` exported from configs/accelerate/cpu_pp.yaml
     "pp2_1f1b_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "from_env": True}),
-    "pp2_gpipe_ga4": ({"parallel": {"pp": 2, "pp_schedule": "gpipe"}}, {"ga": 4, "yaml": True}),
+    "pp2_gpipe_ga4": ({"parallel": {"pp": 2, "pp_schedule": "gpipe"}}, {"ga": 4, "yaml": True, "eval": True}),
     "pp2_1f1b_ga1": ({"parallel": {"pp": 2}}, {"ga": 1}),
     "pp2_interleaved_ga4": ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}}, {"ga": 4}),
     "pp2_zero_bubble_ga4": ({"parallel": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2}}, {"ga": 4}),
@@ -48,7 +48,7 @@ CASES: dict[str, tuple[dict, dict]] = {
     "pp2_1f1b_ga4_stock": ({"parallel": {"pp": 2}}, {"ga": 4, "stock": True}),
     "tied_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "tied": True}),
     # 4 processes (a separate launch): pp 2 x dp_replicate 2, ranks 0-1 stage 0, ranks 2-3 stage 1
-    "pp2_rep2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4}),
+    "pp2_rep2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "eval": True}),
     "pp2_shard2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_shard": 2}}, {"ga": 4, "clip": 0.05}),
     "pp2_rep2_1f1b_ga4_stock": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "stock": True}),
     "loss_off_refused": ({"parallel": {"pp": 2}, "loss": {"enabled": False}}, {"ga": 4}),
@@ -192,6 +192,10 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
             return
         if name.endswith("_refused"):
             raise AssertionError(f"{name}: the Trainer accepted a setup it should refuse")
+        if opts.get("eval"):  # 11 samples, bs 2: the last batch is short (and padded by accelerate under dp 2)
+            trainer.args.per_device_eval_batch_size = 2
+            metrics = trainer.evaluate(eval_dataset=harness.ListDataset(samples[: N_SAMPLES - 5]))
+            payload.update(eval_loss=metrics["eval_loss"], eval_targets=metrics.get("eval_loss_targets"))
         state = hf_gradfix.state_of(trainer)
         payload.update(
             steps=recorder.steps,

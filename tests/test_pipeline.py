@@ -172,6 +172,17 @@ def test_pipeline_exact_against_one_process(table, pp_runs, case):
     assert pp_runs[case][0]["logged_losses"] == pp_runs[case][1]["logged_losses"]
 
 
+@pytest.mark.parametrize("case,ranks", [("pp2_gpipe_ga4", 2), ("pp2_rep2_1f1b_ga4", 4)])
+def test_eval_loss_forward_only_exact(request, case, ranks):
+    runs = request.getfixturevalue("pp_runs" if ranks == 2 else "pp_dp_runs")[case]
+    samples = runs[0]["samples"][: W.N_SAMPLES - 5]
+    loss, _ = H.ground_truth(W.build_model(), samples, "causal")
+    targets = sum(H.sample_loss_count(s, "causal") for s in samples)
+    for r in runs:  # every rank logs the same eval loss, the exact token mean over the 11 samples
+        assert abs(r["eval_loss"] - loss) / loss <= TOL, (r["eval_loss"], loss)
+        assert r["eval_targets"] == targets
+
+
 @pytest.mark.parametrize("case", STOCK)
 def test_stock_normalization_fails_the_same_check(table, case):
     assert table[case]["grad"] > 100 * TOL, table[case]

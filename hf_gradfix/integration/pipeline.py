@@ -126,12 +126,9 @@ def _refuse_trainer(trainer, config: GradFixConfig, dims: ParallelDims) -> None:
             f"{what} with save_strategy={str(args.save_strategy).split('.')[-1]!r}: checkpoints of a pipelined model "
             "are not written yet (each rank holds different layers); set save_strategy: 'no', or pp: 1"
         )
-    evals = str(getattr(args, "eval_strategy", "no")).split(".")[-1].lower() != "no"
-    if evals:
-        raise PipelineError(
-            f"{what} with eval_strategy={str(args.eval_strategy).split('.')[-1]!r}: evaluation through the pipeline is "
-            "not built yet; set eval_strategy: 'no', or pp: 1"
-        )
+    if not config.loss.eval_token_mean:
+        raise PipelineError(f"{what} with loss.eval_token_mean=false: the pipeline's eval loss is the exact token "
+                            "mean; set loss.eval_token_mean: true, or pp: 1")
     if getattr(args, "gradient_checkpointing", False):
         raise PipelineError(f"{what} with gradient_checkpointing=True: not supported with the pipeline stages yet; "
                             "set gradient_checkpointing: false, or pp: 1")
@@ -386,6 +383,32 @@ def run_window(trainer, plan: PipelinePlan, batches: list) -> torch.Tensor:
             if p.grad is not None:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=plan.dp_group)
     return total
+
+
+def eval_batch(trainer, plan: PipelinePlan, batch, real_rows: int | None) -> tuple[float, int]:
+    """One eval batch forward-only through the schedule: ``(sum of the target losses, targets)`` of this data rank
+    (the same on every stage). ``real_rows``: the rows of accelerate's padded last batch that are real samples
+    (the repeated ones get ignored labels)."""
+    import torch.distributed as dist
+
+    batch = {k: v for k, v in batch.items() if k in _STAGE_KEYS}
+    _check_batch(batch)
+    if real_rows is not None:
+        labels = batch["labels"].clone()
+        labels[real_rows:] = -100
+        batch["labels"] = labels
+    targets = int(count_targets(batch, CountRule.SHIFTED))
+    (ids, mask, pos, labels), micro_batches = _window_tensors(plan, [batch])
+    schedule = _schedule(plan, (micro_batches, ids.shape[0] // micro_batches, ids.shape[1]))
+    for m in plan.modules:
+        m.eval()
+    losses: list = []
+    one = torch.tensor(1.0, device=plan.device)  # sum over the targets: num_items 1, no data-parallel factor
+    with torch.no_grad():
+        schedule.eval(ids, mask, pos, target=labels, losses=losses, loss_kwargs={"num_items": one})
+    total = torch.stack([l.detach().double() for l in losses]).sum() if (plan.is_last and losses) else torch.zeros((), dtype=torch.float64, device=plan.device)
+    dist.all_reduce(total, group=plan.pp_group)
+    return float(total) / plan.dims.dp, targets  # the loss_fn multiplies by the data-parallel degree
 
 
 def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor:

@@ -756,8 +756,30 @@ class _GradFixTop:
             totals.aux_batches += 1
         return loss, outputs
 
+    def _gradfix_pipeline_prediction(self, state, inputs, prediction_loss_only):
+        """Pipeline parallelism: the eval batch forward-only through the schedule; the loss (a token mean) only."""
+        from .pipeline import PipelineError, eval_batch
+
+        if not prediction_loss_only:
+            raise PipelineError(
+                f"hf_gradfix parallel.pp={state.pp.dims.pp}: logits exist on the last stage only, so compute_metrics "
+                "and prediction outputs are not available through the pipeline; use prediction_loss_only=True (or no "
+                "compute_metrics), or pp: 1"
+            )
+        inputs = self._prepare_inputs(inputs)
+        loss_sum, targets = eval_batch(self, state.pp, inputs, self._gradfix_real_eval_rows(inputs))
+        totals = state.eval_totals
+        if totals is not None:
+            totals.batches += 1
+            totals.loss_sum += loss_sum
+            totals.targets += targets
+        mean = loss_sum / targets if targets else 0.0
+        return torch.tensor(mean, device=self.args.device), None, None
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **kwargs):
         state = state_of(self)
+        if state is not None and state.pp is not None:
+            return self._gradfix_pipeline_prediction(state, inputs, prediction_loss_only)
         totals = state.eval_totals if state is not None else None
         if totals is None or not _has_labels(inputs):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
@@ -905,8 +927,8 @@ class _GradFixTop:
         if targets > 0 and uncounted == 0 and output.metrics is not None and key in output.metrics:
             value = loss_sum / targets + (aux_sum / aux_batches if aux_batches else 0.0)
             output.metrics[key] = value
-            dims = _nd_dims(self)  # tp ranks evaluated the same rows: count them once (cp ranks: different shards)
-            once = targets / dims.tp if dims is not None else targets
+            dims = _nd_dims(self)  # tp and pp ranks evaluated the same rows: count them once (cp: different shards)
+            once = targets / (dims.tp * dims.pp) if dims is not None else targets
             output.metrics[f"{metric_key_prefix}_loss_targets"] = once
         return output
 
