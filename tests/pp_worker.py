@@ -45,6 +45,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     "pp2_interleaved_ga4": ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}}, {"ga": 4}),
     "pp2_zero_bubble_ga4": ({"parallel": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2}}, {"ga": 4}),
     "pp2_1f1b_ga4_callback_clip": ({"parallel": {"pp": 2}}, {"ga": 4, "callback": True, "clip": 0.05}),
+    "pp2_sft_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "sft": True}),  # TRL's SFTTrainer, a datasets.Dataset
+    "sft_dft_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "sft": True, "sft_args": {"loss_type": "dft"}}),
     "pp2_1f1b_ga4_stock": ({"parallel": {"pp": 2}}, {"ga": 4, "stock": True}),
     "tied_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "tied": True}),
     # 4 processes (a separate launch): pp 2 x dp_replicate 2, ranks 0-1 stage 0, ranks 2-3 stage 1
@@ -151,7 +153,23 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     recorder = _make_recorder()
     recorder.collator = collator
     ga = opts["ga"]
-    args = transformers.TrainingArguments(
+    args_cls, sft_args, trainer_kwargs, trainer_cls = transformers.TrainingArguments, {}, {}, transformers.Trainer
+    dataset = harness.ListDataset(samples)
+    if opts.get("sft"):
+        import datasets
+        import trl
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        tok = Tokenizer(models.WordLevel({str(i): i for i in range(LLAMA["vocab_size"])}, unk_token="3"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="0", bos_token="1", eos_token="2")
+        args_cls, trainer_cls = trl.SFTConfig, trl.SFTTrainer
+        sft_args = dict(bf16=False, fp16=False, max_length=None, packing=False, dataset_num_proc=None,
+                        **opts.get("sft_args", {}))
+        trainer_kwargs = dict(processing_class=tokenizer)
+        dataset = datasets.Dataset.from_list(samples)
+    args = args_cls(
+        **sft_args,
         output_dir=str(out / name / f"trainer_rank{rank}"),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=ga,
@@ -175,9 +193,9 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     payload: dict = dict(case=name, rank=rank, world_size=world, config=config, opts=opts)
     try:
         try:
-            trainer = harness._subclass(transformers.Trainer)(
-                model=model, args=args, train_dataset=harness.ListDataset(samples), data_collator=collator,
-                callbacks=callbacks + [recorder],
+            trainer = harness._subclass(trainer_cls)(
+                model=model, args=args, train_dataset=dataset, data_collator=collator,
+                callbacks=callbacks + [recorder], **trainer_kwargs,
             )
             recorder.trainer = trainer
             from transformers.trainer_callback import PrinterCallback

@@ -29,9 +29,9 @@ import pp_worker as W
 
 TOL = 1e-5
 EXACT = ["pp2_1f1b_ga4", "pp2_gpipe_ga4", "pp2_1f1b_ga1", "pp2_interleaved_ga4", "pp2_zero_bubble_ga4",
-         "pp2_1f1b_ga4_callback_clip"]
+         "pp2_1f1b_ga4_callback_clip", "pp2_sft_ga4"]
 STOCK = ["pp2_1f1b_ga4_stock"]
-REFUSED = ["tied_refused", "loss_off_refused", "save_refused"]
+REFUSED = ["tied_refused", "loss_off_refused", "save_refused", "sft_dft_refused"]
 ALL = EXACT + STOCK + REFUSED
 
 
@@ -201,6 +201,7 @@ def test_stages_hold_disjoint_parameters(pp_runs):
     ("tied_refused", "tie_word_embeddings"),
     ("loss_off_refused", "loss.enabled"),
     ("save_refused", "save_strategy"),
+    ("sft_dft_refused", "loss_type='dft'"),
 ])
 def test_refusals_name_key_and_fix(pp_runs, case, needle):
     for r in pp_runs[case]:

@@ -110,11 +110,20 @@ def _refuse_trainer(trainer, config: GradFixConfig, dims: ParallelDims) -> None:
         raise PipelineError(f"{what} with a compute_loss_func: the last stage computes the model's own loss; drop "
                             "compute_loss_func, or pp: 1")
     own = type(trainer).compute_loss
-    if own is not Trainer.compute_loss and getattr(type(trainer), "__module__", "").split(".")[0] != "trl":
-        raise PipelineError(
-            f"{what}: {type(trainer).__name__} overrides compute_loss, which the pipeline does not call (the schedule runs "
-            "the model's own loss on the last stage); use the plain Trainer's loss, or pp: 1"
-        )
+    if own is not Trainer.compute_loss:
+        # the schedule runs the model's own loss on the last stage; a compute_loss of another loss would be skipped.
+        # TRL's SFTTrainer computes the same token NLL with loss_type "nll" (its metrics are not computed under pp).
+        sft_nll = own.__module__.split(".")[0] == "trl" and getattr(args, "loss_type", None) == "nll"
+        if not sft_nll:
+            kind = f" with loss_type={args.loss_type!r}" if hasattr(args, "loss_type") else ""
+            raise PipelineError(
+                f"{what}: {type(trainer).__name__}{kind} computes its own loss in compute_loss, which the pipeline "
+                "does not call (the schedule runs the model's own cross-entropy on the last stage); use the plain "
+                "causal-LM loss (loss_type 'nll' for TRL's SFTTrainer), or pp: 1"
+            )
+        if getattr(trainer, "aux_loss_enabled", False):
+            raise PipelineError(f"{what}: a router aux loss (MoE) is not added on the pipeline's last stage; "
+                                "disable it, or pp: 1")
     if getattr(trainer, "optimizer", None) is not None:
         raise PipelineError(
             f"{what} splits the model into stages, so the optimizer passed to the Trainer holds the weights of "
@@ -129,9 +138,6 @@ def _refuse_trainer(trainer, config: GradFixConfig, dims: ParallelDims) -> None:
     if not config.loss.eval_token_mean:
         raise PipelineError(f"{what} with loss.eval_token_mean=false: the pipeline's eval loss is the exact token "
                             "mean; set loss.eval_token_mean: true, or pp: 1")
-    if getattr(args, "gradient_checkpointing", False):
-        raise PipelineError(f"{what} with gradient_checkpointing=True: not supported with the pipeline stages yet; "
-                            "set gradient_checkpointing: false, or pp: 1")
 
 
 def _broadcast_from_rank0(model: torch.nn.Module) -> None:
