@@ -54,7 +54,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     "pp2_shard2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_shard": 2}}, {"ga": 4, "clip": 0.05}),
     "pp2_rep2_1f1b_ga4_stock": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "stock": True}),
     "loss_off_refused": ({"parallel": {"pp": 2}, "loss": {"enabled": False}}, {"ga": 4}),
-    "save_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "save": True}),
+    # 4 steps straight vs 2 steps + checkpoint + resume for 2 (AdamW lr 1e-2, GA 2): bit-identical weights
+    "pp2_resume": ({"parallel": {"pp": 2}}, {"ga": 2, "resume": True}),
 }
 
 
@@ -121,6 +122,26 @@ def _make_recorder():
     return Recorder()
 
 
+def _resume_case(trainer, args, config, collator, samples) -> dict:
+    """Train again from checkpoint-2 with a fresh model and trainer; the weights after step 4 must be identical."""
+    import safetensors.torch
+    import transformers
+
+    import hf_gradfix
+
+    straight = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    hf_gradfix.unpatch()
+    hf_gradfix.patch(config)
+    again = harness._subclass(transformers.Trainer)(
+        model=build_model(), args=args, train_dataset=harness.ListDataset(samples), data_collator=collator)
+    again.train(resume_from_checkpoint=str(Path(args.output_dir) / "checkpoint-2"))
+    resumed = {n: p.detach().clone() for n, p in again.model.named_parameters()}
+    out = dict(straight=straight, resumed=resumed, steps=[], logged_losses=[], grad_norms=[])
+    if torch.distributed.get_rank() == 0:  # the whole model, gathered from both stages by save_model
+        out["saved"] = safetensors.torch.load_file(str(Path(args.output_dir) / "checkpoint-4" / "model.safetensors"))
+    return out
+
+
 def run_case(name: str, out: Path, rank: int, world: int) -> None:
     import transformers
 
@@ -170,18 +191,20 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         dataset = datasets.Dataset.from_list(samples)
     args = args_cls(
         **sft_args,
-        output_dir=str(out / name / f"trainer_rank{rank}"),
+        output_dir=str(out / name / ("trainer" if opts.get("resume") else f"trainer_rank{rank}")),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=ga,
         num_train_epochs=1,
-        optim="sgd",
-        learning_rate=0.0,
+        optim="adamw_torch" if opts.get("resume") else "sgd",
+        learning_rate=1e-2 if opts.get("resume") else 0.0,
+        max_steps=4 if opts.get("resume") else -1,
+        save_steps=2,
         weight_decay=0.0,
         max_grad_norm=opts.get("clip", 0.0),
         lr_scheduler_type="constant",
         logging_steps=1,
         report_to="none",
-        save_strategy="steps" if opts.get("save") else "no",
+        save_strategy="steps" if opts.get("resume") else "no",
         use_cpu=True,
         dataloader_num_workers=0,
         dataloader_pin_memory=False,
@@ -210,6 +233,10 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
             return
         if name.endswith("_refused"):
             raise AssertionError(f"{name}: the Trainer accepted a setup it should refuse")
+        if opts.get("resume"):
+            payload.update(_resume_case(trainer, args, config, collator, samples))
+            torch.save(payload, out / name / f"rank{rank}.pt")
+            return
         if opts.get("eval"):  # 11 samples, bs 2: the last batch is short (and padded by accelerate under dp 2)
             trainer.args.per_device_eval_batch_size = 2
             metrics = trainer.evaluate(eval_dataset=harness.ListDataset(samples[: N_SAMPLES - 5]))

@@ -129,12 +129,9 @@ def _refuse_trainer(trainer, config: GradFixConfig, dims: ParallelDims) -> None:
             f"{what} splits the model into stages, so the optimizer passed to the Trainer holds the weights of "
             "every stage; let the Trainer build it (optimizers=(None, None)) or use optimizer_cls_and_kwargs"
         )
-    saves = str(getattr(args, "save_strategy", "no")).split(".")[-1].lower() != "no"
-    if saves:
-        raise PipelineError(
-            f"{what} with save_strategy={str(args.save_strategy).split('.')[-1]!r}: checkpoints of a pipelined model "
-            "are not written yet (each rank holds different layers); set save_strategy: 'no', or pp: 1"
-        )
+    if getattr(args, "save_only_model", False):
+        raise PipelineError(f"{what} with save_only_model=True: a pipelined checkpoint is resumed from each rank's own "
+                            "stage file (weights and optimizer state together); set save_only_model: false, or pp: 1")
     if not config.loss.eval_token_mean:
         raise PipelineError(f"{what} with loss.eval_token_mean=false: the pipeline's eval loss is the exact token "
                             "mean; set loss.eval_token_mean: true, or pp: 1")
@@ -415,6 +412,74 @@ def eval_batch(trainer, plan: PipelinePlan, batch, real_rows: int | None) -> tup
     total = torch.stack([l.detach().double() for l in losses]).sum() if (plan.is_last and losses) else torch.zeros((), dtype=torch.float64, device=plan.device)
     dist.all_reduce(total, group=plan.pp_group)
     return float(total) / plan.dims.dp, targets  # the loss_fn multiplies by the data-parallel degree
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+
+STAGE_FILE = "pipeline_rank{rank}.pt"
+
+
+def _local(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def full_state_dict(trainer, plan: PipelinePlan) -> dict | None:
+    """The whole model's weights on rank 0 (every stage's, FSDP2 shards gathered), None elsewhere (a collective)."""
+    import torch.distributed as dist
+
+    mine = {name: _local(t).detach().cpu() for name, t in trainer.model.state_dict().items()}
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    if every is None:
+        return None
+    merged: dict = {}
+    for part in every:
+        merged.update(part)
+    return merged
+
+
+def save_stage(trainer, plan: PipelinePlan, output_dir: str) -> None:
+    """Each rank writes its stage's weights and optimizer state (for resuming on the same mesh, bit for bit)."""
+    import os
+
+    os.makedirs(output_dir, exist_ok=True)
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    payload = {
+        "mesh": (plan.dims.world_size, plan.dims.pp, plan.dims.pp_virtual_stages, plan.dims.dp_replicate, plan.dims.dp_shard),
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
+    }
+    torch.save(payload, os.path.join(output_dir, STAGE_FILE.format(rank=rank)))
+
+
+def load_stage(trainer, plan: PipelinePlan, checkpoint: str, *, optimizer: bool) -> None:
+    """Load this rank's stage file (weights, and with ``optimizer`` the optimizer state); refuses another mesh."""
+    import os
+
+    import torch.distributed as dist
+
+    path = os.path.join(checkpoint, STAGE_FILE.format(rank=dist.get_rank()))
+    if not os.path.isfile(path):
+        raise PipelineError(
+            f"hf_gradfix parallel.pp={plan.dims.pp}: resume_from_checkpoint={checkpoint!r} has no {os.path.basename(path)} "
+            "(it was not written by a pipelined run of this mesh); resume with the mesh that wrote it"
+        )
+    payload = torch.load(path, map_location="cpu", weights_only=False)  # load_state_dict copies to the device
+    mesh = (plan.dims.world_size, plan.dims.pp, plan.dims.pp_virtual_stages, plan.dims.dp_replicate, plan.dims.dp_shard)
+    if tuple(payload["mesh"]) != mesh:
+        raise PipelineError(
+            f"hf_gradfix parallel: resume_from_checkpoint={checkpoint!r} was written by (world, pp, virtual stages, "
+            f"dp_replicate, dp_shard) = {tuple(payload['mesh'])}, this run is {mesh}; resume with the same mesh"
+        )
+    if optimizer:
+        if payload["optimizer"] is not None and trainer.optimizer is not None:
+            trainer.optimizer.load_state_dict(payload["optimizer"])
+    else:
+        trainer.model.load_state_dict(payload["model"])
 
 
 def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor:

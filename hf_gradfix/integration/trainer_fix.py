@@ -25,6 +25,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -567,7 +568,52 @@ class _GradFixTop:
 
             save_stream_state(self, output_dir)
 
+    def save_model(self, output_dir=None, _internal_call=False):
+        state = state_of(self)
+        if state is None or state.pp is None:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        # pipeline: every stage's weights gathered on rank 0, saved as one model (from_pretrained loads it)
+        from .pipeline import full_state_dict
+
+        merged = full_state_dict(self, state.pp)
+        if self.args.should_save:
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            os.makedirs(output_dir, exist_ok=True)
+            self.model.save_pretrained(output_dir, state_dict=merged)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        state = state_of(self)
+        if state is None or state.pp is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from .pipeline import save_stage
+
+        save_stage(self, state.pp, output_dir)  # each rank: its stage's weights and optimizer state
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        state = state_of(self)
+        if state is None or state.pp is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from .pipeline import load_stage
+
+        load_stage(self, state.pp, resume_from_checkpoint, optimizer=False)
+
     def _load_optimizer_and_scheduler(self, checkpoint, *args, **kwargs):
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            if checkpoint is None:
+                return None
+            from .pipeline import load_stage
+
+            load_stage(self, state.pp, checkpoint, optimizer=True)
+            path = os.path.join(checkpoint, "scheduler.pt")
+            if os.path.isfile(path) and self.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+            return None
         # per process, on resume, before the dataloader is iterated: the packed stream continues from its state
         super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
         state = state_of(self)
