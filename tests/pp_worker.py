@@ -48,7 +48,7 @@ CASES: dict[str, tuple[dict, dict]] = {
     "pp2_sft_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "sft": True}),  # TRL's SFTTrainer, a datasets.Dataset
     "sft_dft_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "sft": True, "sft_args": {"loss_type": "dft"}}),
     "pp2_1f1b_ga4_stock": ({"parallel": {"pp": 2}}, {"ga": 4, "stock": True}),
-    "tied_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "tied": True}),
+    "pp2_tied_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "tied": True, "clip": 0.05}),
     # 4 processes (a separate launch): pp 2 x dp_replicate 2, ranks 0-1 stage 0, ranks 2-3 stage 1
     "pp2_rep2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "eval": True}),
     "pp2_shard2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_shard": 2}}, {"ga": 4, "clip": 0.05}),
@@ -242,6 +242,8 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
             metrics = trainer.evaluate(eval_dataset=harness.ListDataset(samples[: N_SAMPLES - 5]))
             payload.update(eval_loss=metrics["eval_loss"], eval_targets=metrics.get("eval_loss_targets"))
         state = hf_gradfix.state_of(trainer)
+        if state.pp.tied_weight is not None:
+            payload["tied_weight"] = state.pp.tied_weight.detach().clone()
         payload.update(
             steps=recorder.steps,
             logged_losses=[float(h["loss"]) for h in trainer.state.log_history if "loss" in h],

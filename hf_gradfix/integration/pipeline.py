@@ -37,6 +37,8 @@ from ..parallel.pipeline import (
     check_combination,
     check_schedule,
     make_schedule,
+    tie_gradients,
+    tied_embeddings,
     window_loss_fn,
 )
 from .versions import transformers_major
@@ -64,6 +66,8 @@ class PipelinePlan:
     pad_token_id: int = 0
     shard_group: Any = None  # the dp_shard group (FSDP2 shards of each stage)
     fsdp: bool = False  # stages sharded with FSDP2 (it averages the gradients over the data-parallel ranks)
+    tie_group: Any = None  # tied embeddings: this replica's first- and last-stage ranks
+    tied_weight: Any = None  # the copy of the tied embedding this rank holds (first or last stage), else None
     schedule_obj: Any = None  # torch's schedule for the last window's shape
     schedule_shape: tuple = ()  # (micro-batches, rows, length) it was built for
     shape_changes: int = 0
@@ -157,6 +161,19 @@ def _new_groups(dims: ParallelDims, job: str, rank: int):
     return mine
 
 
+def _tie_groups(dims: ParallelDims, rank: int):
+    """The groups {first-stage rank, last-stage rank} of every data-parallel replica (tied embeddings)."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in dims.groups("pp"):
+        pair = sorted({ranks[0], ranks[-1]})  # pp rank 0 holds stage 0; pp rank pp-1 the last stage (looped)
+        group = dist.new_group(pair)
+        if rank in pair:
+            mine = group
+    return mine
+
+
 def _prepare_data_loader_for(trainer, dims: ParallelDims, rank: int):
     """accelerate's ``prepare_data_loader`` with this rank's data-parallel index: the ranks of one pipeline load
     the same batches, data-parallel ranks different ones (accelerate's own mesh rule cannot express pp)."""
@@ -231,6 +248,8 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
     if dims.dp_shard > 1:  # FSDP2 per stage over dp_shard (HSDP: dp_replicate x dp_shard)
         mesh = dims.build_mesh(device.type)
         fsdp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    tied = tied_embeddings(model)
+    tie_group = _tie_groups(dims, rank) if tied else None
     modules, stages = build_stages(model, pp=dims.pp, pp_rank=dims.pp_rank(rank),
                                    virtual_stages=dims.pp_virtual_stages, device=device, group=pp_group,
                                    fsdp_mesh=fsdp_mesh)
@@ -239,7 +258,15 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
         dims=dims, schedule=section.pp_schedule, pp_rank=dims.pp_rank(rank), pp_group=pp_group, dp_group=dp_group,
         modules=modules, stages=stages, loss_fn=window_loss_fn(model, dims.dp), device=device,
         pad_token_id=pad if isinstance(pad, int) else 0, shard_group=shard_group, fsdp=fsdp_mesh is not None,
+        tie_group=tie_group,
     )
+    if tied:
+        first = any(m.is_first for m in modules)
+        last = any(m.is_last for m in modules)
+        if first:
+            plan.tied_weight = model.get_input_embeddings().weight
+        elif last:
+            plan.tied_weight = model.get_output_embeddings().weight
     # what Trainer.__init__ sets for a model sharded at load time: accelerate must not wrap it (DDP over the
     # world would mix stages) nor move it
     trainer.is_distributed_loading_by_transformers = True
@@ -381,6 +408,8 @@ def run_window(trainer, plan: PipelinePlan, batches: list) -> torch.Tensor:
     schedule.step(ids, mask, pos, target=labels, losses=losses, loss_kwargs={"num_items": count}, return_outputs=False)
     total = torch.stack([l.detach().float() for l in losses]).sum() if (plan.is_last and losses) else torch.zeros((), device=plan.device)
     dist.all_reduce(total, group=plan.pp_group)  # the loss lives on the last stage only
+    if plan.tie_group is not None:
+        tie_gradients(plan.tied_weight, None, plan.tie_group)
     if plan.dims.dp > 1 and not plan.fsdp:  # replicas of each stage: average the gradients over the data-parallel group
         for p in trainer.model.parameters():
             if p.grad is not None:
@@ -489,7 +518,10 @@ def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor
 
     params = [p for p in trainer.model.parameters() if p.grad is not None]
     local = torch.zeros((), dtype=torch.float32, device=plan.device)
+    last_copy = plan.tied_weight is not None and not any(m.is_first for m in plan.modules)
     for p in params:
+        if last_copy and p is plan.tied_weight:
+            continue  # the tied embedding is counted once, on the first stage
         grad = p.grad.detach()
         grad = grad.to_local() if hasattr(grad, "to_local") else grad  # an FSDP2 shard: summed over dp_shard below
         local += grad.float().pow(2).sum()

@@ -20,9 +20,11 @@ What it does, in the order a run meets it:
 3. **The schedule.** :data:`SCHEDULES`: GPipe, 1F1B (one stage per rank), Interleaved 1F1B and torch's
    interleaved zero-bubble schedule (several stages per rank, looped: stage ``s`` on rank ``s % pp``).
 
+Tied input and output embeddings (first and last stage): each of the two ranks keeps its copy, their gradients
+are summed after every window (:func:`tie_gradients`), so the copies stay equal.
+
 Refused (one line, naming the key, value and fix): a model without ``base_model_pp_plan``; base-model weights
-the plan does not name (e.g. absolute position embeddings); input and output embeddings tied across the first
-and last stage; attention layer types other than full and sliding-window causal attention; pp combined with
+the plan does not name (e.g. absolute position embeddings); attention layer types other than full and sliding-window causal attention; pp combined with
 tp or cp, with packing, with GaLore / APOLLO (:func:`check_combination`). Data parallelism composes: whole
 stages replicated (``dp_replicate``; gradients averaged over the data-parallel group) or sharded with FSDP2 per
 stage (``dp_shard``; HSDP with both).
@@ -237,6 +239,15 @@ def pp_plan_of(model) -> PPPlan:
     return PPPlan(prefix[0] if prefix else "model", embed[0], layers[0], after, heads[0], rotary)
 
 
+def tied_embeddings(model) -> bool:
+    """Whether the model's input embedding and output head share one weight (``tie_word_embeddings``)."""
+    try:
+        plan = pp_plan_of(model)
+    except PipelineError:
+        return False
+    return _tied(model, plan)
+
+
 def _tied(model, plan: PPPlan) -> bool:
     base = model.base_model
     emb = getattr(getattr(base, plan.embed, None), "weight", None)
@@ -362,12 +373,9 @@ def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, g
     from torch.distributed.pipelining import PipelineStage
 
     plan = pp_plan_of(model)
-    if _tied(model, plan):
-        raise PipelineError(
-            f"parallel.pp={pp}: {_model_name(model)} ties its input and output embeddings (tie_word_embeddings=True), "
-            "which live on the first and the last stage; untie them before training (load with "
-            "tie_word_embeddings=False), or use pp: 1"
-        )
+    # Tied input / output embeddings: the first stage keeps the weight as the embedding, the last stage as the
+    # head (pruning gives each rank its own copy, equal at the start); the caller sums the two gradients across
+    # those ranks after each window (tie_gradients) so both copies take the same steps.
     base = model.base_model
     num_layers = len(getattr(base, plan.layers))
     num_stages = pp * virtual_stages
@@ -387,6 +395,19 @@ def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, g
 # ----------------------------------------------------------------------------------------------------------------
 # Loss and schedule
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def tie_gradients(first_stage_weight, last_stage_weight, group) -> None:
+    """Sum the tied embedding's gradient over the first and last stage (each rank passes the copy it holds, the
+    other as None): both copies then get the whole model's gradient and stay equal under the same optimizer."""
+    import torch.distributed as dist
+
+    weight = first_stage_weight if first_stage_weight is not None else last_stage_weight
+    if weight is None or weight.grad is None:
+        return
+    grad = weight.grad
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    dist.all_reduce(local, group=group)
 
 
 def window_loss_fn(model, dp_degree: int) -> Callable:
