@@ -38,7 +38,7 @@ LLAMA = dict(harness.TINY_GQA_LLAMA, num_hidden_layers=4)
 
 # name -> (hf_gradfix config, options)
 CASES: dict[str, tuple[dict, dict]] = {
-    # from_env: patch() with no argument reads the section `hf-gradfix launch` exported from configs/accelerate/cpu_pp.yaml
+    # from_env: patch() with no argument reads the section `hf-gradfix launch` exported from configs/cpu_pp.yaml
     "pp2_1f1b_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "from_env": True}),
     "pp2_gpipe_ga4": ({"parallel": {"pp": 2, "pp_schedule": "gpipe"}}, {"ga": 4, "yaml": True, "eval": True}),
     "pp2_1f1b_ga1": ({"parallel": {"pp": 2}}, {"ga": 1}),

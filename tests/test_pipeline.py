@@ -44,7 +44,7 @@ def pp_runs():
     out = Path(tempfile.mkdtemp(prefix="hgf_pp_"))
     # through the user's route: hf-gradfix launch with the shipped CPU config (its section reaches every rank)
     cmd = [
-        sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(H.REPO_ROOT / "configs/accelerate/cpu_pp.yaml"),
+        sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(H.REPO_ROOT / "configs/cpu_pp.yaml"),
         "--main_process_port", str(H._free_port()),
         str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(ALL),
     ]
@@ -268,3 +268,33 @@ def test_model_without_pp_plan_is_refused():
     model = H.build_model("bert_mlm")
     with pytest.raises(PipelineError, match="base_model_pp_plan"):
         pp_plan_of(model)
+
+
+@pytest.mark.parametrize("name", ["cpu_pp.yaml", "pp.yaml"])
+def test_shipped_pp_configs_resolve(name, capsys):
+    from hf_gradfix.cli import main
+    from hf_gradfix.config.resolve import resolve_config
+
+    r = resolve_config(H.REPO_ROOT / "configs" / name, grad_accum=8)
+    assert r.mesh.pp == 2 and r.mesh.pp * r.mesh.dp == r.world_size
+    assert main(["config", "check", str(H.REPO_ROOT / "configs" / name), "--grad-accum", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline          pp=2" in out and "bubble (p-1)/(v*m+p-1) = 11%" in out
+
+
+@pytest.mark.parametrize("section, needle", [
+    ({"pp": 2, "tp": 2}, "parallel.pp=2 with tp=2"),
+    ({"pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 2}, "pp_virtual_stages=2 with pp_schedule='1f1b'"),
+    ({"pp": 2, "pp_schedule": "zigzag"}, "pp_schedule"),
+])
+def test_config_check_refuses_in_one_line(tmp_path, capsys, section, needle):
+    import yaml
+
+    from hf_gradfix.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU", "num_processes": 4, "use_cpu": True,
+                                    "hf_gradfix": {"parallel": section}}))
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
