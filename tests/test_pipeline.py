@@ -298,3 +298,39 @@ def test_config_check_refuses_in_one_line(tmp_path, capsys, section, needle):
     assert main(["config", "check", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+_FAMILY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("config_name, extra, accepted", [
+    ("LlamaConfig", {}, True),
+    ("Qwen2Config", {}, True),
+    ("Qwen3Config", {"head_dim": 8}, True),
+    ("MistralConfig", {"sliding_window": 3}, True),  # every layer slides: the stages build the sliding mask
+    ("GemmaConfig", {"head_dim": 8}, True),
+    ("Gemma2Config", {"head_dim": 8, "sliding_window": 3}, False),  # logit soft-capping in its forward, not its plan
+])
+def test_stages_reproduce_the_model_forward_or_refuse(config_name, extra, accepted):
+    """Behaviour, not a list: every stage in turn on one process must give the model's own logits (checked on every
+    rank before the split); a model whose forward does more than its pp plan is refused."""
+    import transformers as tf
+
+    from hf_gradfix.parallel.pipeline import PipelineError, check_stages_reproduce_forward
+
+    cls = getattr(tf, config_name, None)
+    if cls is None:
+        pytest.skip(f"no {config_name} in this transformers")
+    torch.manual_seed(0)
+    config = cls(**{**_FAMILY, **extra})
+    try:
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    except ValueError:  # an architecture without SDPA support
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    if accepted:
+        check_stages_reproduce_forward(model, num_stages=2)
+        check_stages_reproduce_forward(model, num_stages=4)
+    else:
+        with pytest.raises(PipelineError, match="does more than its base_model_pp_plan"):
+            check_stages_reproduce_forward(model, num_stages=2)

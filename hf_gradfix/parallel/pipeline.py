@@ -295,7 +295,10 @@ def decoder_stage_class():
             self.head = getattr(model, plan.head) if self.is_last else None
             self.rotary = getattr(base, plan.rotary) if plan.rotary else None
             masks = _mask_functions()
-            self.layer_types = [getattr(all_layers[i], "attention_type", "full_attention") for i in self.layer_ids]
+            # a layer's own attention_type, else the model-wide rule (a config sliding_window: every layer slides)
+            default = "sliding_attention" if getattr(self.config, "sliding_window", None) and getattr(
+                self.config, "layer_types", None) is None else "full_attention"
+            self.layer_types = [getattr(all_layers[i], "attention_type", default) for i in self.layer_ids]
             unknown = sorted({t for t in self.layer_types if t not in masks})
             if unknown:
                 raise PipelineError(
@@ -363,6 +366,47 @@ def shard_stage(module, fsdp_mesh) -> None:
     fully_shard(module, mesh=fsdp_mesh)
 
 
+def check_stages_reproduce_forward(model, plan: PPPlan | None = None, num_stages: int = 2) -> None:
+    """Run a few tokens through every stage in turn and through the model's own forward (one process, before the
+    split): the logits must agree. A model whose forward does more than its pp plan says (an embedding scale, an
+    extra input) would otherwise train silently wrong under pp; it is refused here instead."""
+    import torch
+
+    plan = plan or pp_plan_of(model)
+    num_layers = len(getattr(model.base_model, plan.layers))
+    ranges = split_layers(num_layers, min(num_stages, num_layers))
+    cls = decoder_stage_class()
+    modules = [cls(model, plan, s, len(ranges), ranges[s]) for s in range(len(ranges))]
+    device = next(model.parameters()).device
+    vocab = int(getattr(model.get_input_embeddings(), "num_embeddings", 16))
+    ids = (torch.arange(12, device=device).reshape(2, 6) * 7 + 3) % max(vocab, 1)
+    mask = torch.ones_like(ids)
+    pos = torch.arange(6, device=device).expand(2, 6)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=ids, attention_mask=mask).logits.float()
+            out = (ids, mask, pos)
+            for m in modules:
+                out = m(*out)
+            got = out.float()
+    except Exception as err:  # noqa: BLE001 - a layer or rotary table called differently than the plan says
+        raise PipelineError(
+            f"parallel.pp: {_model_name(model)}'s layers cannot be called from its base_model_pp_plan alone "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:160]}); use pp: 1 for this model"
+        ) from None
+    finally:
+        model.train(was_training)
+    scale = expected.abs().max().clamp(min=1e-6)
+    if got.shape != expected.shape or float((got - expected).abs().max() / scale) > 1e-3:
+        raise PipelineError(
+            f"parallel.pp: {_model_name(model)}'s forward does more than its base_model_pp_plan describes (the stages "
+            "built from the plan give other logits than the model itself, e.g. an embedding scale or an extra input "
+            "in its forward); pipelining it would train a different model: use pp: 1 for this model"
+        )
+
+
 def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, group,
                  fsdp_mesh=None) -> tuple[list, list]:
     """Split ``model`` in place for pipeline rank ``pp_rank``: returns ``(stage modules, torch PipelineStages)``.
@@ -379,6 +423,7 @@ def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, g
     base = model.base_model
     num_layers = len(getattr(base, plan.layers))
     num_stages = pp * virtual_stages
+    check_stages_reproduce_forward(model, plan, num_stages)
     ranges = split_layers(num_layers, num_stages)
     cls = decoder_stage_class()
     ids = stage_ids_of_rank(pp_rank, pp, virtual_stages)
