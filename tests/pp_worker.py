@@ -210,6 +210,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         dataloader_pin_memory=False,
         remove_unused_columns=False,
         disable_tqdm=True,
+        include_num_input_tokens_seen="all",
         seed=0,
         data_seed=0,
     )
@@ -249,6 +250,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
             logged_losses=[float(h["loss"]) for h in trainer.state.log_history if "loss" in h],
             grad_norms=[float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h],
             line=state.pp.line,
+            tokens_seen=trainer.state.num_input_tokens_seen,
             fixes=list(state.fixes),
             params=sorted(n for n, _ in trainer.model.named_parameters()),
         )

@@ -209,6 +209,13 @@ def test_tied_embedding_copies_stay_equal(pp_runs):
     assert "model.embed_tokens.weight" in r0["params"] and "lm_head.weight" in r1["params"]
 
 
+def test_tokens_seen_count_each_batch_once(pp_runs):
+    r0, r1 = pp_runs["pp2_1f1b_ga4"]
+    samples = {s["idx"]: s for s in r0["samples"]}
+    padded = sum(len(b) * max(len(samples[i]["input_ids"]) for i in b) for st in r0["steps"] for b in st["idx_batches"])
+    assert r0["tokens_seen"] == r1["tokens_seen"] == padded
+
+
 def test_stages_hold_disjoint_parameters(pp_runs):
     r0, r1 = (r["params"] for r in pp_runs["pp2_1f1b_ga4"])
     assert "model.embed_tokens.weight" in r0 and "lm_head.weight" in r1

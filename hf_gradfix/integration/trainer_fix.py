@@ -700,6 +700,15 @@ class _GradFixTop:
         count = plan.window_count
         return batches, torch.tensor(int(count) if float(count).is_integer() else count, device=device)
 
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            # gathered over every rank, but the pp ranks of a pipeline hold the same batch: count it once
+            added = self.state.num_input_tokens_seen - before
+            self.state.num_input_tokens_seen = before + added // state.pp.dims.pp
+
     def _sync_replicated_trainable_parameters(self, model):
         # a pipelined model holds different weights on each stage: transformers' world-wide broadcast does not apply
         state = state_of(self)
