@@ -53,6 +53,7 @@ CASES: dict[str, tuple[dict, dict]] = {
     "pp2_rep2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "eval": True}),
     "pp2_shard2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_shard": 2}}, {"ga": 4, "clip": 0.05}),
     "pp2_rep2_1f1b_ga4_stock": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "stock": True}),
+    "galore_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "args": {"optim": "galore_adamw", "optim_target_modules": ["q_proj"]}}),
     "loss_off_refused": ({"parallel": {"pp": 2}, "loss": {"enabled": False}}, {"ga": 4}),
     # 4 steps straight vs 2 steps + checkpoint + resume for 2 (AdamW lr 1e-2, GA 2): bit-identical weights
     "pp2_resume": ({"parallel": {"pp": 2}}, {"ga": 2, "resume": True}),
@@ -195,7 +196,6 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         per_device_train_batch_size=2,
         gradient_accumulation_steps=ga,
         num_train_epochs=1,
-        optim="adamw_torch" if opts.get("resume") else "sgd",
         learning_rate=1e-2 if opts.get("resume") else 0.0,
         max_steps=4 if opts.get("resume") else -1,
         save_steps=2,
@@ -212,6 +212,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         disable_tqdm=True,
         include_num_input_tokens_seen="all",
         seed=0,
+        **{"optim": "adamw_torch" if opts.get("resume") else "sgd", **opts.get("args", {})},
         data_seed=0,
     )
     payload: dict = dict(case=name, rank=rank, world_size=world, config=config, opts=opts)

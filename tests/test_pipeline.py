@@ -31,7 +31,7 @@ TOL = 1e-5
 EXACT = ["pp2_1f1b_ga4", "pp2_gpipe_ga4", "pp2_1f1b_ga1", "pp2_interleaved_ga4", "pp2_zero_bubble_ga4",
          "pp2_1f1b_ga4_callback_clip", "pp2_sft_ga4", "pp2_tied_ga4"]
 STOCK = ["pp2_1f1b_ga4_stock"]
-REFUSED = ["loss_off_refused", "sft_dft_refused"]
+REFUSED = ["loss_off_refused", "sft_dft_refused", "galore_refused"]
 ALL = EXACT + STOCK + REFUSED + ["pp2_resume"]
 
 
@@ -228,6 +228,7 @@ def test_stages_hold_disjoint_parameters(pp_runs):
 @pytest.mark.parametrize("case,needle", [
     ("loss_off_refused", "loss.enabled"),
     ("sft_dft_refused", "loss_type='dft'"),
+    ("galore_refused", "basis over the whole world"),
 ])
 def test_refusals_name_key_and_fix(pp_runs, case, needle):
     for r in pp_runs[case]:

@@ -225,8 +225,18 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
                         dp_replicate=section.dp_replicate, dp_shard=section.dp_shard, tp=section.tp, cp=section.cp)
     check_schedule(dims.pp, section.pp_schedule, dims.pp_virtual_stages)
     fsdp_plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) is not None
+    from .optim_trainer import optimizer_requested
+
+    # a low-rank optimizer from the section, TrainingArguments(optim="galore_...") or optimizer_cls_and_kwargs
+    requested = optimizer_requested(trainer, config.optimizer)
+    key, optimizer = "optimizer.name", config.optimizer.name
+    if requested is not None and optimizer == "none":
+        if getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+            key, optimizer = "optimizer_cls_and_kwargs", getattr(requested[0], "__name__", str(requested[0]))
+        else:
+            key, optimizer = "TrainingArguments.optim", str(trainer.args.optim).split(".")[-1].lower()
     check_combination(pp=dims.pp, tp=dims.tp, cp=dims.cp, dp_shard=dims.dp_shard, packing=config.packing.enabled,
-                      optimizer=config.optimizer.name, fsdp_plugin=fsdp_plugin)
+                      optimizer=optimizer, fsdp_plugin=fsdp_plugin, optimizer_key=key)
     model = trainer.model
     from ..config.schema import ParallelConfig  # noqa: F401  (the section's type, for the reader)
 

@@ -98,7 +98,7 @@ def check_schedule(pp: int, schedule: str, virtual_stages: int) -> None:
 
 
 def check_combination(*, pp: int, tp: int = 1, cp: int = 1, dp_shard: int = 1, packing: bool = False,
-                      optimizer: str = "none", fsdp_plugin: bool = False) -> None:
+                      optimizer: str = "none", fsdp_plugin: bool = False, optimizer_key: str = "optimizer.name") -> None:
     """Refuse what pipeline parallelism does not run exactly yet (each with its reason and the fix)."""
     if pp <= 1:
         return
@@ -117,9 +117,9 @@ def check_combination(*, pp: int, tp: int = 1, cp: int = 1, dp_shard: int = 1, p
         )
     if optimizer != "none":
         raise PipelineError(
-            f"parallel.pp={pp} with optimizer.name={optimizer!r}: the low-rank optimizers broadcast their projection "
+            f"parallel.pp={pp} with {optimizer_key}={optimizer!r}: the low-rank optimizers broadcast their projection "
             "basis over the whole world, but under pp each rank holds different weights (the broadcast would have to "
-            "run over the data-parallel group only); use optimizer.name: none with pp, or pp: 1"
+            "run over the data-parallel group only); use a full-rank optimizer (e.g. AdamW) with pp, or pp: 1"
         )
     if fsdp_plugin:
         raise PipelineError(
