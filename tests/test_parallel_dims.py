@@ -119,8 +119,8 @@ def test_groups_partition_the_world_and_match_torch_sub_meshes(kw):
         expected = grid.permute(*keep, *free).reshape(-1, size).tolist()
         assert sorted(map(sorted, groups)) == sorted(map(sorted, expected)), job
     assert d.group_of(0, "tp") == list(range(d.tp))  # tp innermost: consecutive ranks
-    with pytest.raises(ParallelDimsError, match="unknown sub-mesh 'pp'"):
-        d.group_of(0, "pp")
+    with pytest.raises(ParallelDimsError, match="unknown sub-mesh 'ep'"):
+        d.group_of(0, "ep")
 
 
 def test_groups_of_the_docstring_example():

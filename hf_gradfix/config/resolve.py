@@ -110,6 +110,16 @@ class ResolvedConfig:
                 f"context parallel  cp={self.mesh.cp}: torch ring attention (sdpa, causal only), FSDP2 over dp_shard x cp; "
                 f"sequences padded to a multiple of {2 * self.mesh.cp}, labels shifted and counted before the split"
             ))
+        if self.mesh.pp > 1:
+            from ..parallel.pipeline import bubble_fraction
+
+            par = self.gradfix.parallel
+            out.insert(3, (
+                f"pipeline          pp={self.mesh.pp} x {self.mesh.pp_virtual_stages} stage(s) per rank, {par.pp_schedule} "
+                f"(torch.distributed.pipelining); one schedule step per optimizer window of {self.grad_accum} "
+                f"micro-batch(es), bubble (p-1)/(v*m+p-1) = "
+                f"{bubble_fraction(self.mesh.pp, self.grad_accum, self.mesh.pp_virtual_stages):.0%}"
+            ))
         if self.global_batch_tokens is not None:
             out.append(
                 f"global batch      {self.global_batch_tokens:,} tokens = {self.tokens_per_micro_batch:,} per micro-batch "
@@ -182,8 +192,18 @@ def resolve_config(
     par = gradfix.parallel
     ours_set = section is not None and parallel_requested(par)  # the run time's own rule (integration.nd uses it)
     if ours_set:
-        mesh = ParallelDims(world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, cp=par.cp)
+        from ..parallel.pipeline import PipelineError, check_combination, check_schedule
+
+        mesh = ParallelDims(world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, cp=par.cp,
+                            pp=par.pp, pp_virtual_stages=par.pp_virtual_stages)
         source = f"{SECTION}.parallel"
+        fsdp = str(acc.get("distributed_type", "")).upper() == "FSDP" or bool(acc.get("fsdp_config"))
+        try:
+            check_schedule(mesh.pp, par.pp_schedule, mesh.pp_virtual_stages)
+            check_combination(pp=mesh.pp, tp=mesh.tp, cp=mesh.cp, dp_shard=mesh.dp_shard, packing=gradfix.packing.enabled,
+                              optimizer=gradfix.optimizer.name, fsdp_plugin=fsdp)
+        except PipelineError as err:
+            raise ConfigError(f"{path}: {SECTION}.{err}") from None
         if acc_sizes:
             theirs = {k: acc_sizes.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "cp")}
             mine = {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp, "cp": mesh.cp}

@@ -119,6 +119,7 @@ class LossConfig:
 
 
 PackingMode = Literal["varlen", "rows"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 PackingAttention = Literal["auto", "keep"]
 
 
@@ -287,6 +288,15 @@ class ParallelConfig:
     )
     tp: int = field(default=1, metadata={"min": 1, "max": 2**20, "help": "tensor-parallel degree (ranks that split each layer)"})
     cp: int = field(default=1, metadata={"min": 1, "max": 2**20, "help": "context-parallel degree (ranks that split each sequence; GPU only)"})
+    pp: int = field(default=1, metadata={"min": 1, "max": 2**20, "help": "pipeline-parallel degree (ranks that hold different layers; outermost mesh dim)"})
+    pp_schedule: PipelineSchedule = field(
+        default="1f1b",
+        metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble (the last two need pp_virtual_stages > 1)"},
+    )
+    pp_virtual_stages: int = field(
+        default=1,
+        metadata={"min": 1, "max": 2**10, "help": "pipeline stages per pp rank (> 1 only with interleaved_1f1b / zero_bubble)"},
+    )
 
 
 @dataclass
@@ -307,7 +317,7 @@ class GradFixConfig:
     )
     parallel: ParallelConfig = field(
         default_factory=ParallelConfig,
-        metadata={"help": "ND-parallel mesh: dp_replicate x dp_shard x tp x cp"},
+        metadata={"help": "ND-parallel mesh: pp x dp_replicate x dp_shard x tp x cp"},
     )
     log_fixes: bool = field(
         default=True,

@@ -88,6 +88,7 @@ class NDPlan:
             "model": "model sharded at load time by from_pretrained(distributed_config=...)",
             "accelerate-fsdp": "model sharded by accelerate's FSDP2 plugin",
             "ddp": "plain data parallelism (DDP)",
+            "pipeline": "model split into pipeline stages (torch.distributed.pipelining)",
         }[self.route]
         cp = ""
         if self.dims.cp > 1:
@@ -457,7 +458,9 @@ def check_window(trainer, plan: NDPlan | None, batches: list) -> None:
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     every = [t.cpu().tolist() for t in every]
-    for kind, group in [("tensor", g) for g in plan.dims.groups("tp")] + [("context", g) for g in plan.dims.groups("cp")]:
+    checked = [("tensor", g) for g in plan.dims.groups("tp")] + [("context", g) for g in plan.dims.groups("cp")]
+    checked += [("pipeline", g) for g in plan.dims.groups("pp")]
+    for kind, group in checked:
         if len(group) > 1 and any(every[r] != every[group[0]] for r in group):
             raise NDParallelError(
                 f"hf_gradfix parallel: {kind}-parallel ranks {group} received different batches in the first "

@@ -25,6 +25,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -567,7 +568,52 @@ class _GradFixTop:
 
             save_stream_state(self, output_dir)
 
+    def save_model(self, output_dir=None, _internal_call=False):
+        state = state_of(self)
+        if state is None or state.pp is None:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        # pipeline: every stage's weights gathered on rank 0, saved as one model (from_pretrained loads it)
+        from .pipeline import full_state_dict
+
+        merged = full_state_dict(self, state.pp)
+        if self.args.should_save:
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            os.makedirs(output_dir, exist_ok=True)
+            self.model.save_pretrained(output_dir, state_dict=merged)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        state = state_of(self)
+        if state is None or state.pp is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from .pipeline import save_stage
+
+        save_stage(self, state.pp, output_dir)  # each rank: its stage's weights and optimizer state
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        state = state_of(self)
+        if state is None or state.pp is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from .pipeline import load_stage
+
+        load_stage(self, state.pp, resume_from_checkpoint, optimizer=False)
+
     def _load_optimizer_and_scheduler(self, checkpoint, *args, **kwargs):
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            if checkpoint is None:
+                return None
+            from .pipeline import load_stage
+
+            load_stage(self, state.pp, checkpoint, optimizer=True)
+            path = os.path.join(checkpoint, "scheduler.pt")
+            if os.path.isfile(path) and self.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+            return None
         # per process, on resume, before the dataloader is iterated: the packed stream continues from its state
         super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
         state = state_of(self)
@@ -578,6 +624,8 @@ class _GradFixTop:
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         state = state_of(self)
+        if state is not None and state.pp is not None:
+            return self._gradfix_pipeline_window(state, epoch_iterator, num_batches, device)
         if state is not None:
             _end_stock_window(self, state)  # a deferred probe is tried again on every window
         if state is not None and state.config.packing.enabled and not state.config.loss.enabled:
@@ -632,7 +680,70 @@ class _GradFixTop:
         value = int(global_count) if float(global_count).is_integer() else float(global_count)
         return _close_short_window(self, batches, num_batches, device), torch.tensor(value, device=device)
 
+    def _gradfix_pipeline_window(self, state, epoch_iterator, num_batches, device):
+        """Pipeline parallelism: the window's micro-batches and their target count over the data-parallel ranks."""
+        from .nd import check_window
+        from .pipeline import count_window
+
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        check_window(self, state.nd, batches)
+        plan = state.pp
+        plan.pending = []
+        plan.window_size = len(batches)
+        plan.window_count = count_window(self, plan, batches) if batches else 0.0
+        state.window = _Window(plan.window_count, len(batches)) if batches else None
+        count = plan.window_count
+        return batches, torch.tensor(int(count) if float(count).is_integer() else count, device=device)
+
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            # gathered over every rank, but the pp ranks of a pipeline hold the same batch: count it once
+            added = self.state.num_input_tokens_seen - before
+            self.state.num_input_tokens_seen = before + added // state.pp.dims.pp
+
+    def _sync_replicated_trainable_parameters(self, model):
+        # a pipelined model holds different weights on each stage: transformers' world-wide broadcast does not apply
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            return None
+        return super()._sync_replicated_trainable_parameters(model)
+
+    def _clip_grad_norm(self, model):
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            from .pipeline import clip_grad_norm
+
+            return clip_grad_norm(self, state.pp, self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        state = state_of(self)
+        if grad_norm is None and state is not None and state.pp is not None:
+            from .pipeline import clip_grad_norm
+
+            grad_norm = clip_grad_norm(self, state.pp, float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
     def training_step(self, model, inputs, *args, **kwargs):
+        state = state_of(self)
+        if state is not None and state.pp is not None:
+            # the whole window runs as one schedule step, on its last micro-batch
+            from .pipeline import run_window
+
+            plan = state.pp
+            plan.pending.append(self._prepare_inputs(inputs))
+            if len(plan.pending) < plan.window_size:
+                return torch.zeros((), device=self.args.device)
+            batches, plan.pending = plan.pending, []
+            return run_window(self, plan, batches)
         if isinstance(inputs, _IdleMicroBatch):  # the front of a window the data ended inside: nothing to train
             return torch.zeros((), device=self.args.device)
         return super().training_step(model, inputs, *args, **kwargs)
@@ -700,8 +811,30 @@ class _GradFixTop:
             totals.aux_batches += 1
         return loss, outputs
 
+    def _gradfix_pipeline_prediction(self, state, inputs, prediction_loss_only):
+        """Pipeline parallelism: the eval batch forward-only through the schedule; the loss (a token mean) only."""
+        from .pipeline import PipelineError, eval_batch
+
+        if not prediction_loss_only:
+            raise PipelineError(
+                f"hf_gradfix parallel.pp={state.pp.dims.pp}: logits exist on the last stage only, so compute_metrics "
+                "and prediction outputs are not available through the pipeline; use prediction_loss_only=True (or no "
+                "compute_metrics), or pp: 1"
+            )
+        inputs = self._prepare_inputs(inputs)
+        loss_sum, targets = eval_batch(self, state.pp, inputs, self._gradfix_real_eval_rows(inputs))
+        totals = state.eval_totals
+        if totals is not None:
+            totals.batches += 1
+            totals.loss_sum += loss_sum
+            totals.targets += targets
+        mean = loss_sum / targets if targets else 0.0
+        return torch.tensor(mean, device=self.args.device), None, None
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **kwargs):
         state = state_of(self)
+        if state is not None and state.pp is not None:
+            return self._gradfix_pipeline_prediction(state, inputs, prediction_loss_only)
         totals = state.eval_totals if state is not None else None
         if totals is None or not _has_labels(inputs):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
@@ -849,8 +982,8 @@ class _GradFixTop:
         if targets > 0 and uncounted == 0 and output.metrics is not None and key in output.metrics:
             value = loss_sum / targets + (aux_sum / aux_batches if aux_batches else 0.0)
             output.metrics[key] = value
-            dims = _nd_dims(self)  # tp ranks evaluated the same rows: count them once (cp ranks: different shards)
-            once = targets / dims.tp if dims is not None else targets
+            dims = _nd_dims(self)  # tp and pp ranks evaluated the same rows: count them once (cp: different shards)
+            once = targets / (dims.tp * dims.pp) if dims is not None else targets
             output.metrics[f"{metric_key_prefix}_loss_targets"] = once
         return output
 
@@ -989,17 +1122,27 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
     check_launched_world(trainer)
     check_optimizer_setup(trainer, config.optimizer)
     state = GradFixState(config=config, source=source)
+    # Pipeline parallelism (parallel.pp > 1): the model split into this rank's stages, data by data-parallel rank
+    from .pipeline import setup as pipeline_setup
+
+    state.pp = pipeline_setup(trainer, config)
+    if state.pp is not None:
+        from .nd import NDPlan
+
+        state.nd = NDPlan(dims=state.pp.dims, route="pipeline", source="config")
+        state.fixes.append(state.pp.line)
     # ND-parallel mesh from the `parallel` section (or a model sharded at load time): validated against the world
     # size and the model, the model sharded, data loading sharded by data-parallel rank. Before the class swap, and
     # also when the loss fix is off: the mesh is part of the launch, not of the loss.
-    state.nd = nd_setup(trainer, config.parallel)
-    if state.nd is not None:
-        state.fixes.append(state.nd.line)
+    if state.pp is None:
+        state.nd = nd_setup(trainer, config.parallel)
+        if state.nd is not None:
+            state.fixes.append(state.nd.line)
     trainer.__dict__[_STATE_ATTR] = state
     wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
     # a lowrank_grads optimizer given to the constructor: its hooks' lifetime follows train() (the fixed class's)
     given_lowrank = lowrank_optimizer_of(trainer) is not None
-    if config.loss.enabled or config.packing.enabled or wants_optimizer or given_lowrank:
+    if config.loss.enabled or config.packing.enabled or wants_optimizer or given_lowrank or state.pp is not None:
         _keep_instance_ga_flag(trainer)
         trainer.__class__ = fixed_class_for(type(trainer))
     route_clipping(trainer)  # max_grad_norm clips a lowrank_grads optimizer's accumulators, however it arrives

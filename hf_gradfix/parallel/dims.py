@@ -1,13 +1,15 @@
 """The degrees of an ND-parallel run and the sub-meshes named by their job (after torchtitan's ParallelDims).
 
-Mesh order is accelerate's (``dp_replicate, dp_shard, cp, tp``; tp innermost, so a tensor-parallel group is
-``tp`` consecutive ranks), so the mesh built here and the one accelerate's ``ParallelismConfig`` builds agree
-rank for rank.  Sub-meshes by job:
+Mesh order is torchtitan's ``pp, dp_replicate, dp_shard, cp, tp``: pipeline stages outermost (point-to-point
+traffic between stages crosses the slowest links), then accelerate's own order (tp innermost, so a
+tensor-parallel group is ``tp`` consecutive ranks). Without pp the mesh built here and the one accelerate's
+``ParallelismConfig`` builds agree rank for rank.  Sub-meshes by job:
 
 * ``dp`` = dp_replicate x dp_shard: data loading (ranks that get different samples);
 * ``dp_cp`` = dp x cp: the loss's token-count all-reduce (ranks that hold different tokens once CP has
   split the sequences); tp ranks hold the same tokens and are never in it;
-* ``dp_shard_cp`` = dp_shard x cp: FSDP2 sharding (with ``dp_replicate`` on top: HSDP).
+* ``dp_shard_cp`` = dp_shard x cp: FSDP2 sharding (with ``dp_replicate`` on top: HSDP);
+* ``pp``: the pipeline stages of one model replica (ranks that hold different layers of the same batches).
 
 Pure Python (no torch import) except :meth:`ParallelDims.build_mesh`.
 
@@ -15,7 +17,9 @@ Pure Python (no torch import) except :meth:`ParallelDims.build_mesh`.
 >>> (d.dp_replicate, d.dp_shard, d.cp, d.tp), d.dp, d.dp_cp
 ((2, 2, 1, 2), 4, 4)
 >>> d.coords(5)                                              # rank 5: replica 1, shard 0, tp rank 1
-{'dp_replicate': 1, 'dp_shard': 0, 'cp': 0, 'tp': 1}
+{'pp': 0, 'dp_replicate': 1, 'dp_shard': 0, 'cp': 0, 'tp': 1}
+>>> ParallelDims(world_size=4, pp=2, dp_shard=2).group_of(1, "pp")  # stage 0 of replica 1 and its stage 1
+[1, 3]
 >>> d.group_of(5, "tp"), d.group_of(5, "dp")
 ([4, 5], [1, 3, 5, 7])
 """
@@ -29,8 +33,9 @@ from ..errors import HfGradfixError
 
 __all__ = ["ParallelDims", "ParallelDimsError", "MESH_ORDER", "JOB_DIMS"]
 
-MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 JOB_DIMS: dict[str, tuple[str, ...]] = {
+    "pp": ("pp",),
     "dp_replicate": ("dp_replicate",),
     "dp_shard": ("dp_shard",),
     "cp": ("cp",),
@@ -47,9 +52,11 @@ class ParallelDimsError(HfGradfixError, ValueError):
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Validated degrees: ``dp_replicate * dp_shard * cp * tp == world_size``.
+    """Validated degrees: ``pp * dp_replicate * dp_shard * cp * tp == world_size``.
 
     One degree may be ``-1``: it takes the rest of the world (``dp_shard`` by default, as in torchtitan).
+    ``pp_virtual_stages`` is the number of pipeline stages each pp rank holds (> 1 only for an interleaved
+    schedule); the model's layers are split over ``pp * pp_virtual_stages`` stages.
     """
 
     world_size: int
@@ -57,15 +64,22 @@ class ParallelDims:
     dp_shard: int = -1
     cp: int = 1
     tp: int = 1
+    pp: int = 1
+    pp_virtual_stages: int = 1
     _sizes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ParallelDimsError(f"world_size={self.world_size!r}: must be a positive number of processes")
         for key, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
                 raise ParallelDimsError(f"parallel.{key}={value!r}: must be a positive integer, or -1 for 'the rest'")
+        if self.pp == -1:
+            raise ParallelDimsError("parallel.pp=-1: the pipeline degree must be given (a positive integer, e.g. 2)")
+        v = self.pp_virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ParallelDimsError(f"parallel.pp_virtual_stages={v!r}: must be a positive integer (stages per pp rank)")
         rest = [k for k, v in sizes.items() if v == -1]
         if len(rest) > 1:
             raise ParallelDimsError(f"parallel: {rest} are all -1; at most one degree can take the rest of the world")
@@ -89,6 +103,7 @@ class ParallelDims:
                 f"parallel: {shown} = {total} processes, but the world size is {self.world_size}; "
                 f"make the product equal num_processes, or set one degree to -1"
             )
+        object.__setattr__(self, "pp", sizes["pp"])
         object.__setattr__(self, "dp_replicate", sizes["dp_replicate"])
         object.__setattr__(self, "dp_shard", sizes["dp_shard"])
         object.__setattr__(self, "cp", sizes["cp"])
@@ -113,8 +128,13 @@ class ParallelDims:
 
     @property
     def non_data_parallel(self) -> int:
-        """Ranks that see the same batch (tp x cp): transformers' loss divisor."""
-        return self.tp * self.cp
+        """Ranks that see the same batch (pp x tp x cp): the divisor of a count all-reduced over the world."""
+        return self.pp * self.tp * self.cp
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages the model is split into (pp ranks x virtual stages per rank)."""
+        return self.pp * self.pp_virtual_stages
 
     @property
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -166,6 +186,10 @@ class ParallelDims:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
+    def pp_rank(self, rank: int) -> int:
+        """Which pipeline rank ``rank`` is (its stages: ``pp_rank + i * pp`` for ``i < pp_virtual_stages``)."""
+        return self.coords(rank)["pp"]
+
     # -------------------------------------------------------------- token accounting
     def global_token_count(self, local_counts: Sequence[float], *, counted_after_cp_split: bool = False) -> list[float]:
         """What each rank's all-reduced target count must be, from every rank's local count (a simulated mesh).
@@ -201,6 +225,12 @@ class ParallelDims:
         layers = getattr(config, "num_hidden_layers", None)
         if layers is not None and layers < 1:
             raise ParallelDimsError(f"the model has num_hidden_layers={layers}; nothing to shard")
+        if self.pp_stages > 1 and layers is not None and layers < self.pp_stages:
+            raise ParallelDimsError(
+                f"parallel.pp={self.pp} x pp_virtual_stages={self.pp_virtual_stages} = {self.pp_stages} pipeline stages, "
+                f"but the model has num_hidden_layers={layers}; every stage needs at least one layer: use "
+                f"pp x pp_virtual_stages <= {layers}"
+            )
 
     def accelerate_keys(self) -> dict[str, int]:
         """The ``parallelism_config:`` section accelerate's YAML needs for this mesh (prefixed keys)."""
@@ -214,7 +244,10 @@ class ParallelDims:
     def describe(self) -> str:
         names, shape = self.mesh_shape
         mesh = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
-        return f"{self.world_size} process(es): {mesh} (data-parallel {self.dp}, token groups {self.dp_cp}, shard groups {self.dp_shard_cp})"
+        pipe = ""
+        if self.pp > 1:
+            pipe = f", {self.pp_stages} pipeline stages" if self.pp_virtual_stages > 1 else ""
+        return f"{self.world_size} process(es): {mesh} (data-parallel {self.dp}, token groups {self.dp_cp}, shard groups {self.dp_shard_cp}{pipe})"
 
     def build_mesh(self, device_type: str = "cpu"):
         """A torch DeviceMesh with the flattened job sub-meshes ``dp``, ``dp_cp`` and ``dp_shard_cp`` (needs an

@@ -1,0 +1,548 @@
+"""Pipeline parallelism (``parallel.pp``) inside the ``Trainer``: the glue around :mod:`hf_gradfix.parallel.pipeline`.
+
+The user's Trainer script is unchanged. At ``install`` (``patch()`` or the callback) :func:`setup`
+
+* validates the degrees (:class:`~hf_gradfix.parallel.ParallelDims` with ``pp`` outermost) and refuses what is not
+  exact yet (:func:`~hf_gradfix.parallel.pipeline.check_combination`);
+* gives every rank rank 0's weights, then splits the model in place into this rank's stage(s) (the model keeps only
+  its own parameters, so the Trainer's optimizer holds only those), sharded with FSDP2 per stage over dp_shard;
+* marks the model as "sharded at load time" for the Trainer (``is_distributed_loading_by_transformers``, an
+  attribute transformers itself sets): accelerate neither wraps it in DDP over the whole world nor moves it;
+* shards data loading by data-parallel rank (the ranks of one pipeline get the same batches): accelerate's
+  ``prepare_data_loader`` with this rank's data-parallel index, on this trainer's accelerator instance only.
+
+Each optimizer window then runs as one schedule ``step()`` (:class:`PipelineRunner`): ``get_batch_samples``
+counts the window's targets (summed over data-parallel ranks only), ``training_step`` collects the window's
+micro-batches and runs the schedule on the last one (the schedule's micro-batches are the window's, padded to
+one shape with ignored positions), the window's loss is reduced from the last stage to every stage for
+logging, gradient clipping reduces the norm over the pipeline, and data-parallel replicas average gradients
+over the data-parallel group only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config.schema import GradFixConfig
+from ..loss.counting import CountRule, count_targets
+from ..parallel.dims import ParallelDims
+from ..parallel.pipeline import (
+    PipelineError,
+    bubble_fraction,
+    build_stages,
+    check_combination,
+    check_schedule,
+    make_schedule,
+    tie_gradients,
+    tied_embeddings,
+    window_loss_fn,
+)
+from .versions import transformers_major
+
+logger = logging.getLogger("hf_gradfix")
+
+__all__ = ["PipelinePlan", "setup", "PipelineError"]
+
+_STAGE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+
+
+@dataclass
+class PipelinePlan:
+    """What :func:`setup` did for one trainer (``state.pp``)."""
+
+    dims: ParallelDims
+    schedule: str
+    pp_rank: int
+    pp_group: Any
+    dp_group: Any
+    modules: list
+    stages: list
+    loss_fn: Any
+    device: Any
+    pad_token_id: int = 0
+    shard_group: Any = None  # the dp_shard group (FSDP2 shards of each stage)
+    fsdp: bool = False  # stages sharded with FSDP2 (it averages the gradients over the data-parallel ranks)
+    tie_group: Any = None  # tied embeddings: this replica's first- and last-stage ranks
+    tied_weight: Any = None  # the copy of the tied embedding this rank holds (first or last stage), else None
+    schedule_obj: Any = None  # torch's schedule for the last window's shape
+    schedule_shape: tuple = ()  # (micro-batches, rows, length) it was built for
+    shape_changes: int = 0
+    pending: list = field(default_factory=list)  # this window's micro-batches so far
+    window_count: float | None = None
+    window_size: int = 0
+
+    @property
+    def is_last(self) -> bool:
+        return any(m.is_last for m in self.modules)
+
+    @property
+    def line(self) -> str:
+        d = self.dims
+        layers = ", ".join(f"stage {m.index}: layers {m.layer_ids[0]}-{m.layer_ids[-1]}" for m in self.modules)
+        return (
+            f"pipeline parallel pp={d.pp} ({d.pp_stages} stages, {self.schedule}; this rank: {layers}) x "
+            f"{d.dp} data-parallel rank(s): one schedule step per optimizer window, loss = sum / window's target "
+            f"count over data-parallel ranks, scale_grads=False"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Setup
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _refuse_trainer(trainer, config: GradFixConfig, dims: ParallelDims) -> None:
+    from transformers import Trainer
+
+    what = f"hf_gradfix parallel.pp={dims.pp}"
+    if transformers_major() < 5:
+        raise PipelineError(f"{what}: pipeline parallelism needs transformers 5.x; install transformers>=5.23, or pp: 1")
+    if not config.loss.enabled:
+        raise PipelineError(
+            f"{what} with loss.enabled=false: the pipeline's loss is the window's exact token mean (there is no stock "
+            "transformers pipeline to fall back to); set loss.enabled: true, or pp: 1"
+        )
+    args = trainer.args
+    if getattr(args, "label_smoothing_factor", 0):
+        raise PipelineError(f"{what} with label_smoothing_factor={args.label_smoothing_factor}: the last stage computes the "
+                            "model's own cross-entropy; set label_smoothing_factor: 0, or pp: 1")
+    if trainer.compute_loss_func is not None:
+        raise PipelineError(f"{what} with a compute_loss_func: the last stage computes the model's own loss; drop "
+                            "compute_loss_func, or pp: 1")
+    own = type(trainer).compute_loss
+    if own is not Trainer.compute_loss:
+        # the schedule runs the model's own loss on the last stage; a compute_loss of another loss would be skipped.
+        # TRL's SFTTrainer computes the same token NLL with loss_type "nll" (its metrics are not computed under pp).
+        sft_nll = own.__module__.split(".")[0] == "trl" and getattr(args, "loss_type", None) == "nll"
+        if not sft_nll:
+            kind = f" with loss_type={args.loss_type!r}" if hasattr(args, "loss_type") else ""
+            raise PipelineError(
+                f"{what}: {type(trainer).__name__}{kind} computes its own loss in compute_loss, which the pipeline "
+                "does not call (the schedule runs the model's own cross-entropy on the last stage); use the plain "
+                "causal-LM loss (loss_type 'nll' for TRL's SFTTrainer), or pp: 1"
+            )
+        if getattr(trainer, "aux_loss_enabled", False):
+            raise PipelineError(f"{what}: a router aux loss (MoE) is not added on the pipeline's last stage; "
+                                "disable it, or pp: 1")
+    if getattr(trainer, "optimizer", None) is not None:
+        raise PipelineError(
+            f"{what} splits the model into stages, so the optimizer passed to the Trainer holds the weights of "
+            "every stage; let the Trainer build it (optimizers=(None, None)) or use optimizer_cls_and_kwargs"
+        )
+    if getattr(args, "save_only_model", False):
+        raise PipelineError(f"{what} with save_only_model=True: a pipelined checkpoint is resumed from each rank's own "
+                            "stage file (weights and optimizer state together); set save_only_model: false, or pp: 1")
+    if not config.loss.eval_token_mean:
+        raise PipelineError(f"{what} with loss.eval_token_mean=false: the pipeline's eval loss is the exact token "
+                            "mean; set loss.eval_token_mean: true, or pp: 1")
+
+
+def _broadcast_from_rank0(model: torch.nn.Module) -> None:
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0)
+
+
+def _new_groups(dims: ParallelDims, job: str, rank: int):
+    """This rank's process group for ``job`` (every rank creates every group, in the same order)."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in dims.groups(job):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def _tie_groups(dims: ParallelDims, rank: int):
+    """The groups {first-stage rank, last-stage rank} of every data-parallel replica (tied embeddings)."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in dims.groups("pp"):
+        pair = sorted({ranks[0], ranks[-1]})  # pp rank 0 holds stage 0; pp rank pp-1 the last stage (looped)
+        group = dist.new_group(pair)
+        if rank in pair:
+            mine = group
+    return mine
+
+
+def _prepare_data_loader_for(trainer, dims: ParallelDims, rank: int):
+    """accelerate's ``prepare_data_loader`` with this rank's data-parallel index: the ranks of one pipeline load
+    the same batches, data-parallel ranks different ones (accelerate's own mesh rule cannot express pp)."""
+    from accelerate.data_loader import prepare_data_loader
+    from accelerate.utils import DistributedType
+
+    accelerator = trainer.accelerator
+    data_rank, data_ranks = dims.data_rank(rank), dims.dp
+
+    def _prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            if data_loader not in accelerator._dataloaders:
+                accelerator._dataloaders.append(data_loader)
+            return data_loader
+        if device_placement is None:
+            device_placement = accelerator.device_placement if accelerator.distributed_type != DistributedType.XLA else False
+        prepared = prepare_data_loader(
+            data_loader,
+            accelerator.device,
+            num_processes=data_ranks,
+            process_index=data_rank,
+            split_batches=accelerator.split_batches,
+            put_on_device=device_placement,
+            rng_types=accelerator.rng_types.copy(),
+            dispatch_batches=False,  # rank 0 would dispatch over the whole world, every stage a different batch
+            even_batches=accelerator.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed,
+            non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader,
+        )
+        accelerator._dataloaders.append(prepared)
+        return prepared
+
+    accelerator.prepare_data_loader = _prepare  # this trainer's accelerator instance only
+
+
+def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
+    """Split the trainer's model into this rank's pipeline stage(s) and route its data (None when ``pp`` is 1)."""
+    import torch.distributed as dist
+
+    section = config.parallel
+    if section.pp <= 1:
+        check_schedule(section.pp, section.pp_schedule, section.pp_virtual_stages)
+        return None
+    world = int(trainer.accelerator.num_processes)
+    dims = ParallelDims(world, pp=section.pp, pp_virtual_stages=section.pp_virtual_stages,
+                        dp_replicate=section.dp_replicate, dp_shard=section.dp_shard, tp=section.tp, cp=section.cp)
+    check_schedule(dims.pp, section.pp_schedule, dims.pp_virtual_stages)
+    fsdp_plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) is not None
+    from .optim_trainer import optimizer_requested
+
+    # a low-rank optimizer from the section, TrainingArguments(optim="galore_...") or optimizer_cls_and_kwargs
+    requested = optimizer_requested(trainer, config.optimizer)
+    key, optimizer = "optimizer.name", config.optimizer.name
+    if requested is not None and optimizer == "none":
+        if getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+            key, optimizer = "optimizer_cls_and_kwargs", getattr(requested[0], "__name__", str(requested[0]))
+        else:
+            key, optimizer = "TrainingArguments.optim", str(trainer.args.optim).split(".")[-1].lower()
+    check_combination(pp=dims.pp, tp=dims.tp, cp=dims.cp, dp_shard=dims.dp_shard, packing=config.packing.enabled,
+                      optimizer=optimizer, fsdp_plugin=fsdp_plugin, optimizer_key=key)
+    model = trainer.model
+    from ..config.schema import ParallelConfig  # noqa: F401  (the section's type, for the reader)
+
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    dims.check_model(text)
+    _refuse_trainer(trainer, config, dims)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PipelineError(f"hf_gradfix parallel.pp={dims.pp}: no process group; launch with hf-gradfix launch, "
+                            "accelerate launch or torchrun")
+    rank = dist.get_rank()
+    device = trainer.args.device
+    model.to(device)
+    _broadcast_from_rank0(model)
+    pp_group = _new_groups(dims, "pp", rank)
+    dp_group = _new_groups(dims, "dp", rank)
+    shard_group = _new_groups(dims, "dp_shard", rank)
+    fsdp_mesh = None
+    if dims.dp_shard > 1:  # FSDP2 per stage over dp_shard (HSDP: dp_replicate x dp_shard)
+        mesh = dims.build_mesh(device.type)
+        fsdp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    tied = tied_embeddings(model)
+    tie_group = _tie_groups(dims, rank) if tied else None
+    modules, stages = build_stages(model, pp=dims.pp, pp_rank=dims.pp_rank(rank),
+                                   virtual_stages=dims.pp_virtual_stages, device=device, group=pp_group,
+                                   fsdp_mesh=fsdp_mesh)
+    pad = getattr(text, "pad_token_id", None)
+    plan = PipelinePlan(
+        dims=dims, schedule=section.pp_schedule, pp_rank=dims.pp_rank(rank), pp_group=pp_group, dp_group=dp_group,
+        modules=modules, stages=stages, loss_fn=window_loss_fn(model, dims.dp), device=device,
+        pad_token_id=pad if isinstance(pad, int) else 0, shard_group=shard_group, fsdp=fsdp_mesh is not None,
+        tie_group=tie_group,
+    )
+    if tied:
+        first = any(m.is_first for m in modules)
+        last = any(m.is_last for m in modules)
+        if first:
+            plan.tied_weight = model.get_input_embeddings().weight
+        elif last:
+            plan.tied_weight = model.get_output_embeddings().weight
+    # what Trainer.__init__ sets for a model sharded at load time: accelerate must not wrap it (DDP over the
+    # world would mix stages) nor move it
+    trainer.is_distributed_loading_by_transformers = True
+    trainer.place_model_on_device = False
+    _prepare_data_loader_for(trainer, dims, rank)
+    if trainer.accelerator.is_main_process:
+        logger.info("hf_gradfix: %s", plan.line)
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One optimizer window
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def count_window(trainer, plan: PipelinePlan, batches: list) -> float:
+    """The window's target count over the data-parallel ranks (the model's shifted causal-LM rule; a collective on
+    every rank). The ranks of one pipeline hold the same batches: the world sum counts each of them pp times."""
+    local = float(sum(int(count_targets(b, CountRule.SHIFTED)) for b in batches if "labels" in b))
+    tensor = torch.tensor([local, float(len(batches))], dtype=torch.float64, device=plan.device)
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)
+    total, micro_batches = tensor.tolist()
+    if micro_batches != len(batches) * trainer.accelerator.num_processes:
+        raise PipelineError(
+            "hf_gradfix parallel.pp: the ranks hold different numbers of micro-batches in this window "
+            f"({len(batches)} here); every rank of a pipeline must get the same batches"
+        )
+    return total / plan.dims.non_data_parallel
+
+
+def _check_batch(batch) -> None:
+    extra = sorted(k for k, v in batch.items() if k not in _STAGE_KEYS and torch.is_tensor(v))
+    if extra:
+        raise PipelineError(
+            f"hf_gradfix parallel.pp: the batch carries {extra}, which the pipeline stages do not pass on (they take "
+            f"{list(_STAGE_KEYS)}); remove those columns (remove_unused_columns=True), or pp: 1"
+        )
+    if "labels" not in batch:
+        raise PipelineError("hf_gradfix parallel.pp: a training batch without 'labels'; the last stage needs them")
+    pos = batch.get("position_ids")
+    if pos is not None:
+        rows, length = batch["input_ids"].shape
+        if not torch.equal(pos.to("cpu"), torch.arange(length).expand(pos.shape[0], length)):
+            raise PipelineError(
+                "hf_gradfix parallel.pp: position_ids that restart inside a row (packed sequences) are not carried "
+                "through the pipeline stages yet; use a padding collator, or pp: 1"
+            )
+
+
+def padded_length(length: int) -> int:
+    """The sequence length a window is padded to: the next power of two (at least 8). torch's stages fix their
+    buffers' shapes when a schedule first runs, so every new shape rebuilds the schedule (one shape-inference
+    pass); powers of two keep the shapes few.
+
+    >>> [padded_length(n) for n in (3, 8, 9, 41, 1000)]
+    [8, 8, 16, 64, 1024]
+    """
+    return max(8, 1 << (max(1, length) - 1).bit_length())
+
+
+def schedule_micro_batches(window: int, rows: int, *, stages: int, pp: int, interleaved: bool) -> tuple[int, int, int]:
+    """``(row chunks per micro-batch, rows per chunk, idle micro-batches)`` that turn a window of ``window``
+    micro-batches of ``rows`` rows into a count torch's schedule accepts: 1F1B needs at least as many
+    micro-batches as stages, the interleaved schedules a multiple of pp. Micro-batches are first cut by rows
+    (no extra work), then idle ones (no targets) fill up what is still missing.
+
+    >>> schedule_micro_batches(1, 2, stages=2, pp=2, interleaved=False)   # GA 1, 2 rows: two 1-row micro-batches
+    (2, 1, 0)
+    >>> schedule_micro_batches(1, 1, stages=2, pp=2, interleaved=False)   # one row: one idle micro-batch
+    (1, 1, 1)
+    >>> schedule_micro_batches(3, 2, stages=4, pp=2, interleaved=True)
+    (2, 1, 0)
+    """
+    chunks = 1
+    if window < stages:
+        chunks = min(rows, -(-stages // window))
+    count = window * chunks
+    need = max(count, stages)
+    if interleaved and need % pp:
+        need += pp - need % pp
+    return chunks, -(-rows // chunks), need - count
+
+
+def _window_tensors(plan: PipelinePlan, batches: list) -> tuple[tuple[torch.Tensor, ...], int]:
+    """The window's micro-batches as one tensor each (rows x length), for the schedule to split on dim 0, and the
+    schedule's micro-batch count. Every micro-batch is padded to :func:`padded_length` of the window's longest row
+    and to the same rows, with positions whose label is ignored (-100), then cut by rows / completed with idle
+    micro-batches (:func:`schedule_micro_batches`). Causal attention: a real position never attends to later
+    ones, so padding appended at the end changes nothing it computes; padding rows carry no targets."""
+    rows = max(int(b["input_ids"].shape[0]) for b in batches)
+    length = padded_length(max(int(b["input_ids"].shape[1]) for b in batches))
+    d = plan.dims
+    chunks, chunk_rows, idle = schedule_micro_batches(
+        len(batches), rows, stages=d.pp_stages, pp=d.pp, interleaved=plan.schedule not in ("gpipe", "1f1b"))
+    rows = chunks * chunk_rows
+    ids, mask, pos, labels = [], [], [], []
+    dtype = batches[0]["input_ids"].dtype
+    for b in list(batches) + [None] * idle:
+        x = torch.full((rows, length), plan.pad_token_id, dtype=dtype, device=plan.device)
+        m = torch.ones((rows, length), dtype=torch.long, device=plan.device)
+        y = torch.full((rows, length), -100, dtype=torch.long, device=plan.device)
+        if b is not None:
+            r, t = b["input_ids"].shape
+            x[:r, :t] = b["input_ids"]
+            if b.get("attention_mask") is not None:
+                m[:r, :t] = b["attention_mask"]
+            y[:r, :t] = b["labels"]
+        ids.append(x), mask.append(m), labels.append(y)
+        pos.append(torch.arange(length, device=plan.device).expand(rows, length))
+    tensors = (torch.cat(ids), torch.cat(mask), torch.cat(pos).contiguous(), torch.cat(labels))
+    return tensors, (len(batches) + idle) * chunks
+
+
+def _schedule(plan: PipelinePlan, shape: tuple):
+    """torch's schedule for a window of this shape (micro-batches, rows, length); a new one when the shape changes
+    (the stages then infer their buffers again)."""
+    if plan.schedule_obj is None or shape != plan.schedule_shape:
+        plan.schedule_obj = make_schedule(plan.schedule, plan.stages, shape[0], plan.loss_fn)
+        plan.shape_changes += plan.schedule_obj is not None and bool(plan.schedule_shape)
+        plan.schedule_shape = shape
+    return plan.schedule_obj
+
+
+def run_window(trainer, plan: PipelinePlan, batches: list) -> torch.Tensor:
+    """Forward and backward of the whole window through the schedule; returns the window's loss (the same value
+    on every stage of the pipeline: the sum of the micro-batch losses of the last stage)."""
+    import torch.distributed as dist
+
+    for b in batches:
+        _check_batch(b)
+    (ids, mask, pos, labels), micro_batches = _window_tensors(plan, batches)
+    schedule = _schedule(plan, (micro_batches, ids.shape[0] // micro_batches, ids.shape[1]))
+    for m in plan.modules:
+        m.train()
+    losses: list = []
+    count = torch.tensor(plan.window_count, dtype=torch.float32, device=plan.device)
+    schedule.step(ids, mask, pos, target=labels, losses=losses, loss_kwargs={"num_items": count}, return_outputs=False)
+    total = torch.stack([l.detach().float() for l in losses]).sum() if (plan.is_last and losses) else torch.zeros((), device=plan.device)
+    dist.all_reduce(total, group=plan.pp_group)  # the loss lives on the last stage only
+    if plan.tie_group is not None:
+        tie_gradients(plan.tied_weight, None, plan.tie_group)
+    if plan.dims.dp > 1 and not plan.fsdp:  # replicas of each stage: average the gradients over the data-parallel group
+        for p in trainer.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=plan.dp_group)
+    return total
+
+
+def eval_batch(trainer, plan: PipelinePlan, batch, real_rows: int | None) -> tuple[float, int]:
+    """One eval batch forward-only through the schedule: ``(sum of the target losses, targets)`` of this data rank
+    (the same on every stage). ``real_rows``: the rows of accelerate's padded last batch that are real samples
+    (the repeated ones get ignored labels)."""
+    import torch.distributed as dist
+
+    batch = {k: v for k, v in batch.items() if k in _STAGE_KEYS}
+    _check_batch(batch)
+    if real_rows is not None:
+        labels = batch["labels"].clone()
+        labels[real_rows:] = -100
+        batch["labels"] = labels
+    targets = int(count_targets(batch, CountRule.SHIFTED))
+    (ids, mask, pos, labels), micro_batches = _window_tensors(plan, [batch])
+    schedule = _schedule(plan, (micro_batches, ids.shape[0] // micro_batches, ids.shape[1]))
+    for m in plan.modules:
+        m.eval()
+    losses: list = []
+    one = torch.tensor(1.0, device=plan.device)  # sum over the targets: num_items 1, no data-parallel factor
+    with torch.no_grad():
+        schedule.eval(ids, mask, pos, target=labels, losses=losses, loss_kwargs={"num_items": one})
+    total = torch.stack([l.detach().double() for l in losses]).sum() if (plan.is_last and losses) else torch.zeros((), dtype=torch.float64, device=plan.device)
+    dist.all_reduce(total, group=plan.pp_group)
+    return float(total) / plan.dims.dp, targets  # the loss_fn multiplies by the data-parallel degree
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+
+STAGE_FILE = "pipeline_rank{rank}.pt"
+
+
+def _local(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def full_state_dict(trainer, plan: PipelinePlan) -> dict | None:
+    """The whole model's weights on rank 0 (every stage's, FSDP2 shards gathered), None elsewhere (a collective)."""
+    import torch.distributed as dist
+
+    mine = {name: _local(t).detach().cpu() for name, t in trainer.model.state_dict().items()}
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    if every is None:
+        return None
+    merged: dict = {}
+    for part in every:
+        merged.update(part)
+    return merged
+
+
+def save_stage(trainer, plan: PipelinePlan, output_dir: str) -> None:
+    """Each rank writes its stage's weights and optimizer state (for resuming on the same mesh, bit for bit)."""
+    import os
+
+    os.makedirs(output_dir, exist_ok=True)
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    payload = {
+        "mesh": (plan.dims.world_size, plan.dims.pp, plan.dims.pp_virtual_stages, plan.dims.dp_replicate, plan.dims.dp_shard),
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
+    }
+    torch.save(payload, os.path.join(output_dir, STAGE_FILE.format(rank=rank)))
+
+
+def load_stage(trainer, plan: PipelinePlan, checkpoint: str, *, optimizer: bool) -> None:
+    """Load this rank's stage file (weights, and with ``optimizer`` the optimizer state); refuses another mesh."""
+    import os
+
+    import torch.distributed as dist
+
+    path = os.path.join(checkpoint, STAGE_FILE.format(rank=dist.get_rank()))
+    if not os.path.isfile(path):
+        raise PipelineError(
+            f"hf_gradfix parallel.pp={plan.dims.pp}: resume_from_checkpoint={checkpoint!r} has no {os.path.basename(path)} "
+            "(it was not written by a pipelined run of this mesh); resume with the mesh that wrote it"
+        )
+    payload = torch.load(path, map_location="cpu", weights_only=False)  # load_state_dict copies to the device
+    mesh = (plan.dims.world_size, plan.dims.pp, plan.dims.pp_virtual_stages, plan.dims.dp_replicate, plan.dims.dp_shard)
+    if tuple(payload["mesh"]) != mesh:
+        raise PipelineError(
+            f"hf_gradfix parallel: resume_from_checkpoint={checkpoint!r} was written by (world, pp, virtual stages, "
+            f"dp_replicate, dp_shard) = {tuple(payload['mesh'])}, this run is {mesh}; resume with the same mesh"
+        )
+    if optimizer:
+        if payload["optimizer"] is not None and trainer.optimizer is not None:
+            trainer.optimizer.load_state_dict(payload["optimizer"])
+    else:
+        trainer.model.load_state_dict(payload["model"])
+
+
+def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor:
+    """The gradient norm over the whole model (every stage), clipped to ``max_norm`` (inf: only measured)."""
+    import torch.distributed as dist
+    from torch.nn.utils import clip_grads_with_norm_
+
+    params = [p for p in trainer.model.parameters() if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float32, device=plan.device)
+    last_copy = plan.tied_weight is not None and not any(m.is_first for m in plan.modules)
+    for p in params:
+        if last_copy and p is plan.tied_weight:
+            continue  # the tied embedding is counted once, on the first stage
+        grad = p.grad.detach()
+        grad = grad.to_local() if hasattr(grad, "to_local") else grad  # an FSDP2 shard: summed over dp_shard below
+        local += grad.float().pow(2).sum()
+    dist.all_reduce(local, group=plan.pp_group)  # stages hold different weights; dp replicas hold equal gradients
+    if plan.fsdp and plan.dims.dp_shard > 1:
+        dist.all_reduce(local, group=plan.shard_group)
+    total = local.sqrt()
+    if max_norm != float("inf") and params:
+        clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def bubble(plan: PipelinePlan, micro_batches: int) -> float:
+    return bubble_fraction(plan.dims.pp, micro_batches, plan.dims.pp_virtual_stages)

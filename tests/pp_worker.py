@@ -1,0 +1,287 @@
+"""Pipeline-parallel worker (gloo on CPU): every case in sequence inside ONE torch.distributed.run launch.
+
+Run (normally through ``test_pipeline.py``)::
+
+    python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT \
+        tests/pp_worker.py --out DIR --cases pp2_1f1b_ga4,...
+
+Every case builds the same tiny fp32 Llama (4 layers, GQA, untied, same seed on every rank), calls
+``hf_gradfix.patch(<config with parallel.pp>)`` and trains a plain ``transformers.Trainer`` with SGD lr 0 (the
+weights never change, so every window's gradient is compared against the same model) on 16 samples of 3-41 tokens,
+half of them with most of their labels masked (very unequal targets per micro-batch). At each
+``on_pre_optimizer_step`` every rank records the gradient of the parameters it holds (the model keeps only its
+stage's), the micro-batches it consumed and, at the end, the logged losses and grad norms. Rank r writes
+``DIR/<case>/rank{r}.pt``. Cases ending in ``_refused`` expect a refusal and record its message; cases ending in
+``_stock`` run torch's default normalization (per-micro-batch mean, ``scale_grads=True``) through the same glue,
+the negative control the exactness test must reject.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+_TESTS = Path(__file__).resolve().parent
+for _p in (str(_TESTS), str(_TESTS.parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+
+import harness  # noqa: E402
+
+N_SAMPLES = 16
+LLAMA = dict(harness.TINY_GQA_LLAMA, num_hidden_layers=4)
+
+# name -> (hf_gradfix config, options)
+CASES: dict[str, tuple[dict, dict]] = {
+    # from_env: patch() with no argument reads the section `hf-gradfix launch` exported from configs/cpu_pp.yaml
+    "pp2_1f1b_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "from_env": True}),
+    "pp2_gpipe_ga4": ({"parallel": {"pp": 2, "pp_schedule": "gpipe"}}, {"ga": 4, "yaml": True, "eval": True}),
+    "pp2_1f1b_ga1": ({"parallel": {"pp": 2}}, {"ga": 1}),
+    "pp2_interleaved_ga4": ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}}, {"ga": 4}),
+    "pp2_zero_bubble_ga4": ({"parallel": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2}}, {"ga": 4}),
+    "pp2_1f1b_ga4_callback_clip": ({"parallel": {"pp": 2}}, {"ga": 4, "callback": True, "clip": 0.05}),
+    "pp2_sft_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "sft": True}),  # TRL's SFTTrainer, a datasets.Dataset
+    "sft_dft_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "sft": True, "sft_args": {"loss_type": "dft"}}),
+    "pp2_1f1b_ga4_stock": ({"parallel": {"pp": 2}}, {"ga": 4, "stock": True}),
+    "pp2_tied_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "tied": True, "clip": 0.05}),
+    # 4 processes (a separate launch): pp 2 x dp_replicate 2, ranks 0-1 stage 0, ranks 2-3 stage 1
+    "pp2_rep2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "eval": True}),
+    "pp2_shard2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_shard": 2}}, {"ga": 4, "clip": 0.05}),
+    "pp2_rep2_1f1b_ga4_stock": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "stock": True}),
+    "galore_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "args": {"optim": "galore_adamw", "optim_target_modules": ["q_proj"]}}),
+    "loss_off_refused": ({"parallel": {"pp": 2}, "loss": {"enabled": False}}, {"ga": 4}),
+    # 4 steps straight vs 2 steps + checkpoint + resume for 2 (AdamW lr 1e-2, GA 2): bit-identical weights
+    "pp2_resume": ({"parallel": {"pp": 2}}, {"ga": 2, "resume": True}),
+}
+
+
+def build_model(tied: bool = False):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(**dict(LLAMA, tie_word_embeddings=tied))
+    model = tf.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").float()
+    model.train()
+    return model
+
+
+def make_samples() -> list[dict]:
+    samples = harness.make_samples("causal", n=N_SAMPLES, vocab=LLAMA["vocab_size"], seed=3)
+    for s in samples[::2]:  # every other sample: only its last 2 labels are targets
+        s["labels"] = [-100] * (len(s["labels"]) - 2) + s["labels"][-2:]
+    return samples
+
+
+def _stock_normalization(monkey_module) -> None:
+    """torch's default use: per-micro-batch mean, and the schedule divides by the micro-batches (scale_grads=True)."""
+    from torch.distributed import pipelining
+
+    from hf_gradfix.parallel import pipeline as P
+
+    def window_loss_fn(model, dp_degree):
+        def loss_fn(logits, labels, num_items):
+            return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
+
+        return loss_fn
+
+    def make_schedule(name, stages, n, loss_fn):
+        cls = getattr(pipelining, P.SCHEDULES[name])
+        return cls(stages[0], n, loss_fn=loss_fn) if name in ("gpipe", "1f1b") else cls(list(stages), n, loss_fn=loss_fn)
+
+    monkey_module.window_loss_fn = window_loss_fn
+    monkey_module.make_schedule = make_schedule
+
+
+def _make_recorder():
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.trainer = None
+            self.collator = None
+            self.steps: list[dict] = []
+            self._seen = 0
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            # windows are whole (8 batches per data rank / GA 1 or 4, or 4 / GA 4); the Trainer and accelerate
+            # prefetch ahead of the window
+            n = (state.global_step + 1) * args.gradient_accumulation_steps
+            batches = self.collator.batches[self._seen : n]
+            self._seen = n
+            grads = {}
+            for name, p in self.trainer.model.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.detach()
+                    grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()  # FSDP2: all shards
+            self.steps.append(dict(idx_batches=[list(b) for b in batches], grads=grads))
+
+    return Recorder()
+
+
+def _resume_case(trainer, args, config, collator, samples) -> dict:
+    """Train again from checkpoint-2 with a fresh model and trainer; the weights after step 4 must be identical."""
+    import safetensors.torch
+    import transformers
+
+    import hf_gradfix
+
+    straight = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    hf_gradfix.unpatch()
+    hf_gradfix.patch(config)
+    again = harness._subclass(transformers.Trainer)(
+        model=build_model(), args=args, train_dataset=harness.ListDataset(samples), data_collator=collator)
+    again.train(resume_from_checkpoint=str(Path(args.output_dir) / "checkpoint-2"))
+    resumed = {n: p.detach().clone() for n, p in again.model.named_parameters()}
+    out = dict(straight=straight, resumed=resumed, steps=[], logged_losses=[], grad_norms=[])
+    if torch.distributed.get_rank() == 0:  # the whole model, gathered from both stages by save_model
+        out["saved"] = safetensors.torch.load_file(str(Path(args.output_dir) / "checkpoint-4" / "model.safetensors"))
+    return out
+
+
+def run_case(name: str, out: Path, rank: int, world: int) -> None:
+    import transformers
+
+    import hf_gradfix
+    from hf_gradfix.integration import pipeline as glue
+
+    config, opts = CASES[name]
+    saved = (glue.window_loss_fn, glue.make_schedule)
+    if opts.get("stock"):
+        _stock_normalization(glue)
+    source = None if opts.get("from_env") else config
+    if opts.get("from_env"):
+        assert os.environ.get("HF_GRADFIX_CONFIG"), "launch this worker with hf-gradfix launch"
+    if opts.get("yaml"):
+        import yaml
+
+        path = out / f"{name}.yaml"
+        if rank == 0:
+            path.write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "hf_gradfix": config}))
+        torch.distributed.barrier()
+        source = str(path)
+    callbacks = []
+    if opts.get("callback"):
+        callbacks.append(hf_gradfix.GradFixCallback(source))
+    else:
+        hf_gradfix.patch(source)
+    model = build_model(tied=bool(opts.get("tied")))
+    samples = make_samples()
+    collator = harness.RecordingCollator("causal", harness.PAD_ID)
+    recorder = _make_recorder()
+    recorder.collator = collator
+    ga = opts["ga"]
+    args_cls, sft_args, trainer_kwargs, trainer_cls = transformers.TrainingArguments, {}, {}, transformers.Trainer
+    dataset = harness.ListDataset(samples)
+    if opts.get("sft"):
+        import datasets
+        import trl
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        tok = Tokenizer(models.WordLevel({str(i): i for i in range(LLAMA["vocab_size"])}, unk_token="3"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="0", bos_token="1", eos_token="2")
+        args_cls, trainer_cls = trl.SFTConfig, trl.SFTTrainer
+        sft_args = dict(bf16=False, fp16=False, max_length=None, packing=False, dataset_num_proc=None,
+                        **opts.get("sft_args", {}))
+        trainer_kwargs = dict(processing_class=tokenizer)
+        dataset = datasets.Dataset.from_list(samples)
+    args = args_cls(
+        **sft_args,
+        output_dir=str(out / name / ("trainer" if opts.get("resume") else f"trainer_rank{rank}")),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ga,
+        num_train_epochs=1,
+        learning_rate=1e-2 if opts.get("resume") else 0.0,
+        max_steps=4 if opts.get("resume") else -1,
+        save_steps=2,
+        weight_decay=0.0,
+        max_grad_norm=opts.get("clip", 0.0),
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="steps" if opts.get("resume") else "no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        include_num_input_tokens_seen="all",
+        seed=0,
+        **{"optim": "adamw_torch" if opts.get("resume") else "sgd", **opts.get("args", {})},
+        data_seed=0,
+    )
+    payload: dict = dict(case=name, rank=rank, world_size=world, config=config, opts=opts)
+    try:
+        try:
+            trainer = harness._subclass(trainer_cls)(
+                model=model, args=args, train_dataset=dataset, data_collator=collator,
+                callbacks=callbacks + [recorder], **trainer_kwargs,
+            )
+            recorder.trainer = trainer
+            from transformers.trainer_callback import PrinterCallback
+
+            trainer.remove_callback(PrinterCallback)
+            trainer.train()
+        except Exception as err:  # noqa: BLE001 - the *_refused cases record the error
+            if not name.endswith("_refused"):
+                raise
+            payload["error"] = f"{type(err).__name__}: {err}"
+            torch.save(payload, out / name / f"rank{rank}.pt")
+            return
+        if name.endswith("_refused"):
+            raise AssertionError(f"{name}: the Trainer accepted a setup it should refuse")
+        if opts.get("resume"):
+            payload.update(_resume_case(trainer, args, config, collator, samples))
+            torch.save(payload, out / name / f"rank{rank}.pt")
+            return
+        if opts.get("eval"):  # 11 samples, bs 2: the last batch is short (and padded by accelerate under dp 2)
+            trainer.args.per_device_eval_batch_size = 2
+            metrics = trainer.evaluate(eval_dataset=harness.ListDataset(samples[: N_SAMPLES - 5]))
+            payload.update(eval_loss=metrics["eval_loss"], eval_targets=metrics.get("eval_loss_targets"))
+        state = hf_gradfix.state_of(trainer)
+        if state.pp.tied_weight is not None:
+            payload["tied_weight"] = state.pp.tied_weight.detach().clone()
+        payload.update(
+            steps=recorder.steps,
+            logged_losses=[float(h["loss"]) for h in trainer.state.log_history if "loss" in h],
+            grad_norms=[float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h],
+            line=state.pp.line,
+            tokens_seen=trainer.state.num_input_tokens_seen,
+            fixes=list(state.fixes),
+            params=sorted(n for n, _ in trainer.model.named_parameters()),
+        )
+        if rank == 0:
+            payload["samples"] = samples
+        torch.save(payload, out / name / f"rank{rank}.pt")
+    finally:
+        glue.window_loss_fn, glue.make_schedule = saved
+        hf_gradfix.unpatch()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--cases", required=True, help="comma-separated names of CASES")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    out = Path(a.out)
+    for name in a.cases.split(","):
+        (out / name).mkdir(parents=True, exist_ok=True)
+        try:
+            run_case(name, out, rank, world)
+        except Exception:
+            (out / name / f"FAILED_rank{rank}").write_text(traceback.format_exc())
+            raise
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Pipeline parallelism (``parallel.pp``) through a plain ``transformers.Trainer``: exact against one process.
+
+ONE launch of 2 processes (gloo, CPU) runs every case of ``tests/pp_worker.py`` in sequence. Window k's ground truth
+is the samples the pipeline consumed in that window (both stages consumed the same ones), run in one process with
+plain PyTorch (``harness.ground_truth``: each sample alone, CE sum / total targets, one backward) on the same
+initial weights (lr 0). Each stage's gradients (its own parameters; together they are the whole model) are compared
+with the ground truth's; the logged loss (on every rank) with its loss; the logged grad norm with its norm.
+The ``*_stock`` cases (torch's default: per-micro-batch mean, ``scale_grads=True``) must fail the same comparison.
+
+Set ``HGF_PP_TABLE=1`` to print the exactness table (``pytest -s``). The other tests (no processes) check the
+layer split, the schedule and combination refusals and the model-plan refusals.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness as H
+import pp_worker as W
+
+TOL = 1e-5
+EXACT = ["pp2_1f1b_ga4", "pp2_gpipe_ga4", "pp2_1f1b_ga1", "pp2_interleaved_ga4", "pp2_zero_bubble_ga4",
+         "pp2_1f1b_ga4_callback_clip", "pp2_sft_ga4", "pp2_tied_ga4"]
+STOCK = ["pp2_1f1b_ga4_stock"]
+REFUSED = ["loss_off_refused", "sft_dft_refused", "galore_refused"]
+ALL = EXACT + STOCK + REFUSED + ["pp2_resume"]
+
+
+@pytest.fixture(scope="module")
+def pp_runs():
+    from hf_gradfix.integration.versions import transformers_major
+
+    if transformers_major() < 5:
+        pytest.skip("pipeline parallelism needs transformers 5.x (refused on 4.57)")
+    out = Path(tempfile.mkdtemp(prefix="hgf_pp_"))
+    # through the user's route: hf-gradfix launch with the shipped CPU config (its section reaches every rank)
+    cmd = [
+        sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(H.REPO_ROOT / "configs/cpu_pp.yaml"),
+        "--main_process_port", str(H._free_port()),
+        str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(ALL),
+    ]
+    env = dict(os.environ)
+    env.pop("HF_GRADFIX_CONFIG", None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=480)
+    if proc.returncode != 0:
+        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
+        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
+        pytest.fail(f"pp_worker failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
+    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in ALL}
+    shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+def compare(ranks: list[dict]) -> dict:
+    """Max relative gradient error, max logged-loss error and max grad-norm error over the windows."""
+    samples = {s["idx"]: s for s in ranks[0]["samples"]}
+    tied = bool(ranks[0]["opts"].get("tied"))
+    model = W.build_model(tied=tied)
+    clip = ranks[0]["opts"].get("clip", 0.0)
+    grad_err, loss_err, norm_err = 0.0, 0.0, 0.0
+    assert len(ranks[0]["steps"]) == len(ranks[1]["steps"]) > 0
+    for k, (s0, s1) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"])):
+        assert s0["idx_batches"] == s1["idx_batches"], "the two stages consumed different micro-batches"
+        window = [samples[i] for b in s0["idx_batches"] for i in b]
+        loss, ref = H.ground_truth(model, window, "causal")
+        grads = {**s0["grads"], **s1["grads"]}
+        assert not set(s0["grads"]) & set(s1["grads"]), "a parameter lives on both stages"
+        if tied:  # the last stage's copy of the tied embedding got the same (summed) gradient as the first's
+            assert torch.equal(grads.pop("lm_head.weight"), grads["model.embed_tokens.weight"])
+        assert set(grads) == set(ref), sorted(set(ref) ^ set(grads))
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.values()))
+        scale = min(1.0, clip / (norm + 1e-6)) if clip else 1.0
+        if clip:
+            assert scale < 0.5, f"clip {clip} does not clip (norm {norm})"
+        grad_err = max(grad_err, H.rel_err(grads, {n: g * scale for n, g in ref.items()}))
+        for r in ranks:
+            loss_err = max(loss_err, abs(r["logged_losses"][k] - loss) / abs(loss))
+            norm_err = max(norm_err, abs(r["grad_norms"][k] - norm) / norm)
+    return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
+
+
+DP_CASES = ["pp2_rep2_1f1b_ga4", "pp2_shard2_1f1b_ga4"]  # stock control for pp 2 x dp 2 measured once: 0.571
+
+
+@pytest.fixture(scope="module")
+def pp_dp_runs():
+    """The one 4-process launch: pp 2 x dp_replicate 2 (ranks 0-1 stage 0, ranks 2-3 stage 1)."""
+    from hf_gradfix.integration.versions import transformers_major
+
+    if transformers_major() < 5:
+        pytest.skip("pipeline parallelism needs transformers 5.x (refused on 4.57)")
+    out = Path(tempfile.mkdtemp(prefix="hgf_ppdp_"))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--nnodes", "1",
+        "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
+        str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(DP_CASES),
+    ]
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=480)
+    if proc.returncode != 0:
+        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
+        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
+        pytest.fail(f"pp_worker (4 processes) failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
+    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(4)] for name in DP_CASES}
+    shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+def compare_dp(ranks: list[dict]) -> dict:
+    """pp 2 x dp 2: window k = both data ranks' micro-batches; stage 0 = ranks 0-1 (equal gradients), stage 1 = 2-3."""
+    samples = {s["idx"]: s for s in ranks[0]["samples"]}
+    model = W.build_model()
+    clip = ranks[0]["opts"].get("clip", 0.0)
+    grad_err = loss_err = norm_err = 0.0
+    for k in range(len(ranks[0]["steps"])):
+        steps = [r["steps"][k] for r in ranks]
+        assert steps[0]["idx_batches"] == steps[2]["idx_batches"] and steps[1]["idx_batches"] == steps[3]["idx_batches"]
+        assert steps[0]["idx_batches"] != steps[1]["idx_batches"], "the data-parallel ranks got the same batches"
+        window = [samples[i] for st in steps[:2] for b in st["idx_batches"] for i in b]
+        loss, ref = H.ground_truth(model, window, "causal")
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.values()))
+        scale = min(1.0, clip / (norm + 1e-6)) if clip else 1.0
+        for a, b in ((0, 2), (1, 3)):
+            grads = {**steps[a]["grads"], **steps[b]["grads"]}
+            grad_err = max(grad_err, H.rel_err(grads, {n: g * scale for n, g in ref.items()}))
+        for r in ranks:
+            loss_err = max(loss_err, abs(r["logged_losses"][k] - loss) / abs(loss))
+            norm_err = max(norm_err, abs(r["grad_norms"][k] - norm) / norm)
+    return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
+
+
+@pytest.mark.parametrize("case", DP_CASES)
+def test_pipeline_times_data_parallel_exact(pp_dp_runs, case):
+    row = compare_dp(pp_dp_runs[case])
+    if os.environ.get("HGF_PP_TABLE") == "1":
+        print(f"\n{case:26s}{row['windows']:7d}  {row['grad']:12.2e}  {row['loss']:12.2e}  {row['norm']:12.2e}")
+    if case.endswith("_stock"):
+        assert row["grad"] > 100 * TOL, row
+    else:
+        assert row["grad"] <= TOL and row["loss"] <= TOL and row["norm"] <= TOL, row
+
+
+@pytest.fixture(scope="module")
+def table(pp_runs):
+    rows = {name: compare(pp_runs[name]) for name in EXACT + STOCK}
+    if os.environ.get("HGF_PP_TABLE") == "1":
+        print("\ncase                      windows  grad rel err  loss rel err  grad-norm rel err")
+        for name, r in rows.items():
+            print(f"{name:26s}{r['windows']:7d}  {r['grad']:12.2e}  {r['loss']:12.2e}  {r['norm']:12.2e}")
+    return rows
+
+
+@pytest.mark.parametrize("case", EXACT)
+def test_pipeline_exact_against_one_process(table, pp_runs, case):
+    row = table[case]
+    assert row["grad"] <= TOL, row
+    assert row["loss"] <= TOL, row  # the logged loss reached the first stage too (checked on both ranks)
+    assert row["norm"] <= TOL, row  # the clipping norm is reduced over the stages
+    assert pp_runs[case][0]["logged_losses"] == pp_runs[case][1]["logged_losses"]
+
+
+@pytest.mark.parametrize("case,ranks", [("pp2_gpipe_ga4", 2), ("pp2_rep2_1f1b_ga4", 4)])
+def test_eval_loss_forward_only_exact(request, case, ranks):
+    runs = request.getfixturevalue("pp_runs" if ranks == 2 else "pp_dp_runs")[case]
+    samples = runs[0]["samples"][: W.N_SAMPLES - 5]
+    loss, _ = H.ground_truth(W.build_model(), samples, "causal")
+    targets = sum(H.sample_loss_count(s, "causal") for s in samples)
+    for r in runs:  # every rank logs the same eval loss, the exact token mean over the 11 samples
+        assert abs(r["eval_loss"] - loss) / loss <= TOL, (r["eval_loss"], loss)
+        assert r["eval_targets"] == targets
+
+
+def test_checkpoint_resume_is_bit_identical(pp_runs):
+    r0, r1 = pp_runs["pp2_resume"]
+    for r in (r0, r1):
+        assert r["straight"].keys() == r["resumed"].keys()
+        assert all(torch.equal(r["straight"][n], r["resumed"][n]) for n in r["straight"])
+        assert any(not torch.equal(r["straight"][n], W.build_model().state_dict()[n]) for n in r["straight"])  # trained
+    saved = r0["saved"]  # checkpoint-4's model.safetensors: every stage's weights, as one process names them
+    whole = {**r0["straight"], **r1["straight"]}
+    assert set(saved) == set(whole) == set(W.build_model().state_dict())
+    assert all(torch.equal(saved[n], whole[n]) for n in whole)
+
+
+@pytest.mark.parametrize("case", STOCK)
+def test_stock_normalization_fails_the_same_check(table, case):
+    assert table[case]["grad"] > 100 * TOL, table[case]
+
+
+def test_tied_embedding_copies_stay_equal(pp_runs):
+    r0, r1 = pp_runs["pp2_tied_ga4"]
+    assert torch.equal(r0["tied_weight"], r1["tied_weight"])
+    assert "model.embed_tokens.weight" in r0["params"] and "lm_head.weight" in r1["params"]
+
+
+def test_tokens_seen_count_each_batch_once(pp_runs):
+    r0, r1 = pp_runs["pp2_1f1b_ga4"]
+    samples = {s["idx"]: s for s in r0["samples"]}
+    padded = sum(len(b) * max(len(samples[i]["input_ids"]) for i in b) for st in r0["steps"] for b in st["idx_batches"])
+    assert r0["tokens_seen"] == r1["tokens_seen"] == padded
+
+
+def test_stages_hold_disjoint_parameters(pp_runs):
+    r0, r1 = (r["params"] for r in pp_runs["pp2_1f1b_ga4"])
+    assert "model.embed_tokens.weight" in r0 and "lm_head.weight" in r1
+    assert not set(r0) & set(r1)
+    assert any(".layers.3." in n for n in r1) and not any(".layers.3." in n for n in r0)
+    inter0 = pp_runs["pp2_interleaved_ga4"][0]["params"]  # looped: stages 0 and 2 = layers 0 and 2
+    assert any(".layers.0." in n for n in inter0) and any(".layers.2." in n for n in inter0)
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("loss_off_refused", "loss.enabled"),
+    ("sft_dft_refused", "loss_type='dft'"),
+    ("galore_refused", "basis over the whole world"),
+])
+def test_refusals_name_key_and_fix(pp_runs, case, needle):
+    for r in pp_runs[case]:
+        assert needle in r["error"], r["error"]
+        assert "\n" not in r["error"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# No processes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_split_rule_and_schedule_checks():
+    from hf_gradfix.parallel import ParallelDims, ParallelDimsError
+    from hf_gradfix.parallel.pipeline import PipelineError, check_combination, check_schedule, split_layers
+
+    assert [len(r) for r in split_layers(7, 3)] == [3, 2, 2]
+    with pytest.raises(PipelineError, match="at least one layer"):
+        split_layers(2, 4)
+    with pytest.raises(PipelineError, match="pp_virtual_stages=2 with pp_schedule='gpipe'"):
+        check_schedule(2, "gpipe", 2)
+    with pytest.raises(PipelineError, match="parallel.pp=2 with tp=2"):
+        check_combination(pp=2, tp=2)
+    with pytest.raises(PipelineError, match="packing"):
+        check_combination(pp=2, packing=True)
+    with pytest.raises(PipelineError, match="FSDP plugin"):
+        check_combination(pp=2, fsdp_plugin=True)
+    with pytest.raises(PipelineError, match="galore"):
+        check_combination(pp=2, optimizer="galore_adamw")
+    d = ParallelDims(8, pp=2, dp_replicate=2, dp_shard=2)
+    assert d.coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0}
+    assert d.group_of(5, "pp") == [1, 5] and d.group_of(5, "dp") == [4, 5, 6, 7]
+    assert d.non_data_parallel == 2 and d.dp == 4
+    with pytest.raises(ParallelDimsError, match="num_processes"):
+        ParallelDims(4, pp=2, dp_shard=3)
+    from types import SimpleNamespace
+
+    with pytest.raises(ParallelDimsError, match="pp_virtual_stages=2 = 4 pipeline stages"):
+        ParallelDims(2, pp=2, pp_virtual_stages=2).check_model(SimpleNamespace(num_hidden_layers=3))
+
+
+def test_model_without_pp_plan_is_refused():
+    from hf_gradfix.parallel.pipeline import PipelineError, pp_plan_of
+
+    model = H.build_model("bert_mlm")
+    with pytest.raises(PipelineError, match="base_model_pp_plan"):
+        pp_plan_of(model)
+
+
+@pytest.mark.parametrize("name", ["cpu_pp.yaml", "pp.yaml"])
+def test_shipped_pp_configs_resolve(name, capsys):
+    from hf_gradfix.cli import main
+    from hf_gradfix.config.resolve import resolve_config
+
+    r = resolve_config(H.REPO_ROOT / "configs" / name, grad_accum=8)
+    assert r.mesh.pp == 2 and r.mesh.pp * r.mesh.dp == r.world_size
+    assert main(["config", "check", str(H.REPO_ROOT / "configs" / name), "--grad-accum", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline          pp=2" in out and "bubble (p-1)/(v*m+p-1) = 11%" in out
+
+
+@pytest.mark.parametrize("section, needle", [
+    ({"pp": 2, "tp": 2}, "parallel.pp=2 with tp=2"),
+    ({"pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 2}, "pp_virtual_stages=2 with pp_schedule='1f1b'"),
+    ({"pp": 2, "pp_schedule": "zigzag"}, "pp_schedule"),
+])
+def test_config_check_refuses_in_one_line(tmp_path, capsys, section, needle):
+    import yaml
+
+    from hf_gradfix.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU", "num_processes": 4, "use_cpu": True,
+                                    "hf_gradfix": {"parallel": section}}))
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+
+
+_FAMILY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("config_name, extra, accepted", [
+    ("LlamaConfig", {}, True),
+    ("Qwen2Config", {}, True),
+    ("Qwen3Config", {"head_dim": 8}, True),
+    ("MistralConfig", {"sliding_window": 3}, True),  # every layer slides: the stages build the sliding mask
+    ("GemmaConfig", {"head_dim": 8}, True),
+    ("Gemma2Config", {"head_dim": 8, "sliding_window": 3}, False),  # logit soft-capping in its forward, not its plan
+])
+def test_stages_reproduce_the_model_forward_or_refuse(config_name, extra, accepted):
+    """Behaviour, not a list: every stage in turn on one process must give the model's own logits (checked on every
+    rank before the split); a model whose forward does more than its pp plan is refused."""
+    import transformers as tf
+
+    from hf_gradfix.integration.versions import transformers_major
+    from hf_gradfix.parallel.pipeline import PipelineError, check_stages_reproduce_forward
+
+    if transformers_major() < 5:
+        pytest.skip("pipeline parallelism needs transformers 5.x (the Trainer refuses it on 4.x)")
+    cls = getattr(tf, config_name, None)
+    if cls is None:
+        pytest.skip(f"no {config_name} in this transformers")
+    torch.manual_seed(0)
+    config = cls(**{**_FAMILY, **extra})
+    try:
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    except ValueError:  # an architecture without SDPA support
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    if accepted:
+        check_stages_reproduce_forward(model, num_stages=2)
+        check_stages_reproduce_forward(model, num_stages=4)
+    else:
+        with pytest.raises(PipelineError, match="does more than its base_model_pp_plan"):
+            check_stages_reproduce_forward(model, num_stages=2)
