@@ -6,7 +6,8 @@ exact window loss (``scale_grads=False``), and once on one process (the whole mo
 the other, one backward each). The measured bubble is the share of the pipeline step the ranks were not computing,
 against a perfect split of the one-process work::
 
-    bubble_measured = 1 - T_one / (p * T_pipeline)         formula: (p-1) / (v*m + p-1)
+    bubble_measured = 1 - T_one / (p * T_pipeline)         formula: hf_gradfix.plan.pipeline.bubble_fraction
+    ((p-1)/(m+p-1) for GPipe / 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3*v*m+p-1) zero bubble)
 
 Communication and the per-micro-batch overheads count as bubble here (they are idle time for the ranks), so the
 measured bubble is an upper bound of the schedule's own. On a CPU the processes share the cores: a step-time
@@ -129,7 +130,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
-    from hf_gradfix.parallel.pipeline import bubble_fraction
+    from hf_gradfix.plan.pipeline import PipelineSpec, bubble_fraction  # the planner's formulas
 
     out = Path(tempfile.mkdtemp(prefix="hgf_bench_pp_")) / "times.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.pp), "--master_addr",
@@ -147,7 +148,8 @@ def main(argv=None) -> None:
         f"Tiny Llama ({args.layers} layers, hidden {args.hidden}), micro-batches of {args.rows} x {args.seq} tokens, "
         f"median of {args.steps} steps, {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end. "
         "`python benchmarks/bench_pipeline.py` writes this file. Measured bubble = 1 - T_one / (p x T_pp) "
-        "(communication counts as bubble); formula (p-1)/(v*m+p-1).",
+        "(communication counts as bubble); formula: the planner's (p-1)/(m+p-1) for GPipe / 1F1B, (p-1)/(v*m+p-1) "
+        "interleaved, (p-1)/(3*v*m+p-1) zero bubble (forward, input-gradient and weight-gradient passes of equal length).",
         "",
         "| schedule | v | m | one process (s) | pipeline (s) | speed-up | bubble measured | bubble formula |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -158,7 +160,7 @@ def main(argv=None) -> None:
             continue
         t1, tp = base[r["m"]], r["seconds"]
         measured = 1 - t1 / (args.pp * tp)
-        formula = bubble_fraction(args.pp, r["m"], r["virtual"])
+        formula = bubble_fraction(PipelineSpec(args.pp, r["schedule"], r["virtual"], r["m"]))
         lines.append(f"| {r['schedule']} | {r['virtual']} | {r['m']} | {t1:.3f} | {tp:.3f} | {t1 / tp:.2f}x | "
                      f"{measured:.0%} | {formula:.0%} |")
     text = "\n".join(lines) + "\n"

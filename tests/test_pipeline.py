@@ -287,7 +287,7 @@ def test_shipped_pp_configs_resolve(name, capsys):
     assert r.mesh.pp == 2 and r.mesh.pp * r.mesh.dp == r.world_size
     assert main(["config", "check", str(H.REPO_ROOT / "configs" / name), "--grad-accum", "8"]) == 0
     out = capsys.readouterr().out
-    assert "pipeline          pp=2" in out and "bubble (p-1)/(v*m+p-1) = 11%" in out
+    assert "pipeline          pp=2" in out and "bubble (p-1)/(m+p-1) = 11%" in out  # 1f1b, p 2, m 8: 1/9
 
 
 @pytest.mark.parametrize("section, needle", [

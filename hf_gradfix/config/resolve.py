@@ -111,14 +111,15 @@ class ResolvedConfig:
                 f"sequences padded to a multiple of {2 * self.mesh.cp}, labels shifted and counted before the split"
             ))
         if self.mesh.pp > 1:
-            from ..parallel.pipeline import bubble_fraction
+            from ..plan.pipeline import PipelineSpec, bubble_fraction  # one formula for config check and plan
 
             par = self.gradfix.parallel
+            bubble = bubble_fraction(PipelineSpec(self.mesh.pp, par.pp_schedule, self.mesh.pp_virtual_stages,
+                                                  self.grad_accum))
             out.insert(3, (
                 f"pipeline          pp={self.mesh.pp} x {self.mesh.pp_virtual_stages} stage(s) per rank, {par.pp_schedule} "
                 f"(torch.distributed.pipelining); one schedule step per optimizer window of {self.grad_accum} "
-                f"micro-batch(es), bubble (p-1)/(v*m+p-1) = "
-                f"{bubble_fraction(self.mesh.pp, self.grad_accum, self.mesh.pp_virtual_stages):.0%}"
+                f"micro-batch(es), bubble {_BUBBLE_FORMULA.get(par.pp_schedule, '(p-1)/(v*m+p-1)')} = {bubble:.0%}"
             ))
         if self.global_batch_tokens is not None:
             out.append(
@@ -128,6 +129,11 @@ class ResolvedConfig:
         else:
             out.append("global batch      pass --micro-batch and --seq-len (or enable packing) to compute it")
         return out
+
+
+#: the bubble formula of each schedule, as hf_gradfix.plan.pipeline.bubble_fraction computes it (m >= p)
+_BUBBLE_FORMULA = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved_1f1b": "(p-1)/(v*m+p-1)",
+                   "zero_bubble": "(p-1)/(3*v*m+p-1)"}
 
 
 def _deepspeed_lines(resolved: "ResolvedConfig") -> list[str]:

@@ -32,7 +32,6 @@ from ..loss.counting import CountRule, count_targets
 from ..parallel.dims import ParallelDims
 from ..parallel.pipeline import (
     PipelineError,
-    bubble_fraction,
     build_stages,
     check_combination,
     check_schedule,
@@ -545,4 +544,7 @@ def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor
 
 
 def bubble(plan: PipelinePlan, micro_batches: int) -> float:
-    return bubble_fraction(plan.dims.pp, micro_batches, plan.dims.pp_virtual_stages)
+    """The schedule's idle share for a window of ``micro_batches`` (the planner's formula)."""
+    from ..plan.pipeline import PipelineSpec, bubble_fraction
+
+    return bubble_fraction(PipelineSpec(plan.dims.pp, plan.schedule, plan.dims.pp_virtual_stages, micro_batches))

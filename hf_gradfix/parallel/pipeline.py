@@ -52,7 +52,6 @@ __all__ = [
     "build_stages",
     "window_loss_fn",
     "make_schedule",
-    "bubble_fraction",
 ]
 
 #: schedule name (the ``parallel.pp_schedule`` key) -> torch.distributed.pipelining class name
@@ -157,16 +156,6 @@ def stage_ids_of_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     [1, 3]
     """
     return [pp_rank + i * pp for i in range(virtual_stages)]
-
-
-def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """The idle share of a step in the textbook model: ``(p-1)/(m+p-1)`` for GPipe / 1F1B, ``(p-1)/(v*m+p-1)``
-    for the interleaved form (each rank's work cut into ``v`` stages).
-
-    >>> round(bubble_fraction(2, 4), 3), round(bubble_fraction(2, 4, 2), 3)
-    (0.2, 0.111)
-    """
-    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
