@@ -988,6 +988,16 @@ class _GradFixTop:
         return output
 
 
+
+# Pipeline-parallel overrides of Trainer methods that only transformers 5.x has (pp runs on 5.x only). On 4.57 the
+# mixin must not add them: code that tells the two Trainers apart by these methods (the noise-scale monitor reads the
+# pre-clip norm through ``_get_grad_norm`` on 5.x and through ``accelerator.clip_grad_norm_`` on 4.57) would take
+# the 5.x path, which the 4.57 Trainer never calls.
+for _name in ("_clip_grad_norm", "_get_grad_norm", "_track_num_input_tokens", "_sync_replicated_trainable_parameters"):
+    if not hasattr(Trainer, _name):
+        delattr(_GradFixTop, _name)
+del _name
+
 class _GradFixDefaultLoss(Trainer):
     """The body of ``Trainer.compute_loss`` made exact for every loss producer.
 
