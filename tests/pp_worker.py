@@ -52,6 +52,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     # 4 processes (a separate launch): pp 2 x dp_replicate 2, ranks 0-1 stage 0, ranks 2-3 stage 1
     "pp2_rep2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "eval": True}),
     "pp2_shard2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_shard": 2}}, {"ga": 4, "clip": 0.05}),
+    # pp 2 x tp 2 (same launch): ranks 0-1 stage 0 (layers tensor-parallel over them), ranks 2-3 stage 1
+    "pp2_tp2_1f1b_ga4": ({"parallel": {"pp": 2, "tp": 2, "dp_replicate": 1, "dp_shard": 1}}, {"ga": 4, "clip": 0.05}),
     "pp2_rep2_1f1b_ga4_stock": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "stock": True}),
     "galore_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "args": {"optim": "galore_adamw", "optim_target_modules": ["q_proj"]}}),
     "loss_off_refused": ({"parallel": {"pp": 2}, "loss": {"enabled": False}}, {"ga": 4}),
@@ -254,6 +256,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
             tokens_seen=trainer.state.num_input_tokens_seen,
             fixes=list(state.fixes),
             params=sorted(n for n, _ in trainer.model.named_parameters()),
+            tp_sharded=sorted(n for n, p in trainer.model.named_parameters() if hasattr(p, "to_local")),
         )
         if rank == 0:
             payload["samples"] = samples

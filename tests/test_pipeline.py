@@ -92,7 +92,7 @@ def compare(ranks: list[dict]) -> dict:
     return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
 
 
-DP_CASES = ["pp2_rep2_1f1b_ga4", "pp2_shard2_1f1b_ga4"]  # stock control for pp 2 x dp 2 measured once: 0.571
+DP_CASES = ["pp2_rep2_1f1b_ga4", "pp2_shard2_1f1b_ga4", "pp2_tp2_1f1b_ga4"]  # stock control for pp 2 x dp 2 measured once: 0.571
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,10 @@ def pp_dp_runs():
 
 
 def compare_dp(ranks: list[dict]) -> dict:
-    """pp 2 x dp 2: window k = both data ranks' micro-batches; stage 0 = ranks 0-1 (equal gradients), stage 1 = 2-3."""
+    """pp 2 x dp 2: window k = both data ranks' micro-batches; stage 0 = ranks 0-1 (equal gradients), stage 1 = 2-3.
+    pp 2 x tp 2: ranks 0-1 (stage 0) and 2-3 (stage 1) are tp pairs: all four ranks hold the same batches, window k
+    is one rank's micro-batches, and each rank's gradients are its stage's whole ones (tp shards gathered)."""
+    tp = ranks[0]["config"]["parallel"].get("tp", 1) > 1
     samples = {s["idx"]: s for s in ranks[0]["samples"]}
     model = W.build_model()
     clip = ranks[0]["opts"].get("clip", 0.0)
@@ -131,8 +134,11 @@ def compare_dp(ranks: list[dict]) -> dict:
     for k in range(len(ranks[0]["steps"])):
         steps = [r["steps"][k] for r in ranks]
         assert steps[0]["idx_batches"] == steps[2]["idx_batches"] and steps[1]["idx_batches"] == steps[3]["idx_batches"]
-        assert steps[0]["idx_batches"] != steps[1]["idx_batches"], "the data-parallel ranks got the same batches"
-        window = [samples[i] for st in steps[:2] for b in st["idx_batches"] for i in b]
+        if tp:
+            assert steps[0]["idx_batches"] == steps[1]["idx_batches"], "the tp ranks of a stage got different batches"
+        else:
+            assert steps[0]["idx_batches"] != steps[1]["idx_batches"], "the data-parallel ranks got the same batches"
+        window = [samples[i] for st in steps[:1 if tp else 2] for b in st["idx_batches"] for i in b]
         loss, ref = H.ground_truth(model, window, "causal")
         norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref.values()))
         scale = min(1.0, clip / (norm + 1e-6)) if clip else 1.0
@@ -148,6 +154,9 @@ def compare_dp(ranks: list[dict]) -> dict:
 @pytest.mark.parametrize("case", DP_CASES)
 def test_pipeline_times_data_parallel_exact(pp_dp_runs, case):
     row = compare_dp(pp_dp_runs[case])
+    if "tp2" in case:  # the stages' layers really are tensor-parallel (DTensor shards), embedding / head are not
+        sharded = pp_dp_runs[case][0]["tp_sharded"]
+        assert "model.layers.0.self_attn.q_proj.weight" in sharded and "model.embed_tokens.weight" not in sharded
     if os.environ.get("HGF_PP_TABLE") == "1":
         print(f"\n{case:26s}{row['windows']:7d}  {row['grad']:12.2e}  {row['loss']:12.2e}  {row['norm']:12.2e}")
     if case.endswith("_stock"):
@@ -250,8 +259,11 @@ def test_split_rule_and_schedule_checks():
         split_layers(2, 4)
     with pytest.raises(PipelineError, match="pp_virtual_stages=2 with pp_schedule='gpipe'"):
         check_schedule(2, "gpipe", 2)
-    with pytest.raises(PipelineError, match="parallel.pp=2 with tp=2"):
-        check_combination(pp=2, tp=2)
+    check_combination(pp=2, tp=2)  # composes: each stage's layers tensor-parallel over tp
+    with pytest.raises(PipelineError, match="parallel.pp=2 with cp=2"):
+        check_combination(pp=2, cp=2)
+    with pytest.raises(PipelineError, match="parallel.pp=2 with tp=2 and dp_shard=2"):
+        check_combination(pp=2, tp=2, dp_shard=2)
     with pytest.raises(PipelineError, match="packing"):
         check_combination(pp=2, packing=True)
     with pytest.raises(PipelineError, match="FSDP plugin"):
@@ -291,7 +303,7 @@ def test_shipped_pp_configs_resolve(name, capsys):
 
 
 @pytest.mark.parametrize("section, needle", [
-    ({"pp": 2, "tp": 2}, "parallel.pp=2 with tp=2"),
+    ({"pp": 2, "cp": 2}, "parallel.pp=2 with cp=2"),
     ({"pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 2}, "pp_virtual_stages=2 with pp_schedule='1f1b'"),
     ({"pp": 2, "pp_schedule": "zigzag"}, "pp_schedule"),
 ])

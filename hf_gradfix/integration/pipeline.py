@@ -5,7 +5,9 @@ The user's Trainer script is unchanged. At ``install`` (``patch()`` or the callb
 * validates the degrees (:class:`~hf_gradfix.parallel.ParallelDims` with ``pp`` outermost) and refuses what is not
   exact yet (:func:`~hf_gradfix.parallel.pipeline.check_combination`);
 * gives every rank rank 0's weights, then splits the model in place into this rank's stage(s) (the model keeps only
-  its own parameters, so the Trainer's optimizer holds only those), sharded with FSDP2 per stage over dp_shard;
+  its own parameters, so the Trainer's optimizer holds only those), sharded with FSDP2 per stage over dp_shard,
+  or its decoder layers tensor-parallel over tp (the model's ``base_model_tp_plan``; the tp ranks of a stage get
+  the same batches and count its targets once);
 * marks the model as "sharded at load time" for the Trainer (``is_distributed_loading_by_transformers``, an
   attribute transformers itself sets): accelerate neither wraps it in DDP over the whole world nor moves it;
 * shards data loading by data-parallel rank (the ranks of one pipeline get the same batches): accelerate's
@@ -65,6 +67,7 @@ class PipelinePlan:
     pad_token_id: int = 0
     shard_group: Any = None  # the dp_shard group (FSDP2 shards of each stage)
     fsdp: bool = False  # stages sharded with FSDP2 (it averages the gradients over the data-parallel ranks)
+    tp_group: Any = None  # the tp group (the stage's layers tensor-parallel over it), None without tp
     tie_group: Any = None  # tied embeddings: this replica's first- and last-stage ranks
     tied_weight: Any = None  # the copy of the tied embedding this rank holds (first or last stage), else None
     schedule_obj: Any = None  # torch's schedule for the last window's shape
@@ -84,7 +87,7 @@ class PipelinePlan:
         layers = ", ".join(f"stage {m.index}: layers {m.layer_ids[0]}-{m.layer_ids[-1]}" for m in self.modules)
         return (
             f"pipeline parallel pp={d.pp} ({d.pp_stages} stages, {self.schedule}; this rank: {layers}) x "
-            f"{d.dp} data-parallel rank(s): one schedule step per optimizer window, loss = sum / window's target "
+            f"{d.dp} data-parallel rank(s){f' x tp={d.tp}' if d.tp > 1 else ''}: one schedule step per optimizer window, loss = sum / window's target "
             f"count over data-parallel ranks, scale_grads=False"
         )
 
@@ -253,21 +256,25 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
     pp_group = _new_groups(dims, "pp", rank)
     dp_group = _new_groups(dims, "dp", rank)
     shard_group = _new_groups(dims, "dp_shard", rank)
-    fsdp_mesh = None
-    if dims.dp_shard > 1:  # FSDP2 per stage over dp_shard (HSDP: dp_replicate x dp_shard)
+    tp_group = _new_groups(dims, "tp", rank) if dims.tp > 1 else None
+    fsdp_mesh = tp_mesh = None
+    if dims.dp_shard > 1 or dims.tp > 1:
         mesh = dims.build_mesh(device.type)
-        fsdp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        if dims.dp_shard > 1:  # FSDP2 per stage over dp_shard (HSDP: dp_replicate x dp_shard)
+            fsdp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        if dims.tp > 1:  # each stage's layers tensor-parallel over tp (check_combination refuses it with dp_shard)
+            tp_mesh = mesh["tp"]
     tied = tied_embeddings(model)
     tie_group = _tie_groups(dims, rank) if tied else None
     modules, stages = build_stages(model, pp=dims.pp, pp_rank=dims.pp_rank(rank),
                                    virtual_stages=dims.pp_virtual_stages, device=device, group=pp_group,
-                                   fsdp_mesh=fsdp_mesh)
+                                   fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh)
     pad = getattr(text, "pad_token_id", None)
     plan = PipelinePlan(
         dims=dims, schedule=section.pp_schedule, pp_rank=dims.pp_rank(rank), pp_group=pp_group, dp_group=dp_group,
         modules=modules, stages=stages, loss_fn=window_loss_fn(model, dims.dp), device=device,
         pad_token_id=pad if isinstance(pad, int) else 0, shard_group=shard_group, fsdp=fsdp_mesh is not None,
-        tie_group=tie_group,
+        tie_group=tie_group, tp_group=tp_group,
     )
     if tied:
         first = any(m.is_first for m in modules)
@@ -422,7 +429,8 @@ def run_window(trainer, plan: PipelinePlan, batches: list) -> torch.Tensor:
     if plan.dims.dp > 1 and not plan.fsdp:  # replicas of each stage: average the gradients over the data-parallel group
         for p in trainer.model.parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=plan.dp_group)
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a tp shard: its own replicas
+                dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=plan.dp_group)
     return total
 
 
@@ -528,18 +536,30 @@ def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor
     params = [p for p in trainer.model.parameters() if p.grad is not None]
     local = torch.zeros((), dtype=torch.float32, device=plan.device)
     last_copy = plan.tied_weight is not None and not any(m.is_first for m in plan.modules)
+    tp_shards = torch.zeros((), dtype=torch.float32, device=plan.device)
     for p in params:
         if last_copy and p is plan.tied_weight:
             continue  # the tied embedding is counted once, on the first stage
         grad = p.grad.detach()
+        if hasattr(grad, "to_local") and plan.tp_group is not None:
+            tp_shards += grad.to_local().float().pow(2).sum()  # a tp shard: summed over tp below
+            continue
         grad = grad.to_local() if hasattr(grad, "to_local") else grad  # an FSDP2 shard: summed over dp_shard below
-        local += grad.float().pow(2).sum()
+        local += grad.float().pow(2).sum()  # replicated over tp (embedding, norms, head): counted once
+    if plan.tp_group is not None:
+        dist.all_reduce(tp_shards, group=plan.tp_group)
+        local += tp_shards
     dist.all_reduce(local, group=plan.pp_group)  # stages hold different weights; dp replicas hold equal gradients
     if plan.fsdp and plan.dims.dp_shard > 1:
         dist.all_reduce(local, group=plan.shard_group)
     total = local.sqrt()
     if max_norm != float("inf") and params:
-        clip_grads_with_norm_(params, max_norm, total)
+        if plan.tp_group is not None:  # DTensor and plain gradients together: one float coefficient for both
+            coef = min(1.0, max_norm / (float(total) + 1e-6))
+            for p in params:
+                p.grad.mul_(coef)
+        else:
+            clip_grads_with_norm_(params, max_norm, total)
     return total
 
 

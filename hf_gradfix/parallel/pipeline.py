@@ -25,9 +25,12 @@ are summed after every window (:func:`tie_gradients`), so the copies stay equal.
 
 Refused (one line, naming the key, value and fix): a model without ``base_model_pp_plan``; base-model weights
 the plan does not name (e.g. absolute position embeddings); attention layer types other than full and sliding-window causal attention; pp combined with
-tp or cp, with packing, with GaLore / APOLLO (:func:`check_combination`). Data parallelism composes: whole
+cp, tp with dp_shard, packing, GaLore / APOLLO (:func:`check_combination`). Data parallelism composes: whole
 stages replicated (``dp_replicate``; gradients averaged over the data-parallel group) or sharded with FSDP2 per
-stage (``dp_shard``; HSDP with both).
+stage (``dp_shard``; HSDP with both). Tensor parallelism composes (:func:`tensor_parallel_stage`): each stage's
+decoder layers are sharded over the tp sub-mesh with torch's ``parallelize_module`` from the model's own
+``base_model_tp_plan`` (colwise / rowwise); embedding, norms and head stay replicated, so the tensors passed
+between stages are whole.
 
 Pure torch / transformers; no import of the Trainer glue (that is :mod:`hf_gradfix.integration.pipeline`).
 """
@@ -46,6 +49,7 @@ __all__ = [
     "check_schedule",
     "check_combination",
     "split_layers",
+    "tensor_parallel_stage",
     "stage_ids_of_rank",
     "pp_plan_of",
     "decoder_stage_class",
@@ -101,12 +105,16 @@ def check_combination(*, pp: int, tp: int = 1, cp: int = 1, dp_shard: int = 1, p
     """Refuse what pipeline parallelism does not run exactly yet (each with its reason and the fix)."""
     if pp <= 1:
         return
-    if tp > 1 or cp > 1:
-        which = "tp" if tp > 1 else "cp"
+    if cp > 1:
         raise PipelineError(
-            f"parallel.pp={pp} with {which}={tp if tp > 1 else cp}: pipeline stages combined with tensor / context "
-            f"parallelism are not built yet (each stage would need its own {which} sharding); use pp with dp_shard / "
-            f"dp_replicate only, or {which}: 1 with pp: 1"
+            f"parallel.pp={pp} with cp={cp}: pipeline stages combined with context parallelism are not built yet "
+            "(each stage would need its own cp sharding of the sequence); use pp with tp / dp_shard / dp_replicate, "
+            "or cp: 1"
+        )
+    if tp > 1 and dp_shard > 1:
+        raise PipelineError(
+            f"parallel.pp={pp} with tp={tp} and dp_shard={dp_shard}: FSDP2 over tensor-parallel stages is not built "
+            "yet; use pp x tp with dp_replicate, or tp: 1 with dp_shard"
         )
     if packing:
         raise PipelineError(
@@ -355,6 +363,44 @@ def shard_stage(module, fsdp_mesh) -> None:
     fully_shard(module, mesh=fsdp_mesh)
 
 
+_TP_STYLES = ("colwise", "rowwise")
+
+
+def tensor_parallel_stage(module, tp_mesh, model_config) -> None:
+    """Shard one stage's decoder layers over ``tp_mesh`` from the model's ``base_model_tp_plan`` with torch's
+    ``parallelize_module`` (``colwise`` -> ``ColwiseParallel``, ``rowwise`` -> ``RowwiseParallel``). Only the
+    ``layers.*`` entries are applied: the embedding, norms and head stay replicated (exact, and the hidden states
+    passed between stages stay whole tensors). A layer entry of another style is refused (leaving one module of
+    a colwise / rowwise pair replicated would compute something else)."""
+    import re
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    plan = dict(getattr(text, "base_model_tp_plan", None) or {})
+    name = type(text).__name__
+    if not plan:
+        raise PipelineError(
+            f"parallel.tp: {name} has no base_model_tp_plan (transformers' description of how its layers shard); "
+            "use tp: 1 with pp"
+        )
+    sub = {}
+    for pattern, style in plan.items():
+        m = re.fullmatch(r"layers\.\*\.(.+)", pattern)
+        if not m:
+            continue  # embedding / norm / head: replicated
+        if style not in _TP_STYLES:
+            raise PipelineError(
+                f"parallel.tp: {name}'s base_model_tp_plan shards {pattern!r} as {style!r}; pipeline stages shard "
+                f"layers with {list(_TP_STYLES)} only; use tp: 1 with pp for this model"
+            )
+        sub[m.group(1)] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+    if not sub:
+        raise PipelineError(f"parallel.tp: {name}'s base_model_tp_plan {plan} names no layer modules; use tp: 1 with pp")
+    for layer in module.layers.values():
+        parallelize_module(layer, tp_mesh, sub)
+
+
 def check_stages_reproduce_forward(model, plan: PPPlan | None = None, num_stages: int = 2) -> None:
     """Run a few tokens through every stage in turn and through the model's own forward (one process, before the
     split): the logits must agree. A model whose forward does more than its pp plan says (an embedding scale, an
@@ -397,12 +443,13 @@ def check_stages_reproduce_forward(model, plan: PPPlan | None = None, num_stages
 
 
 def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, group,
-                 fsdp_mesh=None) -> tuple[list, list]:
+                 fsdp_mesh=None, tp_mesh=None) -> tuple[list, list]:
     """Split ``model`` in place for pipeline rank ``pp_rank``: returns ``(stage modules, torch PipelineStages)``.
 
     The model keeps only this rank's parts (embedding on the first stage, norm and head on the last); every
     rank must call it with the same model (same weights). With ``fsdp_mesh`` each stage is sharded with FSDP2
-    over it (:func:`shard_stage`) before torch's ``PipelineStage`` wraps it."""
+    over it (:func:`shard_stage`), with ``tp_mesh`` its layers tensor-parallel over it (:func:`tensor_parallel_stage`),
+    before torch's ``PipelineStage`` wraps it."""
     from torch.distributed.pipelining import PipelineStage
 
     plan = pp_plan_of(model)
@@ -419,6 +466,9 @@ def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, g
     modules = [cls(model, plan, s, num_stages, ranges[s]) for s in ids]
     kept = {i for s in ids for i in ranges[s]}
     _prune(model, plan, kept, first=0 in ids, last=(num_stages - 1) in ids)
+    if tp_mesh is not None:
+        for m in modules:
+            tensor_parallel_stage(m, tp_mesh, model.config)
     if fsdp_mesh is not None:
         for m in modules:
             shard_stage(m, fsdp_mesh)
