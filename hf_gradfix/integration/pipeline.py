@@ -508,6 +508,11 @@ def load_stage(trainer, plan: PipelinePlan, checkpoint: str, *, optimizer: bool)
 
     import torch.distributed as dist
 
+    if plan.dims.tp > 1:
+        raise PipelineError(
+            f"hf_gradfix parallel.pp={plan.dims.pp} with tp={plan.dims.tp}: resume_from_checkpoint={checkpoint!r} of "
+            "tensor-parallel stages is not built (as for a tp-sharded run without pp); start the run anew, or tp: 1"
+        )
     path = os.path.join(checkpoint, STAGE_FILE.format(rank=dist.get_rank()))
     if not os.path.isfile(path):
         raise PipelineError(
