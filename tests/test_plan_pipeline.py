@@ -268,12 +268,8 @@ def test_suggest_finds_pipeline_layouts_where_nothing_else_fits():
     assert max(r["peak_gib"] for r in rows) <= (piped + flat) / 2 / GiB + 0.01
 
 
-def test_config_pipeline_keys_when_the_schema_has_them(tmp_path, capsys):
-    """A configuration's parallel.pp / pp_schedule (issue 28's schema keys) plan like the flags."""
-    from hf_gradfix.config.schema import ParallelConfig
-
-    if "pp" not in {f.name for f in dataclasses.fields(ParallelConfig)}:
-        pytest.skip("the configuration schema has no parallel.pp yet (issue 28)")
+def test_config_pipeline_keys_plan_like_the_flags(tmp_path, capsys):
+    """A configuration's parallel.pp / pp_schedule plan like the flags."""
     cfg = tmp_path / "pp.yaml"
     cfg.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\nhf_gradfix:\n"
                    "  parallel: {pp: 2, pp_schedule: gpipe, dp_shard: 2}\n")
