@@ -59,6 +59,9 @@ CASES: dict[str, tuple[dict, dict]] = {
     "loss_off_refused": ({"parallel": {"pp": 2}, "loss": {"enabled": False}}, {"ga": 4}),
     # 4 steps straight vs 2 steps + checkpoint + resume for 2 (AdamW lr 1e-2, GA 2): bit-identical weights
     "pp2_resume": ({"parallel": {"pp": 2}}, {"ga": 2, "resume": True}),
+    # the same through torch distributed checkpoint's DTensor shards (4 processes, the second launch)
+    "pp2_shard2_resume": ({"parallel": {"pp": 2, "dp_shard": 2}}, {"ga": 2, "resume": True}),
+    "pp2_tp2_resume": ({"parallel": {"pp": 2, "tp": 2, "dp_replicate": 1, "dp_shard": 1}}, {"ga": 2, "resume": True}),
 }
 
 
@@ -132,13 +135,17 @@ def _resume_case(trainer, args, config, collator, samples) -> dict:
 
     import hf_gradfix
 
-    straight = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    def whole(model):  # FSDP2 / tp shards gathered (a collective over the stage's ranks, same order on each)
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in model.named_parameters()}
+
+    straight = whole(trainer.model)
     hf_gradfix.unpatch()
     hf_gradfix.patch(config)
     again = harness._subclass(transformers.Trainer)(
         model=build_model(), args=args, train_dataset=harness.ListDataset(samples), data_collator=collator)
     again.train(resume_from_checkpoint=str(Path(args.output_dir) / "checkpoint-2"))
-    resumed = {n: p.detach().clone() for n, p in again.model.named_parameters()}
+    resumed = whole(again.model)
     out = dict(straight=straight, resumed=resumed, steps=[], logged_losses=[], grad_norms=[])
     if torch.distributed.get_rank() == 0:  # the whole model, gathered from both stages by save_model
         out["saved"] = safetensors.torch.load_file(str(Path(args.output_dir) / "checkpoint-4" / "model.safetensors"))

@@ -92,7 +92,8 @@ def compare(ranks: list[dict]) -> dict:
     return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
 
 
-DP_CASES = ["pp2_rep2_1f1b_ga4", "pp2_shard2_1f1b_ga4", "pp2_tp2_1f1b_ga4"]  # stock control for pp 2 x dp 2 measured once: 0.571
+DP_CASES = ["pp2_rep2_1f1b_ga4", "pp2_shard2_1f1b_ga4", "pp2_tp2_1f1b_ga4"]
+DP_RESUME = ["pp2_shard2_resume", "pp2_tp2_resume"]  # stock control for pp 2 x dp 2 measured once: 0.571
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def pp_dp_runs():
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--nnodes", "1",
         "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
-        str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(DP_CASES),
+        str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(DP_CASES + DP_RESUME),
     ]
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
@@ -117,7 +118,7 @@ def pp_dp_runs():
         failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
         detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
         pytest.fail(f"pp_worker (4 processes) failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
-    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(4)] for name in DP_CASES}
+    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(4)] for name in DP_CASES + DP_RESUME}
     shutil.rmtree(out, ignore_errors=True)
     return runs
 
@@ -195,16 +196,40 @@ def test_eval_loss_forward_only_exact(request, case, ranks):
         assert r["eval_targets"] == targets
 
 
-def test_checkpoint_resume_is_bit_identical(pp_runs):
-    r0, r1 = pp_runs["pp2_resume"]
-    for r in (r0, r1):
+@pytest.mark.parametrize("case,ranks", [("pp2_resume", 2), ("pp2_shard2_resume", 4), ("pp2_tp2_resume", 4)])
+def test_checkpoint_resume_is_bit_identical(request, case, ranks):
+    """4 AdamW steps straight vs 2 + torch distributed checkpoint + resume (fresh model and trainer) + 2."""
+    runs = request.getfixturevalue("pp_runs" if ranks == 2 else "pp_dp_runs")[case]
+    initial = W.build_model().state_dict()
+    for r in runs:  # whole tensors (FSDP2 / tp shards gathered in the worker)
         assert r["straight"].keys() == r["resumed"].keys()
         assert all(torch.equal(r["straight"][n], r["resumed"][n]) for n in r["straight"])
-        assert any(not torch.equal(r["straight"][n], W.build_model().state_dict()[n]) for n in r["straight"])  # trained
-    saved = r0["saved"]  # checkpoint-4's model.safetensors: every stage's weights, as one process names them
-    whole = {**r0["straight"], **r1["straight"]}
-    assert set(saved) == set(whole) == set(W.build_model().state_dict())
+        assert any(not torch.equal(r["straight"][n], initial[n]) for n in r["straight"])  # trained
+    saved = runs[0]["saved"]  # checkpoint-4's model.safetensors: every stage's weights, as one process names them
+    whole = {n: t for r in runs for n, t in r["straight"].items()}
+    assert set(saved) == set(whole) == set(initial)
     assert all(torch.equal(saved[n], whole[n]) for n in whole)
+
+
+def test_resume_on_another_mesh_is_one_line(tmp_path):
+    """A checkpoint written by another mesh or schedule is refused before anything loads, naming both."""
+    from hf_gradfix.integration import pipeline as glue
+    from hf_gradfix.parallel.dims import ParallelDims
+
+    (tmp_path / glue.CHECKPOINT_DIR).mkdir()
+    written = dict(world=2, pp=2, pp_virtual_stages=1, dp_replicate=1, dp_shard=1, tp=1, schedule="gpipe")
+    (tmp_path / glue.MESH_FILE).write_text(__import__("json").dumps(written))
+
+    class Plan:
+        dims = ParallelDims(2, pp=2)
+        schedule = "1f1b"
+
+    with pytest.raises(glue.PipelineError) as err:
+        glue.load_stage(None, Plan(), str(tmp_path), optimizer=False)
+    line = str(err.value)
+    assert "\n" not in line and "schedule gpipe" in line and "schedule 1f1b" in line and "same mesh" in line
+    with pytest.raises(glue.PipelineError, match="was not written by a pipelined run"):
+        glue.load_stage(None, Plan(), str(tmp_path / "missing"), optimizer=False)
 
 
 @pytest.mark.parametrize("case", STOCK)

@@ -464,7 +464,14 @@ def eval_batch(trainer, plan: PipelinePlan, batch, real_rows: int | None) -> tup
 # Checkpoints
 # ----------------------------------------------------------------------------------------------------------------
 
-STAGE_FILE = "pipeline_rank{rank}.pt"
+CHECKPOINT_DIR = "pipeline"  # torch distributed checkpoint of every stage (model and optimizer), one per save
+MESH_FILE = "pipeline_mesh.json"
+
+
+def _mesh(plan: PipelinePlan) -> dict:
+    d = plan.dims
+    return dict(world=d.world_size, pp=d.pp, pp_virtual_stages=d.pp_virtual_stages, dp_replicate=d.dp_replicate,
+                dp_shard=d.dp_shard, tp=d.tp, schedule=plan.schedule)
 
 
 def _local(tensor):
@@ -486,51 +493,90 @@ def full_state_dict(trainer, plan: PipelinePlan) -> dict | None:
     return merged
 
 
+def _torch_optimizer(trainer):
+    """The torch optimizer under accelerate's wrapper (its ``step`` is skipped while accumulating, and torch's
+    state-dict helpers may step it once with zero gradients to allocate the state they load into)."""
+    optimizer = trainer.optimizer
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _flat():
+    """Optimizer state keyed per parameter name, hyper-parameters included (``param_groups.<name>.lr``): the
+    stages hold different parameters, and a nested ``param_groups`` list would be one rank's, deduplicated by DCP
+    (the other stages then load a group without its ``lr`` and ``betas``). torchtitan saves pipelines the same way."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def save_stage(trainer, plan: PipelinePlan, output_dir: str) -> None:
-    """Each rank writes its stage's weights and optimizer state (for resuming on the same mesh, bit for bit)."""
+    """Write every stage's weights and optimizer state as one torch distributed checkpoint (a collective).
+
+    Keys are the model's own parameter names (the stages keep the global names), so the checkpoint is one
+    model's, whatever the split: FSDP2 and tensor-parallel shards are DTensors that DCP saves shard by shard,
+    replicas over dp_replicate are written once. Rank 0 also writes the mesh that wrote it.
+    """
+    import json
     import os
 
-    os.makedirs(output_dir, exist_ok=True)
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    rank = dist.get_rank()
-    payload = {
-        "mesh": (plan.dims.world_size, plan.dims.pp, plan.dims.pp_virtual_stages, plan.dims.dp_replicate, plan.dims.dp_shard),
-        "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
-    }
-    torch.save(payload, os.path.join(output_dir, STAGE_FILE.format(rank=rank)))
+    os.makedirs(output_dir, exist_ok=True)
+    state = {"model": get_model_state_dict(trainer.model)}
+    if trainer.optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(trainer.model, _torch_optimizer(trainer), options=_flat())
+    dcp.save(state, checkpoint_id=os.path.join(output_dir, CHECKPOINT_DIR))
+    if dist.get_rank() == 0:
+        with open(os.path.join(output_dir, MESH_FILE), "w") as f:
+            json.dump(_mesh(plan), f)
 
 
 def load_stage(trainer, plan: PipelinePlan, checkpoint: str, *, optimizer: bool) -> None:
-    """Load this rank's stage file (weights, and with ``optimizer`` the optimizer state); refuses another mesh."""
+    """Load this rank's part of the checkpoint (weights, or with ``optimizer`` the optimizer state), in place.
+
+    Refuses a checkpoint another mesh wrote: its data order and schedule would differ, so the run would not
+    continue bit for bit.
+    """
+    import json
     import os
 
-    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    if plan.dims.tp > 1:
+    path = os.path.join(checkpoint, MESH_FILE)
+    if not os.path.isfile(path) or not os.path.isdir(os.path.join(checkpoint, CHECKPOINT_DIR)):
         raise PipelineError(
-            f"hf_gradfix parallel.pp={plan.dims.pp} with tp={plan.dims.tp}: resume_from_checkpoint={checkpoint!r} of "
-            "tensor-parallel stages is not built (as for a tp-sharded run without pp); start the run anew, or tp: 1"
+            f"hf_gradfix parallel.pp={plan.dims.pp}: resume_from_checkpoint={checkpoint!r} has no {MESH_FILE} and "
+            f"{CHECKPOINT_DIR}/ (it was not written by a pipelined run); resume from a checkpoint this mesh wrote"
         )
-    path = os.path.join(checkpoint, STAGE_FILE.format(rank=dist.get_rank()))
-    if not os.path.isfile(path):
+    with open(path) as f:
+        written = json.load(f)
+    if written != _mesh(plan):
+        theirs = ", ".join(f"{k} {v}" for k, v in written.items())
+        ours = ", ".join(f"{k} {v}" for k, v in _mesh(plan).items())
         raise PipelineError(
-            f"hf_gradfix parallel.pp={plan.dims.pp}: resume_from_checkpoint={checkpoint!r} has no {os.path.basename(path)} "
-            "(it was not written by a pipelined run of this mesh); resume with the mesh that wrote it"
+            f"hf_gradfix parallel: resume_from_checkpoint={checkpoint!r} was written by ({theirs}), this run is "
+            f"({ours}); resume with the same mesh and schedule"
         )
-    payload = torch.load(path, map_location="cpu", weights_only=False)  # load_state_dict copies to the device
-    mesh = (plan.dims.world_size, plan.dims.pp, plan.dims.pp_virtual_stages, plan.dims.dp_replicate, plan.dims.dp_shard)
-    if tuple(payload["mesh"]) != mesh:
-        raise PipelineError(
-            f"hf_gradfix parallel: resume_from_checkpoint={checkpoint!r} was written by (world, pp, virtual stages, "
-            f"dp_replicate, dp_shard) = {tuple(payload['mesh'])}, this run is {mesh}; resume with the same mesh"
-        )
+    checkpoint_id = os.path.join(checkpoint, CHECKPOINT_DIR)
     if optimizer:
-        if payload["optimizer"] is not None and trainer.optimizer is not None:
-            trainer.optimizer.load_state_dict(payload["optimizer"])
+        if trainer.optimizer is None:
+            return
+        torch_optimizer = _torch_optimizer(trainer)
+        state = {"optimizer": get_optimizer_state_dict(trainer.model, torch_optimizer, options=_flat())}
+        dcp.load(state, checkpoint_id=checkpoint_id)
+        set_optimizer_state_dict(trainer.model, torch_optimizer, state["optimizer"], options=_flat())
     else:
-        trainer.model.load_state_dict(payload["model"])
+        state = {"model": get_model_state_dict(trainer.model)}
+        dcp.load(state, checkpoint_id=checkpoint_id)
+        set_model_state_dict(trainer.model, state["model"])
 
 
 def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor:
