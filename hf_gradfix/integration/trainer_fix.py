@@ -494,6 +494,18 @@ def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) 
     return tensor.tolist()
 
 
+def _draw_window(epoch_iterator, num_batches: int) -> list:
+    """Up to ``num_batches`` micro-batches of one optimizer window (fewer at the end of the data), as transformers'
+    own ``get_batch_samples`` draws them."""
+    batches = []
+    for _ in range(num_batches):
+        try:
+            batches.append(next(epoch_iterator))
+        except StopIteration:
+            break
+    return batches
+
+
 # ----------------------------------------------------------------------------------------------------
 # The two mixins
 # ----------------------------------------------------------------------------------------------------
@@ -634,12 +646,7 @@ class _GradFixTop:
             return _close_short_window(self, batches, num_batches, device), count
         if state is None or not state.enabled:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
+        batches = _draw_window(epoch_iterator, num_batches)
         if state.nd is not None:  # first window: every tp rank got the same batches (a collective on all ranks)
             from .nd import check_window
 
@@ -685,12 +692,7 @@ class _GradFixTop:
         from .nd import check_window
         from .pipeline import count_window
 
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
+        batches = _draw_window(epoch_iterator, num_batches)
         check_window(self, state.nd, batches)
         plan = state.pp
         plan.pending = []
