@@ -136,8 +136,8 @@ def _refuse_trainer(trainer, config: GradFixConfig, dims: ParallelDims) -> None:
             "every stage; let the Trainer build it (optimizers=(None, None)) or use optimizer_cls_and_kwargs"
         )
     if getattr(args, "save_only_model", False):
-        raise PipelineError(f"{what} with save_only_model=True: a pipelined checkpoint is resumed from each rank's own "
-                            "stage file (weights and optimizer state together); set save_only_model: false, or pp: 1")
+        raise PipelineError(f"{what} with save_only_model=True: a pipelined checkpoint is resumed from its distributed "
+                            "checkpoint of every stage's weights and optimizer state; set save_only_model: false, or pp: 1")
     if not config.loss.eval_token_mean:
         raise PipelineError(f"{what} with loss.eval_token_mean=false: the pipeline's eval loss is the exact token "
                             "mean; set loss.eval_token_mean: true, or pp: 1")
