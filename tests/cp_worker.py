@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
@@ -32,6 +31,7 @@ for _p in (str(_TESTS), str(_TESTS.parent)):
 import torch  # noqa: E402
 
 import harness  # noqa: E402
+import multiproc  # noqa: E402
 import nd_worker  # noqa: E402
 
 PROMPT_MASK = 0.4
@@ -239,38 +239,34 @@ def main(argv=None) -> None:
 
     original_prepare = context.prepare_batch
     original_build = nd_worker.build_model
-    for name in a.scenarios.split(","):
-        (out / name).mkdir(parents=True, exist_ok=True)
-        try:
-            if name == "attention":
-                attention_case(out, rank, world)
-            elif name in PACKED_SCENARIOS:
-                packed_case(name, out, rank, world)
-            elif name == "verify":  # hf-gradfix verify under CP (its own ground truth, lr 1e-3: the weights move)
-                from hf_gradfix.verify import verify
+    import hf_gradfix
 
-                report = verify(config={"parallel": {"dp_shard": 1, "cp": world}}, steps=2, grad_accum=2,
-                                output_dir=str(out / name / f"trainer_rank{rank}"))
-                torch.save(dict(exact=report.exact, errors=[s.grad_rel_err for s in report.steps],
-                                loss_errors=[s.loss_rel_err for s in report.steps]), out / name / f"rank{rank}.pt")
-            else:
-                opts = CP_SCENARIOS[name][1]
-                if "control" in opts:
-                    _break(opts["control"])
-                attn = opts.get("attn", "sdpa")
-                nd_worker.build_model = lambda seed=0, attn=attn: original_build(seed, attn)
-                nd_worker.run_scenario(name, out, rank, world)
-        except Exception:
-            (out / name / f"FAILED_rank{rank}").write_text(traceback.format_exc())
-            raise
-        finally:
-            import hf_gradfix
+    def run_one(name: str) -> None:
+        if name == "attention":
+            attention_case(out, rank, world)
+        elif name in PACKED_SCENARIOS:
+            packed_case(name, out, rank, world)
+        elif name == "verify":  # hf-gradfix verify under CP (its own ground truth, lr 1e-3: the weights move)
+            from hf_gradfix.verify import verify
 
-            hf_gradfix.unpatch()
-            context.prepare_batch = original_prepare
-            nd_worker.build_model = original_build
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+            report = verify(config={"parallel": {"dp_shard": 1, "cp": world}}, steps=2, grad_accum=2,
+                            output_dir=str(out / name / f"trainer_rank{rank}"))
+            torch.save(dict(exact=report.exact, errors=[s.grad_rel_err for s in report.steps],
+                            loss_errors=[s.loss_rel_err for s in report.steps]), out / name / f"rank{rank}.pt")
+        else:
+            opts = CP_SCENARIOS[name][1]
+            if "control" in opts:
+                _break(opts["control"])
+            attn = opts.get("attn", "sdpa")
+            nd_worker.build_model = lambda seed=0, attn=attn: original_build(seed, attn)
+            nd_worker.run_scenario(name, out, rank, world)
+
+    def cleanup(name: str) -> None:
+        hf_gradfix.unpatch()
+        context.prepare_batch = original_prepare
+        nd_worker.build_model = original_build
+
+    multiproc.run_cases(a.scenarios.split(","), out, rank, run_one, cleanup=cleanup)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -34,6 +33,7 @@ for _p in (str(_TESTS), str(_TESTS.parent)):
 import torch  # noqa: E402
 
 import harness  # noqa: E402
+import multiproc  # noqa: E402
 
 N_SAMPLES = 12
 LR = 1.0
@@ -308,22 +308,15 @@ def main(argv=None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     deepspeed.init_distributed(dist_backend="gloo")
     out = Path(a.out)
-    for name in a.cases.split(","):
-        (out / name).mkdir(parents=True, exist_ok=True)
-        try:
-            run_case(name, out, rank, world)
-        except Exception:
-            (out / name / f"FAILED_rank{rank}").write_text(traceback.format_exc())
-            raise
-        finally:
-            import hf_gradfix
+    import hf_gradfix
 
-            for key in MODEL_CASES[parse_case(name)[1]][1].get("accelerate_env", {}):
-                os.environ.pop(key, None)
-            hf_gradfix.unpatch()
-            _reset_between_cases()
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    def cleanup(name: str) -> None:
+        for key in MODEL_CASES[parse_case(name)[1]][1].get("accelerate_env", {}):
+            os.environ.pop(key, None)
+        hf_gradfix.unpatch()
+        _reset_between_cases()
+
+    multiproc.run_cases(a.cases.split(","), out, rank, lambda name: run_case(name, out, rank, world), cleanup=cleanup)
 
 
 if __name__ == "__main__":

@@ -978,11 +978,9 @@ def sample_loss_count(sample: dict, task: str) -> int:
 
 
 def _free_port() -> int:
-    import socket
+    from multiproc import free_port
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def run_ddp(
@@ -1018,11 +1016,9 @@ def run_ddp(
     if patch:
         cmd.append("--patch")
     cmd.extend(extra)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_OFFLINE", "1")
+    from multiproc import worker_env
+
+    env = worker_env()
     try:
         proc = subprocess.run(cmd, cwd=str(REPO_ROOT), env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:

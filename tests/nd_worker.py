@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
@@ -30,6 +29,7 @@ for _p in (str(_TESTS), str(_TESTS.parent)):
 import torch  # noqa: E402
 
 import harness  # noqa: E402
+import multiproc  # noqa: E402
 
 N_SAMPLES = 12
 LLAMA = harness.TINY_GQA_LLAMA
@@ -232,19 +232,10 @@ def main(argv=None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     out = Path(a.out)
-    for name in a.scenarios.split(","):
-        (out / name).mkdir(parents=True, exist_ok=True)
-        try:
-            run_scenario(name, out, rank, world)
-        except Exception:
-            (out / name / f"FAILED_rank{rank}").write_text(traceback.format_exc())
-            raise
-        finally:
-            import hf_gradfix
+    import hf_gradfix
 
-            hf_gradfix.unpatch()
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    multiproc.run_cases(a.scenarios.split(","), out, rank, lambda name: run_scenario(name, out, rank, world),
+                        cleanup=lambda name: hf_gradfix.unpatch())
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
@@ -32,6 +31,7 @@ for _p in (str(_TESTS), str(_TESTS.parent)):
 import torch  # noqa: E402
 
 import harness  # noqa: E402
+import multiproc  # noqa: E402
 
 N_SAMPLES = 16
 LLAMA = dict(harness.TINY_GQA_LLAMA, num_hidden_layers=4)
@@ -282,15 +282,7 @@ def main(argv=None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     out = Path(a.out)
-    for name in a.cases.split(","):
-        (out / name).mkdir(parents=True, exist_ok=True)
-        try:
-            run_case(name, out, rank, world)
-        except Exception:
-            (out / name / f"FAILED_rank{rank}").write_text(traceback.format_exc())
-            raise
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    multiproc.run_cases(a.cases.split(","), out, rank, lambda name: run_case(name, out, rank, world))
 
 
 if __name__ == "__main__":

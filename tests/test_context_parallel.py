@@ -11,17 +11,13 @@ data-parallel ranks' windows, as in ``test_nd_parallel.py``.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 import cp_worker as CW
 import harness as H
+from multiproc import launch_cases
 import nd_worker as W
 import test_nd_parallel as ND
 
@@ -45,27 +41,9 @@ def _launch(n: int, scenarios: list[str]) -> dict:
         nd.check_route(ParallelDims(2, dp_shard=1, cp=2))
     except nd.NDParallelError as err:
         pytest.skip(str(err))
-    out = Path(tempfile.mkdtemp(prefix="hgf_cp_"))
-    worker = [str(H.TESTS_DIR / "cp_worker.py"), "--out", str(out), "--scenarios", ",".join(scenarios)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("HF_GRADFIX_CONFIG", None)
-    if n == 2:  # what users run: the shipped CPU CP file through the launcher (its section reaches every rank)
-        launcher = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(CPU_CP_CONFIG),
-                    "--main_process_port", str(H._free_port())]
-    else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--nnodes", "1",
-                    "--master_addr", "127.0.0.1", "--master_port", str(H._free_port())]
-    cmd = launcher + worker
-    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=540)
-    if proc.returncode != 0:
-        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
-        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
-        pytest.fail(f"cp_worker failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
-    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(n)] for name in scenarios}
-    if os.environ.get("HGF_KEEP_ND_RUNS") != "1":
-        shutil.rmtree(out, ignore_errors=True)
+    # n == 2: what users run, the shipped CPU CP file through the launcher (its section reaches every rank)
+    runs, _ = launch_cases("cp_worker.py", scenarios, nproc=n, flag="--scenarios", timeout=540,
+                           via_config=CPU_CP_CONFIG if n == 2 else None, keep_env="HGF_KEEP_ND_RUNS")
     return runs
 
 

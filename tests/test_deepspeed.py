@@ -13,16 +13,12 @@ Set ``HGF_DS_TABLE=1`` to print the exactness table (``pytest -s``).
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 import harness as H
+from multiproc import launch_cases, worker_env
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install hf_gradfix[deepspeed])")
 
@@ -46,28 +42,11 @@ CASES = [f"z{s}_{m}_{mode}" for s, m in PAIRS for mode in ("stock", "ours")] + G
 
 @pytest.fixture(scope="module")
 def ds_runs():
-    out = Path(tempfile.mkdtemp(prefix="hgf_ds_"))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
-        str(H.TESTS_DIR / "deepspeed_worker.py"), "--out", str(out), "--cases", ",".join(CASES),
-    ]
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # should DeepSpeed build an op after all, it is cached inside the checkout's ignored folder
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(H.REPO_ROOT / ".cache" / "torch_extensions"))
-    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
-        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
-        pytest.fail(f"deepspeed_worker failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
-    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in CASES}
+    env = worker_env(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(H.REPO_ROOT / ".cache" / "torch_extensions")))
+    runs, proc = launch_cases("deepspeed_worker.py", CASES, nproc=2, env=env, timeout=900, keep_env="HGF_KEEP_DS_RUNS")
     runs["_log"] = proc.stdout + proc.stderr
-    if os.environ.get("HGF_KEEP_DS_RUNS") != "1":
-        shutil.rmtree(out, ignore_errors=True)
     return runs
 
 

@@ -12,10 +12,7 @@ and the clear error on transformers 4.57 (no ``DistributedConfig``) in the ``.ve
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +21,7 @@ import pytest
 import torch
 
 import harness as H
+from multiproc import launch_cases
 import nd_worker as W
 
 GRAD_TOL = 1e-5  # relative, fp32
@@ -47,28 +45,8 @@ def nd_runs():
         nd.check_route(ParallelDims(4, dp_shard=2, tp=2))
     except nd.NDParallelError as err:
         pytest.skip(str(err))
-    out = Path(tempfile.mkdtemp(prefix="hgf_nd_"))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
-        str(H.TESTS_DIR / "nd_worker.py"), "--out", str(out), "--scenarios", ",".join(ALL),
-    ]
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=480)
-    if proc.returncode != 0:
-        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
-        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
-        pytest.fail(f"nd_worker failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
-    runs = {}
-    for name in ALL:
-        runs[name] = [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    runs["_stderr"] = proc.stderr
-    if os.environ.get("HGF_KEEP_ND_RUNS") != "1":  # set it to keep the records for a look
-        shutil.rmtree(out, ignore_errors=True)
+    runs, proc = launch_cases("nd_worker.py", ALL, nproc=4, flag="--scenarios", keep_env="HGF_KEEP_ND_RUNS")
+    runs["_stderr"] = proc.stderr  # set HGF_KEEP_ND_RUNS=1 to keep the records for a look
     return runs
 
 

@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 import harness as H
+from multiproc import launch_cases
 import pp_worker as W
 
 TOL = 1e-5
@@ -41,26 +37,8 @@ def pp_runs():
 
     if transformers_major() < 5:
         pytest.skip("pipeline parallelism needs transformers 5.x (refused on 4.57)")
-    out = Path(tempfile.mkdtemp(prefix="hgf_pp_"))
     # through the user's route: hf-gradfix launch with the shipped CPU config (its section reaches every rank)
-    cmd = [
-        sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(H.REPO_ROOT / "configs/cpu_pp.yaml"),
-        "--main_process_port", str(H._free_port()),
-        str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(ALL),
-    ]
-    env = dict(os.environ)
-    env.pop("HF_GRADFIX_CONFIG", None)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=480)
-    if proc.returncode != 0:
-        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
-        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
-        pytest.fail(f"pp_worker failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
-    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in ALL}
-    shutil.rmtree(out, ignore_errors=True)
+    runs, _ = launch_cases("pp_worker.py", ALL, nproc=2, via_config=H.REPO_ROOT / "configs/cpu_pp.yaml")
     return runs
 
 
@@ -103,23 +81,7 @@ def pp_dp_runs():
 
     if transformers_major() < 5:
         pytest.skip("pipeline parallelism needs transformers 5.x (refused on 4.57)")
-    out = Path(tempfile.mkdtemp(prefix="hgf_ppdp_"))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
-        str(H.TESTS_DIR / "pp_worker.py"), "--out", str(out), "--cases", ",".join(DP_CASES + DP_RESUME),
-    ]
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=480)
-    if proc.returncode != 0:
-        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
-        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
-        pytest.fail(f"pp_worker (4 processes) failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
-    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(4)] for name in DP_CASES + DP_RESUME}
-    shutil.rmtree(out, ignore_errors=True)
+    runs, _ = launch_cases("pp_worker.py", DP_CASES + DP_RESUME, nproc=4)
     return runs
 
 

@@ -1,0 +1,107 @@
+"""Multi-process test plumbing shared by the gloo suites (pp, nd, cp, DeepSpeed): one launch runs a worker script
+over a list of named cases; every rank writes ``OUT/<case>/rank<r>.pt`` (or ``FAILED_rank<r>`` with its traceback).
+
+Test side::
+
+    runs, proc = launch_cases("pp_worker.py", ["pp2_1f1b_ga4"], nproc=2, via_config=REPO_ROOT / "configs/cpu_pp.yaml")
+    runs["pp2_1f1b_ga4"][0]  # rank 0's record
+
+Worker side (after the worker set up its process group)::
+
+    run_cases(names, out, rank, lambda name: run_case(name, out, rank, world), cleanup=lambda name: hf_gradfix.unpatch())
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Callable, Iterable
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(**extra: str) -> dict:
+    """The launched processes' environment: one thread each (2 cores here), the repository and tests importable,
+    offline, no hf_gradfix section inherited from the test process."""
+    env = dict(os.environ)
+    env.pop("HF_GRADFIX_CONFIG", None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra)
+    return env
+
+
+def launch_cases(
+    worker: str,
+    names: list[str],
+    *,
+    nproc: int,
+    flag: str = "--cases",
+    via_config: str | os.PathLike | None = None,
+    env: dict | None = None,
+    timeout: float = 480,
+    keep_env: str = "HGF_KEEP_RUNS",
+) -> tuple[dict[str, list[dict]], subprocess.CompletedProcess]:
+    """Run ``tests/<worker> --out DIR <flag> a,b,...`` on ``nproc`` gloo processes and load every rank's record.
+
+    ``via_config``: launch through ``hf-gradfix launch --config_file`` (what users run; the file's ``hf_gradfix:``
+    section reaches every rank), else ``torch.distributed.run``. A failed launch fails the test with the first
+    rank traceback and the tail of stderr. Set the environment variable ``keep_env`` to 1 to keep the records.
+    """
+    import pytest
+    import torch
+
+    out = Path(tempfile.mkdtemp(prefix=f"hgf_{Path(worker).stem}_"))
+    if via_config is not None:
+        launcher = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(via_config),
+                    "--main_process_port", str(free_port())]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
+                    "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    cmd = launcher + [str(TESTS_DIR / worker), "--out", str(out), flag, ",".join(names)]
+    proc = subprocess.run(cmd, cwd=str(REPO_ROOT), env=env if env is not None else worker_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
+        detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])
+        pytest.fail(f"{worker} failed (rc {proc.returncode}); {failed}\n{detail}\n{proc.stderr[-6000:]}")
+    runs = {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(nproc)] for name in names}
+    if os.environ.get(keep_env) != "1":
+        shutil.rmtree(out, ignore_errors=True)
+    return runs, proc
+
+
+def run_cases(names: Iterable[str], out: Path, rank: int, run_one: Callable[[str], None],
+              cleanup: Callable[[str], None] | None = None) -> None:
+    """The worker's loop: each case in order, its traceback into ``OUT/<case>/FAILED_rank<r>`` (then re-raised, so
+    the launch fails), ``cleanup(name)`` after every case, a barrier between cases, the group destroyed at the end."""
+    import torch
+
+    for name in names:
+        (out / name).mkdir(parents=True, exist_ok=True)
+        try:
+            run_one(name)
+        except Exception:
+            (out / name / f"FAILED_rank{rank}").write_text(traceback.format_exc())
+            raise
+        finally:
+            if cleanup is not None:
+                cleanup(name)
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
