@@ -17,7 +17,12 @@ computes). A step waits for its slowest rank, so the figure is max / mean over r
 over the rows and worst row. The CPU path (SDPA with a dense mask) computes every score of its local rows whatever the
 balance, so this matters on block-sparse kernels; the pair counts are the FLOPs the mask keeps.
 
-    python benchmarks/bench_cp_packing_balance.py [--out benchmarks/results/cp_packing_balance.md]
+Step time on CPU (``--time-cp``): the attention forward of each rank's local queries against the gathered row,
+timed with a block-sparse kernel that runs here, torch's FlexAttention compiled for the CPU (forward only: its
+backward is not implemented on CPU in torch 2.13), under each balancer's document-causal block mask. A step waits
+for its slowest rank, so the step's attention time is the sum over rows of the slowest rank's time.
+
+    python benchmarks/bench_cp_packing_balance.py [--out benchmarks/results/cp_packing_balance.md] [--time-cp 2,4]
 """
 
 from __future__ import annotations
@@ -59,10 +64,85 @@ def layout(docs: list[int], cp: int) -> list[int]:
     return padded + ([tail] if tail else [])
 
 
+def rank_queries(row: list[int], cp: int, balancer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids of the permuted row, document of every original token, the permutation as rank r sees it)."""
+    from hf_gradfix.parallel.context_packing import load_balance_indices
+
+    length = sum(row)
+    if balancer == "none":
+        indices = torch.arange(length)
+    elif balancer == "head_tail":
+        indices = load_balance_indices([[length]], cp)[0]
+    else:
+        indices = load_balance_indices([row], cp, by_rank=balancer == "per_document")[0]
+    doc = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
+    return indices, doc, indices.reshape(cp, length // cp)
+
+
+def time_attention(packed: list[list[int]], cps: list[int], heads: int = 4, head_dim: int = 64, reps: int = 3) -> list[str]:
+    """Per balancer: the attention forward time a step waits for (sum over rows of the slowest rank), FlexAttention
+    compiled for the CPU under the block mask each rank's queries get; every row padded to the same length."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    kernel = torch.compile(flex_attention, dynamic=False)
+    long_rows = [docs for docs in packed if max(docs) > ROW // 4]
+    out = [
+        "",
+        f"## Step time on CPU: attention forward, FlexAttention (block-sparse) compiled for the CPU",
+        "",
+        f"The {len(long_rows)} rows holding a document > 2048 tokens, every row padded to the same length; each rank's "
+        f"local queries against the whole row ({heads} heads x {head_dim}, fp32, one thread), median of {reps} runs "
+        "per (row, rank). Step = sum over rows of the slowest rank (what a synchronous step waits for); ideal = sum "
+        "over rows of the mean rank. torch's FlexAttention backward is not implemented on CPU, so this is the forward; "
+        "its backward skips the same blocks.",
+        "",
+        "| cp | balancer | step (s) | ideal (s) | step / ideal | step vs none |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    torch.set_num_threads(1)
+    for cp in cps:
+        rows_laid = [layout(docs, cp) for docs in long_rows]
+        full = max(sum(r) for r in rows_laid)
+        rows_laid = [r + [full - sum(r)] if full > sum(r) else r for r in rows_laid]
+        shard = full // cp
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, heads, shard, head_dim, generator=g)
+        k = torch.randn(1, heads, full, head_dim, generator=g)
+        v = torch.randn(1, heads, full, head_dim, generator=g)
+        base = None
+        for balancer in BALANCERS:
+            step = ideal = 0.0
+            for row in rows_laid:
+                indices, doc, by_rank = rank_queries(row, cp, balancer)
+                times = []
+                for r in range(cp):
+                    mine = by_rank[r]
+
+                    def mask_mod(b, h, qi, ki, mine=mine, indices=indices, doc=doc):
+                        gq, gk = mine[qi], indices[ki]
+                        return (doc[gq] == doc[gk]) & (gk <= gq)
+
+                    block_mask = create_block_mask(mask_mod, 1, 1, shard, full, device="cpu", BLOCK_SIZE=BLOCK)
+                    kernel(q, k, v, block_mask=block_mask)  # warm-up (and the compile, once per cp)
+                    runs = []
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        kernel(q, k, v, block_mask=block_mask)
+                        runs.append(time.perf_counter() - t)
+                    times.append(sorted(runs)[len(runs) // 2])
+                step += max(times)
+                ideal += sum(times) / cp
+            base = step if balancer == "none" else base
+            out.append(f"| {cp} | {balancer} | {step:.2f} | {ideal:.2f} | {step / ideal:.2f} | {step / base:.2f} |")
+            print(out[-1], flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "cp_packing_balance.md"))
     p.add_argument("--cp", default="2,4,8")
+    p.add_argument("--time-cp", default="2,4", help="cp degrees of the step-time table ('' to skip it)")
     a = p.parse_args(argv)
     lens = lengths()
     packed = rows(lens)
@@ -94,8 +174,10 @@ def main(argv=None) -> None:
             print(lines[-1], flush=True)
     lines += ["", "On the CPU path (SDPA with a dense (L/cp) x L mask) every rank computes all its scores, so the step time "
               "is the same on every rank whatever the balancer; these ratios are the step-time ratios of a kernel that "
-              "skips masked scores (pairs) or masked 128-blocks (FlexAttention-style).", "",
-              f"({time.time() - start:.0f} s on CPU)", ""]
+              "skips masked scores (pairs) or masked 128-blocks (FlexAttention-style)."]
+    if a.time_cp:
+        lines += time_attention(packed, [int(c) for c in a.time_cp.split(",")])
+    lines += ["", f"({time.time() - start:.0f} s on CPU)", ""]
     Path(a.out).write_text("\n".join(lines))
     print(f"wrote {a.out}")
 

@@ -41,7 +41,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     # from_env: patch() with no argument reads the section `hf-gradfix launch` exported from configs/cpu_pp.yaml
     "pp2_1f1b_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "from_env": True}),
     "pp2_gpipe_ga4": ({"parallel": {"pp": 2, "pp_schedule": "gpipe"}}, {"ga": 4, "yaml": True, "eval": True}),
-    "pp2_1f1b_ga1": ({"parallel": {"pp": 2}}, {"ga": 1}),
+    # + after training, a second Trainer on the same (split) model must be refused on every rank, not hang
+    "pp2_1f1b_ga1": ({"parallel": {"pp": 2}}, {"ga": 1, "second_trainer": True}),
     "pp2_interleaved_ga4": ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}}, {"ga": 4}),
     "pp2_zero_bubble_ga4": ({"parallel": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2}}, {"ga": 4}),
     "pp2_1f1b_ga4_callback_clip": ({"parallel": {"pp": 2}}, {"ga": 4, "callback": True, "clip": 0.05}),
@@ -248,6 +249,13 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
             payload.update(_resume_case(trainer, args, config, collator, samples))
             torch.save(payload, out / name / f"rank{rank}.pt")
             return
+        if opts.get("second_trainer"):
+            try:
+                harness._subclass(trainer_cls)(model=trainer.model, args=args, train_dataset=dataset,
+                                               data_collator=collator)
+                payload["second_trainer_error"] = None
+            except Exception as err:  # noqa: BLE001 - recorded, checked by the test
+                payload["second_trainer_error"] = f"{type(err).__name__}: {err}"
         if opts.get("eval"):  # 11 samples, bs 2: the last batch is short (and padded by accelerate under dp 2)
             trainer.args.per_device_eval_batch_size = 2
             metrics = trainer.evaluate(eval_dataset=harness.ListDataset(samples[: N_SAMPLES - 5]))

@@ -194,6 +194,16 @@ def test_resume_on_another_mesh_is_one_line(tmp_path):
         glue.load_stage(None, Plan(), str(tmp_path / "missing"), optimizer=False)
 
 
+def test_second_trainer_on_a_split_model_is_refused_on_every_rank(pp_runs):
+    """The edge after a run: the model stays split (each rank holds its stage); a new Trainer on it is refused in
+    one line on both ranks (it would otherwise broadcast mismatched tensors and hang)."""
+    for r in pp_runs["pp2_1f1b_ga1"]:
+        err = r["second_trainer_error"]
+        assert err is not None and err.startswith("PipelineError") and "already split" in err, err
+        assert "\n" not in err and "from_pretrained" in err, err
+        assert r["steps"], "the first trainer trained"
+
+
 @pytest.mark.parametrize("case", STOCK)
 def test_stock_normalization_fails_the_same_check(table, case):
     assert table[case]["grad"] > 100 * TOL, table[case]

@@ -36,6 +36,7 @@ from ..parallel.pipeline import (
     PipelineError,
     build_stages,
     check_combination,
+    check_not_split,
     check_schedule,
     make_schedule,
     tie_gradients,
@@ -240,7 +241,7 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
     check_combination(pp=dims.pp, tp=dims.tp, cp=dims.cp, dp_shard=dims.dp_shard, packing=config.packing.enabled,
                       optimizer=optimizer, fsdp_plugin=fsdp_plugin, optimizer_key=key)
     model = trainer.model
-    from ..config.schema import ParallelConfig  # noqa: F401  (the section's type, for the reader)
+    check_not_split(model)  # before any collective: every rank holds the mark, every rank refuses
 
     cfg = getattr(model, "config", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -54,6 +54,7 @@ __all__ = [
     "pp_plan_of",
     "decoder_stage_class",
     "build_stages",
+    "check_not_split",
     "window_loss_fn",
     "make_schedule",
 ]
@@ -442,6 +443,21 @@ def check_stages_reproduce_forward(model, plan: PPPlan | None = None, num_stages
         )
 
 
+SPLIT_MARK = "_hf_gradfix_pipeline_split"
+
+
+def check_not_split(model) -> None:
+    """Refuse a model an earlier Trainer already split into pipeline stages (every rank holds only its stage, so
+    splitting or broadcasting it again would mix stages or hang); the same on every rank, before any collective."""
+    split = getattr(model, SPLIT_MARK, None)
+    if split is not None:
+        raise PipelineError(
+            f"parallel.pp: this {_model_name(model)} was already split into pipeline stages by an earlier Trainer "
+            f"({split}); build the new Trainer on a freshly loaded model (e.g. from_pretrained of the saved "
+            "checkpoint), or keep using the first trainer (trainer.evaluate(), trainer.train() again)"
+        )
+
+
 def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, group,
                  fsdp_mesh=None, tp_mesh=None) -> tuple[list, list]:
     """Split ``model`` in place for pipeline rank ``pp_rank``: returns ``(stage modules, torch PipelineStages)``.
@@ -466,6 +482,8 @@ def build_stages(model, *, pp: int, pp_rank: int, virtual_stages: int, device, g
     modules = [cls(model, plan, s, num_stages, ranges[s]) for s in ids]
     kept = {i for s in ids for i in ranges[s]}
     _prune(model, plan, kept, first=0 in ids, last=(num_stages - 1) in ids)
+    # the split cannot be undone: a later Trainer on this model must not split (or broadcast) it again
+    setattr(model, SPLIT_MARK, f"pp={pp}, stage(s) {ids} of {num_stages}")
     if tp_mesh is not None:
         for m in modules:
             tensor_parallel_stage(m, tp_mesh, model.config)
