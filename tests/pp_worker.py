@@ -43,6 +43,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     "pp2_gpipe_ga4": ({"parallel": {"pp": 2, "pp_schedule": "gpipe"}}, {"ga": 4, "yaml": True, "eval": True}),
     # + after training, a second Trainer on the same (split) model must be refused on every rank, not hang
     "pp2_1f1b_ga1": ({"parallel": {"pp": 2}}, {"ga": 1, "second_trainer": True}),
+    # the edges: 13 samples, bs 2, GA 4 -> windows of 4 and 3 micro-batches (the last one a single sample), 2 epochs
+    "pp2_short_epochs2": ({"parallel": {"pp": 2}}, {"ga": 4, "n_samples": 13, "epochs": 2}),
     "pp2_interleaved_ga4": ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}}, {"ga": 4}),
     "pp2_zero_bubble_ga4": ({"parallel": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2}}, {"ga": 4}),
     "pp2_1f1b_ga4_callback_clip": ({"parallel": {"pp": 2}}, {"ga": 4, "callback": True, "clip": 0.05}),
@@ -76,8 +78,8 @@ def build_model(tied: bool = False):
     return model
 
 
-def make_samples() -> list[dict]:
-    samples = harness.make_samples("causal", n=N_SAMPLES, vocab=LLAMA["vocab_size"], seed=3)
+def make_samples(n: int = N_SAMPLES) -> list[dict]:
+    samples = harness.make_samples("causal", n=n, vocab=LLAMA["vocab_size"], seed=3)
     for s in samples[::2]:  # every other sample: only its last 2 labels are targets
         s["labels"] = [-100] * (len(s["labels"]) - 2) + s["labels"][-2:]
     return samples
@@ -112,13 +114,19 @@ def _make_recorder():
             self.collator = None
             self.steps: list[dict] = []
             self._seen = 0
+            self.batches_per_epoch: int | None = None  # set for a single data rank: the last window may be short
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            # windows are whole (8 batches per data rank / GA 1 or 4, or 4 / GA 4); the Trainer and accelerate
-            # prefetch ahead of the window
-            n = (state.global_step + 1) * args.gradient_accumulation_steps
-            batches = self.collator.batches[self._seen : n]
-            self._seen = n
+            # the Trainer and accelerate prefetch ahead of the window, so its size comes from the data, not from
+            # what was collated: GA micro-batches, or what is left of the epoch (known from the sample count)
+            ga = args.gradient_accumulation_steps
+            size = ga
+            if self.batches_per_epoch is not None:
+                windows_per_epoch = -(-self.batches_per_epoch // ga)
+                k = state.global_step % windows_per_epoch
+                size = min(ga, self.batches_per_epoch - k * ga)
+            batches = self.collator.batches[self._seen : self._seen + size]
+            self._seen += size
             grads = {}
             for name, p in self.trainer.model.named_parameters():
                 if p.grad is not None:
@@ -180,10 +188,12 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     else:
         hf_gradfix.patch(source)
     model = build_model(tied=bool(opts.get("tied")))
-    samples = make_samples()
+    samples = make_samples(opts.get("n_samples", N_SAMPLES))
     collator = harness.RecordingCollator("causal", harness.PAD_ID)
     recorder = _make_recorder()
     recorder.collator = collator
+    if "n_samples" in opts:  # one data rank (pp 2 on 2 processes): per_device_train_batch_size 2
+        recorder.batches_per_epoch = -(-opts["n_samples"] // 2)
     ga = opts["ga"]
     args_cls, sft_args, trainer_kwargs, trainer_cls = transformers.TrainingArguments, {}, {}, transformers.Trainer
     dataset = harness.ListDataset(samples)
@@ -205,7 +215,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         output_dir=str(out / name / ("trainer" if opts.get("resume") else f"trainer_rank{rank}")),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=ga,
-        num_train_epochs=1,
+        num_train_epochs=opts.get("epochs", 1),
         learning_rate=1e-2 if opts.get("resume") else 0.0,
         max_steps=4 if opts.get("resume") else -1,
         save_steps=2,
