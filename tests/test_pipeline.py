@@ -13,6 +13,7 @@ layer split, the schedule and combination refusals and the model-plan refusals.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -29,17 +30,39 @@ EXACT = ["pp2_1f1b_ga4", "pp2_gpipe_ga4", "pp2_1f1b_ga1", "pp2_interleaved_ga4",
 STOCK = ["pp2_1f1b_ga4_stock"]
 REFUSED = ["loss_off_refused", "sft_dft_refused", "galore_refused"]
 ALL = EXACT + STOCK + REFUSED + ["pp2_resume"]
+# TRL is not in the transformers 4.57 environment: its cases run where it is installed
+NEEDS_TRL = {"pp2_sft_ga4", "sft_dft_refused"}
+if importlib.util.find_spec("trl") is None:
+    ALL = [c for c in ALL if c not in NEEDS_TRL]
+
+
+def _needs(case: str) -> None:
+    if case not in ALL:
+        pytest.skip(f"{case} needs TRL, not installed here")
 
 
 @pytest.fixture(scope="module")
 def pp_runs():
-    from hf_gradfix.integration.versions import transformers_major
-
-    if transformers_major() < 5:
-        pytest.skip("pipeline parallelism needs transformers 5.x (refused on 4.57)")
     # through the user's route: hf-gradfix launch with the shipped CPU config (its section reaches every rank)
     runs, _ = launch_cases("pp_worker.py", ALL, nproc=2, via_config=H.REPO_ROOT / "configs/cpu_pp.yaml")
     return runs
+
+
+def _loss_err(logged: float, loss: float) -> float:
+    """Relative error of a logged loss; transformers 4.57 logs it rounded to 4 decimals (its own rule)."""
+    from hf_gradfix.integration.versions import transformers_major
+
+    rounding = 5e-5 if transformers_major() < 5 else 0.0
+    return max(0.0, abs(logged - loss) - rounding) / abs(loss)
+
+
+def _norm_err(r: dict, k: int, norm: float, clip: float) -> float:
+    """Relative error of the logged grad norm; transformers 4.57 logs one only when it clips (as stock 4.57)."""
+    from hf_gradfix.integration.versions import transformers_major
+
+    if not r["grad_norms"] and transformers_major() < 5 and not clip:
+        return 0.0
+    return abs(r["grad_norms"][k] - norm) / norm
 
 
 def compare(ranks: list[dict]) -> dict:
@@ -65,8 +88,8 @@ def compare(ranks: list[dict]) -> dict:
             assert scale < 0.5, f"clip {clip} does not clip (norm {norm})"
         grad_err = max(grad_err, H.rel_err(grads, {n: g * scale for n, g in ref.items()}))
         for r in ranks:
-            loss_err = max(loss_err, abs(r["logged_losses"][k] - loss) / abs(loss))
-            norm_err = max(norm_err, abs(r["grad_norms"][k] - norm) / norm)
+            loss_err = max(loss_err, _loss_err(r["logged_losses"][k], loss))
+            norm_err = max(norm_err, _norm_err(r, k, norm, clip))
     return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
 
 
@@ -77,10 +100,6 @@ DP_RESUME = ["pp2_shard2_resume", "pp2_tp2_resume"]  # stock control for pp 2 x 
 @pytest.fixture(scope="module")
 def pp_dp_runs():
     """The one 4-process launch: pp 2 x dp_replicate 2 (ranks 0-1 stage 0, ranks 2-3 stage 1)."""
-    from hf_gradfix.integration.versions import transformers_major
-
-    if transformers_major() < 5:
-        pytest.skip("pipeline parallelism needs transformers 5.x (refused on 4.57)")
     runs, _ = launch_cases("pp_worker.py", DP_CASES + DP_RESUME, nproc=4)
     return runs
 
@@ -109,8 +128,8 @@ def compare_dp(ranks: list[dict]) -> dict:
             grads = {**steps[a]["grads"], **steps[b]["grads"]}
             grad_err = max(grad_err, H.rel_err(grads, {n: g * scale for n, g in ref.items()}))
         for r in ranks:
-            loss_err = max(loss_err, abs(r["logged_losses"][k] - loss) / abs(loss))
-            norm_err = max(norm_err, abs(r["grad_norms"][k] - norm) / norm)
+            loss_err = max(loss_err, _loss_err(r["logged_losses"][k], loss))
+            norm_err = max(norm_err, _norm_err(r, k, norm, clip))
     return dict(grad=grad_err, loss=loss_err, norm=norm_err, windows=len(ranks[0]["steps"]))
 
 
@@ -130,7 +149,7 @@ def test_pipeline_times_data_parallel_exact(pp_dp_runs, case):
 
 @pytest.fixture(scope="module")
 def table(pp_runs):
-    rows = {name: compare(pp_runs[name]) for name in EXACT + STOCK}
+    rows = {name: compare(pp_runs[name]) for name in EXACT + STOCK if name in ALL}
     if os.environ.get("HGF_PP_TABLE") == "1":
         print("\ncase                      windows  grad rel err  loss rel err  grad-norm rel err")
         for name, r in rows.items():
@@ -140,6 +159,7 @@ def table(pp_runs):
 
 @pytest.mark.parametrize("case", EXACT)
 def test_pipeline_exact_against_one_process(table, pp_runs, case):
+    _needs(case)
     row = table[case]
     assert row["grad"] <= TOL, row
     assert row["loss"] <= TOL, row  # the logged loss reached the first stage too (checked on both ranks)
@@ -215,11 +235,24 @@ def test_tied_embedding_copies_stay_equal(pp_runs):
     assert "model.embed_tokens.weight" in r0["params"] and "lm_head.weight" in r1["params"]
 
 
+def _padded_tokens(record: dict, samples: dict) -> int:
+    return sum(len(b) * max(len(samples[i]["input_ids"]) for i in b) for st in record["steps"] for b in st["idx_batches"])
+
+
 def test_tokens_seen_count_each_batch_once(pp_runs):
     r0, r1 = pp_runs["pp2_1f1b_ga4"]
     samples = {s["idx"]: s for s in r0["samples"]}
-    padded = sum(len(b) * max(len(samples[i]["input_ids"]) for i in b) for st in r0["steps"] for b in st["idx_batches"])
-    assert r0["tokens_seen"] == r1["tokens_seen"] == padded
+    assert r0["tokens_seen"] == r1["tokens_seen"] == _padded_tokens(r0, samples)
+
+
+@pytest.mark.parametrize("case", ["pp2_rep2_1f1b_ga4", "pp2_tp2_1f1b_ga4"])
+def test_tokens_seen_count_each_data_rank_batch_once(pp_dp_runs, case):
+    """pp 2 x dp 2: the two data ranks' batches; pp 2 x tp 2: one batch (all four ranks hold it)."""
+    runs = pp_dp_runs[case]
+    samples = {s["idx"]: s for s in runs[0]["samples"]}
+    data_ranks = [runs[0]] if "tp2" in case else [runs[0], runs[1]]
+    expected = sum(_padded_tokens(r, samples) for r in data_ranks)
+    assert [r["tokens_seen"] for r in runs] == [expected] * 4
 
 
 def test_stages_hold_disjoint_parameters(pp_runs):
@@ -237,6 +270,7 @@ def test_stages_hold_disjoint_parameters(pp_runs):
     ("galore_refused", "basis over the whole world"),
 ])
 def test_refusals_name_key_and_fix(pp_runs, case, needle):
+    _needs(case)
     for r in pp_runs[case]:
         assert needle in r["error"], r["error"]
         assert "\n" not in r["error"]
@@ -401,11 +435,8 @@ def test_stages_reproduce_the_model_or_refuse(class_name, extra):
     """Behaviour, not a list: the plugin accepts a model exactly when its stages, chained on one process, give the
     model's own logits and gradients (measured here, per family); otherwise it refuses in one line, before the
     split. A model without a pp plan is refused as such."""
-    from hf_gradfix.integration.versions import transformers_major
     from hf_gradfix.parallel.pipeline import PipelineError, check_stages_reproduce_forward
 
-    if transformers_major() < 5:
-        pytest.skip("pipeline parallelism needs transformers 5.x (the Trainer refuses it on 4.x)")
     model = _tiny(class_name, extra)
     has_plan = bool(getattr(model.base_model, "_pp_plan", None) or getattr(model.config, "base_model_pp_plan", None))
     if not has_plan:

@@ -77,6 +77,7 @@ class PipelinePlan:
     pending: list = field(default_factory=list)  # this window's micro-batches so far
     window_count: float | None = None
     window_size: int = 0
+    tokens_counted: int = 0  # num_input_tokens_seen after the last correction (transformers 4.57 counts inline)
 
     @property
     def is_last(self) -> bool:
@@ -102,8 +103,6 @@ def _refuse_trainer(trainer, config: GradFixConfig, dims: ParallelDims) -> None:
     from transformers import Trainer
 
     what = f"hf_gradfix parallel.pp={dims.pp}"
-    if transformers_major() < 5:
-        raise PipelineError(f"{what}: pipeline parallelism needs transformers 5.x; install transformers>=5.23, or pp: 1")
     if not config.loss.enabled:
         raise PipelineError(
             f"{what} with loss.enabled=false: the pipeline's loss is the window's exact token mean (there is no stock "
@@ -215,6 +214,30 @@ def _prepare_data_loader_for(trainer, dims: ParallelDims, rank: int):
     accelerator.prepare_data_loader = _prepare  # this trainer's accelerator instance only
 
 
+def count_each_batch_once(trainer, plan: "PipelinePlan", before: int) -> None:
+    """transformers counts ``num_input_tokens_seen`` gathered over every rank, but the pp (and tp) ranks of a
+    pipeline hold the same batch: what was added since ``before`` is counted once per data-parallel rank."""
+    same_batch = plan.dims.pp * plan.dims.tp
+    added = trainer.state.num_input_tokens_seen - before
+    trainer.state.num_input_tokens_seen = before + added // same_batch
+    plan.tokens_counted = trainer.state.num_input_tokens_seen
+
+
+def _route_clipping_457(trainer, plan: "PipelinePlan") -> None:
+    """transformers 4.57 clips with ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` inside its loop
+    (5.x calls ``Trainer._clip_grad_norm``, overridden in the mixin): on this trainer's accelerator instance only,
+    the norm is the whole pipeline's (:func:`clip_grad_norm`)."""
+    accelerator = trainer.accelerator
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        if norm_type != 2:
+            raise PipelineError(f"hf_gradfix parallel.pp: gradient clipping with norm_type={norm_type}; only the "
+                                "2-norm is reduced over the pipeline; use max_grad_norm with the default 2-norm")
+        return clip_grad_norm(trainer, plan, float(max_norm))
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
 def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
     """Split the trainer's model into this rank's pipeline stage(s) and route its data (None when ``pp`` is 1)."""
     import torch.distributed as dist
@@ -288,6 +311,11 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
     # world would mix stages) nor move it
     trainer.is_distributed_loading_by_transformers = True
     trainer.place_model_on_device = False
+    if transformers_major() < 5:
+        # 4.57's Trainer has no such flag; it skips accelerate's model preparation (DDP) for a model transformers
+        # tensor-parallelized at load time (is_tp_enabled), which is the same situation
+        trainer.is_tp_enabled = True
+        _route_clipping_457(trainer, plan)
     _prepare_data_loader_for(trainer, dims, rank)
     if trainer.accelerator.is_main_process:
         logger.info("hf_gradfix: %s", plan.line)

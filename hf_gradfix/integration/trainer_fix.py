@@ -697,6 +697,7 @@ class _GradFixTop:
         plan = state.pp
         plan.pending = []
         plan.window_size = len(batches)
+        plan.tokens_counted = self.state.num_input_tokens_seen  # 4.57 adds each micro-batch's tokens inline
         plan.window_count = count_window(self, plan, batches) if batches else 0.0
         state.window = _Window(plan.window_count, len(batches)) if batches else None
         count = plan.window_count
@@ -707,9 +708,9 @@ class _GradFixTop:
         super()._track_num_input_tokens(inputs)
         state = state_of(self)
         if state is not None and state.pp is not None:
-            # gathered over every rank, but the pp ranks of a pipeline hold the same batch: count it once
-            added = self.state.num_input_tokens_seen - before
-            self.state.num_input_tokens_seen = before + added // state.pp.dims.pp
+            from .pipeline import count_each_batch_once
+
+            count_each_batch_once(self, state.pp, before)
 
     def _sync_replicated_trainable_parameters(self, model):
         # a pipelined model holds different weights on each stage: transformers' world-wide broadcast does not apply
@@ -741,6 +742,10 @@ class _GradFixTop:
             from .pipeline import run_window
 
             plan = state.pp
+            if transformers_major() < 5:  # 4.57 added this micro-batch's tokens inline, just before this call
+                from .pipeline import count_each_batch_once
+
+                count_each_batch_once(self, plan, plan.tokens_counted)
             plan.pending.append(self._prepare_inputs(inputs))
             if len(plan.pending) < plan.window_size:
                 return torch.zeros((), device=self.args.device)
@@ -991,7 +996,8 @@ class _GradFixTop:
 
 
 
-# Pipeline-parallel overrides of Trainer methods that only transformers 5.x has (pp runs on 5.x only). On 4.57 the
+# Pipeline-parallel overrides of Trainer methods that only transformers 5.x has (on 4.57 the pipeline glue routes
+# clipping through this trainer's accelerator and corrects the token count in training_step). On 4.57 the
 # mixin must not add them: code that tells the two Trainers apart by these methods (the noise-scale monitor reads the
 # pre-clip norm through ``_get_grad_norm`` on 5.x and through ``accelerator.clip_grad_norm_`` on 4.57) would take
 # the 5.x path, which the 4.57 Trainer never calls.

@@ -214,6 +214,9 @@ def pp_plan_of(model) -> PPPlan:
     after = names[names.index(layers[0]) + 1:]
     head_plan = dict(getattr(model, "_pp_plan", None) or {})
     heads = [n for n, (_, outs) in head_plan.items() if "logits" in outs]
+    if not heads:  # transformers 4.57's post_init replaces the class's head plan with the base model's, prefixed
+        head_plan = dict(getattr(type(model), "_pp_plan", None) or {})
+        heads = [n for n, (_, outs) in head_plan.items() if "logits" in outs]
     if len(heads) != 1:
         raise PipelineError(
             f"parallel.pp: {_model_name(model)} has no output head in its _pp_plan ({head_plan}); only causal LMs "
@@ -307,9 +310,10 @@ def decoder_stage_class():
             self._mask_takes = {t: set(inspect.signature(f).parameters) for t, f in self._masks.items()}
 
         def _mask(self, kind: str, hidden, attention_mask, position_ids):
-            kwargs = {"config": self.config, "inputs_embeds": hidden, "attention_mask": attention_mask,
-                      "position_ids": position_ids}
             takes = self._mask_takes[kind]
+            embeds = "inputs_embeds" if "inputs_embeds" in takes else "input_embeds"  # transformers 4.57's name
+            kwargs = {"config": self.config, embeds: hidden, "attention_mask": attention_mask,
+                      "position_ids": position_ids}
             for name in ("cache", "past_key_values"):
                 if name in takes:
                     kwargs[name] = None
