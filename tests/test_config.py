@@ -43,7 +43,7 @@ use_cpu: false
 hf_gradfix:
   loss:
     count_rule: shifted
-    on_undetermined: warn
+    on_undetermined: error
   log_fixes: false
 """
 
@@ -75,7 +75,7 @@ def test_defaults():
     assert cfg.loss.enabled is True
     assert cfg.loss.count_rule == "auto"
     assert cfg.loss.eval_token_mean is True
-    assert cfg.loss.on_undetermined == "error"
+    assert cfg.loss.on_undetermined == "warn"
     assert cfg.loss.aux_loss == "micro_batch_mean"
     assert cfg.log_fixes is True
     assert config_from_dict({}) == GradFixConfig()
@@ -127,7 +127,7 @@ def test_yaml_file_with_accelerate_keys(tmp_path):
     path = write(tmp_path, ACCELERATE_YAML)
     cfg = load_config(path)  # os.PathLike
     assert cfg.loss.count_rule == "shifted"
-    assert cfg.loss.on_undetermined == "warn"
+    assert cfg.loss.on_undetermined == "error"
     assert cfg.log_fixes is False
     assert load_config(str(path)) == cfg  # str path
 

@@ -10,6 +10,9 @@ where the plugin cannot decide.
 
 from __future__ import annotations
 
+import contextlib
+
+import logging
 import math
 import shutil
 import tempfile
@@ -198,30 +201,44 @@ def _tuple_trainer(outdir):
                               data_collator=_tuple_collator)
 
 
-def test_unreadable_batch_is_an_error_naming_its_type(outdir):
-    hf_gradfix.patch({"log_fixes": False})
-    try:
-        trainer = _tuple_trainer(outdir)
-    finally:
-        hf_gradfix.unpatch()
-    with pytest.raises(GradFixError, match=r"batch of type builtins\.tuple.*on_undetermined: warn"):
-        trainer.train()
-
-
-def test_unreadable_batch_fix_on_undetermined_warn_trains_as_stock(outdir, caplog):
+@pytest.mark.parametrize("on_undetermined", ["warn", "error"])
+def test_unreadable_batch_trains_as_stock_with_one_warning(outdir, on_undetermined):
+    """A batch layout the plugin cannot count (tuples, unpacked by the user's compute_loss) is never refused, whatever
+    loss.on_undetermined says: the trainer trains exactly as stock, with one warning naming the type."""
     torch.manual_seed(0)
     stock = _tuple_trainer(outdir)
     stock.args.learning_rate = 0.5
     stock.train()
-    hf_gradfix.patch({"log_fixes": False, "loss": {"on_undetermined": "warn"}})
+    hf_gradfix.patch({"log_fixes": False, "loss": {"on_undetermined": on_undetermined}})
     try:
         ours = _tuple_trainer(outdir)
     finally:
         hf_gradfix.unpatch()
     ours.args.learning_rate = 0.5
-    ours.train()
+    with _captured("hf_gradfix") as records:
+        ours.train()
     assert _weights_rel_err(ours.model.state_dict(), stock.model.state_dict()) < 1e-6
-    assert "left to transformers" in caplog.text
+    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "builtins.tuple" in warnings[0] and "trains exactly as stock" in warnings[0]
+
+
+@contextlib.contextmanager
+def _captured(name):
+    """The records of one logger (hf_gradfix's handler does not propagate to the root logger)."""
+    records = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = _Keep(level=logging.DEBUG)
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 def _odd_scaling_loss(outputs, labels, num_items_in_batch=None):
@@ -240,23 +257,27 @@ def _odd_loss_trainer(outdir):
 
 
 def test_undeterminable_scaling_error_and_its_fix(outdir):
-    hf_gradfix.patch({"log_fixes": False})
+    """A loss whose scaling no probe can read: by default the trainer trains exactly as stock, with one warning;
+    ``loss.on_undetermined: error`` stops instead, naming the fix (which is the default)."""
+    hf_gradfix.patch({"log_fixes": False, "loss": {"on_undetermined": "error"}})
     try:
         trainer = _odd_loss_trainer(outdir)
     finally:
         hf_gradfix.unpatch()
     with pytest.raises(GradFixError, match=r"scales its loss with num_items_in_batch.*on_undetermined: warn"):
         trainer.train()
-    # the suggested fix: leave this loss to transformers, which then trains exactly as stock
     stock = _odd_loss_trainer(outdir)
     stock.train()
-    hf_gradfix.patch({"log_fixes": False, "loss": {"on_undetermined": "warn"}})
+    hf_gradfix.patch({"log_fixes": False})
     try:
         ours = _odd_loss_trainer(outdir)
     finally:
         hf_gradfix.unpatch()
-    ours.train()
+    with _captured("hf_gradfix") as records:
+        ours.train()
     assert _weights_rel_err(ours.model.state_dict(), stock.model.state_dict()) < 1e-6
+    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "trains exactly as stock" in warnings[0], warnings
 
 
 def _one_token_tokcls(outdir, patch_config):
@@ -275,7 +296,7 @@ def _one_token_tokcls(outdir, patch_config):
 
 
 def test_undeterminable_count_rule_error_and_its_fix(outdir):
-    trainer = _one_token_tokcls(outdir, {})
+    trainer = _one_token_tokcls(outdir, {"loss": {"on_undetermined": "error"}})
     with pytest.raises(GradFixError, match=r"which targets .* counts.*loss\.count_rule"):
         trainer.train()
     # the suggested fix: name the rule; the run is then exact against the ground truth

@@ -98,8 +98,12 @@ class LossConfig:
         metadata={"help": "eval_loss = exact token mean over the whole eval set and all ranks"},
     )
     on_undetermined: OnUndetermined = field(
-        default="error",
-        metadata={"help": "what to do when a probe cannot tell how a loss is normalized"},
+        default="warn",
+        metadata={
+            "help": "a loss whose normalization a probe cannot tell: 'warn' = that trainer trains exactly as stock, "
+            "with one warning naming what could not be read; 'error' = stop with that message (a batch that is not "
+            "a Mapping always trains as stock, with one warning)"
+        },
     )
     aux_loss: AuxLossMode = field(
         default="micro_batch_mean",

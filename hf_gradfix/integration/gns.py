@@ -254,7 +254,12 @@ class GradientNoiseScaleCallback(TrainerCallback):
         def get_batch_samples(epoch_iterator, num_batches, device):
             batches, num_items = original(epoch_iterator, num_batches, device)
             if self._live(get_batch_samples):
-                self._start_window(batches, num_items)
+                st = state_of(self._trainer)
+                window = st.window if st is not None else None
+                if window is not None and window.pending:  # hf_gradfix counts this window at its first forward
+                    window.on_counted.append(lambda: self._live(get_batch_samples) and self._start_window(batches, num_items))
+                else:
+                    self._start_window(batches, num_items)
             return batches, num_items
 
         return get_batch_samples

@@ -11,6 +11,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +32,31 @@ _STATE_ATTR = "_gradfix"
 
 @dataclass
 class _Window:
+    """One optimizer window as the training loop drew it."""
+
     global_count: float | None  # targets in the whole optimizer window on all data ranks; None: no labels
     micro_batches: int
+    # the micro-batches as drawn (``training_step`` tells a step of this window from a call of its own by identity)
+    batches: list = field(default_factory=list, repr=False)
+    # counted at its first forward, inside the first training step: the loss is probed there, once the training loop
+    # and the trainer have set everything a compute_loss may read (e.g. current_gradient_accumulation_steps)
+    pending: bool = False
+    on_counted: list[Callable[[], None]] = field(default_factory=list, repr=False)  # run once the count is known
+
+    def holds(self, batch: Any) -> bool:
+        return any(batch is b for b in self.batches)
+
+
+@dataclass
+class _Step:
+    """The ``training_step`` in progress."""
+
+    # True: a call of the user's own (a hand-written loop, a fresh trainer), not a micro-batch of the drawn window
+    explicit: bool
+    count: Any = None  # an explicit call's num_items_in_batch: the target count of its window, all ranks
+    drawn: Any = field(default=None, repr=False)  # the micro-batch as drawn (compute_loss gets it prepared)
+    returned: float | None = None  # the last loss hf_gradfix's compute_loss returned (already normalized)
+    rescaled_by: float | None = None  # a division by the accumulation steps after compute_loss, undone
 
 
 @dataclass
@@ -51,6 +75,7 @@ class GradFixState:
 
     config: GradFixConfig
     source: str
+    settings_from: str = "defaults"  # the sources whose settings combined into ``config`` (hf_gradfix.config.sources)
     probed: bool = False
     flags_set: bool = False
     chain_is_default: bool = True
@@ -60,6 +85,9 @@ class GradFixState:
     chain: LossBehaviour | None = None  # the effective compute_loss (user override, TRL, ...)
     aux_coef: float = 0.0
     window: _Window | None = None
+    step: _Step | None = None  # the training_step in progress, if any
+    ga_division_logged: bool = False  # the warning for a training_step that divides by the accumulation steps, once
+    explicit_logged: bool = False  # the note for a training_step called without a count outside train(), once
     eval_totals: _EvalTotals | None = None
     last_aux: float = 0.0
     in_probe: bool = False

@@ -43,6 +43,7 @@ from .state import (  # noqa: F401  (re-exported: documented and imported from h
     _EvalTotals,
     _nd_dims,
     _replicated_divisor,
+    _Step,
     _tp_size,
     _Window,
     state_of,
@@ -60,16 +61,20 @@ def _has_labels(batch: Any) -> bool:
     return isinstance(batch, Mapping) and torch.is_tensor(batch.get("labels"))
 
 
-def _check_readable(batches: list) -> None:
-    """Every batch must be a Mapping: the Trainer passes it on as ``model(**batch)``; anything else is named, not
-    skipped (a skipped batch would silently drop its targets from the count)."""
+class _UnreadableBatch(GradFixError):
+    """A training batch the plugin cannot count (not a Mapping): that trainer trains as stock, with one warning."""
+
+
+def _check_readable(trainer: Trainer, batches: list) -> None:
+    """Every batch must be a Mapping (the Trainer passes it on as ``model(**batch)``). Anything else, e.g. the list of
+    prompts of TRL's GRPOTrainer, is a layout the plugin does not understand: it is never refused and never skipped
+    (a skipped batch would silently drop its targets from the count); the trainer trains as stock."""
     for batch in batches:
         if not isinstance(batch, Mapping):
-            raise GradFixError(
-                f"hf_gradfix cannot read a training batch of type {type(batch).__module__}.{type(batch).__qualname__}: "
-                "it counts targets in a Mapping's 'labels' (a dict or transformers.BatchEncoding, what every "
-                "transformers and TRL collator returns). Fix: make the data collator return a Mapping with the targets "
-                "under 'labels', or set `loss: {on_undetermined: warn}` to leave the loss to transformers."
+            raise _UnreadableBatch(
+                f"hf_gradfix cannot read {type(trainer).__name__}'s training batches (a "
+                f"{type(batch).__module__}.{type(batch).__qualname__}, not a Mapping with the targets under 'labels'), "
+                "so it cannot count their targets: this trainer trains exactly as stock computes it."
             )
 
 
@@ -179,9 +184,11 @@ def _first_class_defining(trainer: Trainer, name: str, after: type) -> type | No
     return None
 
 
-def _probe(trainer: Trainer, state: GradFixState, batch: Mapping) -> None:
+def _probe(trainer: Trainer, state: GradFixState, batch: Mapping, prepared: bool = False) -> None:
     model = trainer.model
-    batch = dict(trainer._prepare_inputs(batch))  # the probes edit labels on copies: a plain dict of the same tensors
+    # the probes edit labels on copies: a plain dict of the same tensors (a batch compute_loss was given is prepared
+    # already: a trainer's own _prepare_inputs may have side effects, e.g. generation)
+    batch = dict(batch if prepared else trainer._prepare_inputs(batch))
     was_training = model.training
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     holder: dict[str, Any] = {}
@@ -202,6 +209,13 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping) -> None:
     # TRL's trainers record per-forward metrics (entropy, token accuracy) in `_metrics[mode]` from compute_loss; the
     # probe's forwards must not be averaged into the next logged eval metrics
     saved_metrics = copy.deepcopy(trainer.__dict__["_metrics"]) if "_metrics" in trainer.__dict__ else None
+    # The probes pass a count, and a compute_loss given a count may read what the training loop sets per window (TRL's
+    # SFTTrainer reads current_gradient_accumulation_steps for its MoE aux term). A training window is probed inside
+    # its first step, where the loop has set it; an eval before any training step is probed with the value the loop
+    # will set, for the probe only.
+    provisional_ga = "current_gradient_accumulation_steps" not in trainer.__dict__
+    if provisional_ga:
+        trainer.__dict__["current_gradient_accumulation_steps"] = max(1, int(trainer.args.gradient_accumulation_steps))
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             uses_model_loss = trainer.compute_loss_func is None and trainer.label_smoother is None
@@ -241,6 +255,8 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping) -> None:
         state.in_probe = False
         if saved_metrics is not None:
             trainer.__dict__["_metrics"] = saved_metrics
+        if provisional_ga:
+            trainer.__dict__.pop("current_gradient_accumulation_steps", None)
     state.probed = True
     _describe_fixes(trainer, state, owner)
 
@@ -313,9 +329,10 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
         fixes.append(state.optimizer_line)
     if state.config.log_fixes:
         logger.info(
-            "hf_gradfix (%s) on %s with %s: loss = sum over the optimizer window / global target count "
-            "(all micro-batches, %d data-parallel rank(s)). Fixes: %s.",
+            "hf_gradfix (%s; settings from: %s) on %s with %s: loss = sum over the optimizer window / global target "
+            "count (all micro-batches, %d data-parallel rank(s)). Fixes: %s.",
             state.source,
+            state.settings_from,
             type(trainer).__name__,
             model_name,
             w,
@@ -326,19 +343,23 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
 def _set_flags(trainer: Trainer, state: GradFixState) -> None:
     """Settings the fix needs, enforced at the first window (subclass __init__s may reset them)."""
     args = trainer.args
+    state.flags_set = True
+    # Launch modes the plugin cannot normalize: never refused (stock trains them), left exactly as stock, loudly.
     if getattr(args, "n_gpu", 1) > 1:
-        raise GradFixError(
-            f"torch.nn.DataParallel over {args.n_gpu} GPUs in one process is not supported: its replicas' "
-            "token counts are not visible to the loss. Fix: launch one process per GPU "
-            "(`accelerate launch` or `torchrun`), or set CUDA_VISIBLE_DEVICES to one GPU."
-        )
+        _disable(trainer, state, (
+            f"hf_gradfix: torch.nn.DataParallel over {args.n_gpu} GPUs in one process hides its replicas' token counts "
+            f"from the loss, so {type(trainer).__name__} trains exactly as stock computes it. For an exact loss, launch "
+            "one process per GPU (`hf-gradfix launch`, `accelerate launch` or `torchrun`)."
+        ))
+        return
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     if pc is not None and getattr(pc, "sp_backend", None) == "deepspeed" and getattr(pc, "sp_enabled", False):
-        raise GradFixError(
-            "DeepSpeed Ulysses sequence parallelism computes its own per-micro-batch token mean "
-            "(transformers' deepspeed_sp_compute_loss), which hf_gradfix does not normalize yet. "
-            "Fix: disable sequence parallelism, or set `loss: {enabled: false}` in the hf_gradfix config."
-        )
+        _disable(trainer, state, (
+            "hf_gradfix: DeepSpeed Ulysses sequence parallelism computes its own per-micro-batch token mean "
+            f"(transformers' deepspeed_sp_compute_loss), which hf_gradfix does not normalize yet, so "
+            f"{type(trainer).__name__} trains exactly as stock computes it. For an exact loss, use parallel.cp instead."
+        ))
+        return
     if not getattr(args, "average_tokens_across_devices", True) and trainer.accelerator.num_processes > 1:
         logger.warning(
             "hf_gradfix: average_tokens_across_devices=False weights ranks equally instead of by their token "
@@ -351,30 +372,40 @@ def _set_flags(trainer: Trainer, state: GradFixState) -> None:
         # our compute_loss already returns window-normalized losses.
         state.saved_accepts_loss_kwargs = trainer.model_accepts_loss_kwargs
         trainer.model_accepts_loss_kwargs = True
-    state.flags_set = True
 
 
-def _prepare(trainer: Trainer, state: GradFixState, batches: list) -> bool:
-    """Probe on the first batch with labels (once per trainer). Returns False when every probe batch of ``batches``
-    gave a NaN / inf loss: nothing could be decided, and the caller runs this window as stock and retries later."""
+def _prepare(
+    trainer: Trainer, state: GradFixState, batches: list, prepared: Mapping | None = None, drawn: Any = None
+) -> bool:
+    """Probe on the first batch with labels (once per trainer): ``prepared``, a batch compute_loss was given (``drawn``
+    is the same micro-batch as drawn), first, then the others of ``batches`` (as drawn). Returns False when every
+    probe batch gave a NaN / inf loss: nothing could be decided, and the caller runs this window as stock and retries
+    later."""
     if not state.flags_set:
         _set_flags(trainer, state)
-    if state.probed:
+    if state.probed or state.disabled_reason is not None:
         return True
     deferred = None
     try:
-        _check_readable(batches)
-        for batch in filter(_has_labels, batches):
+        _check_readable(trainer, batches)
+        candidates = [(prepared, True)] if prepared is not None else []
+        candidates += [(b, False) for b in batches if b is not prepared and (drawn is None or b is not drawn)]
+        for batch, is_prepared in candidates:
+            if not _has_labels(batch):
+                continue
             try:
-                _probe(trainer, state, batch)
+                _probe(trainer, state, batch, prepared=is_prepared)
                 return True
             except _ProbeDeferred as err:
                 deferred = str(err)  # NaN weights or a NaN sample: try the window's next batch
                 state.default = None
+    except _UnreadableBatch as err:
+        _disable(trainer, state, str(err))  # never refused: a layout the plugin does not understand trains as stock
+        return True
     except GradFixError as err:
         if state.config.loss.on_undetermined != "warn":
             raise
-        _disable(trainer, state, str(err))
+        _disable(trainer, state, f"{err} This trainer trains exactly as stock computes it (loss.on_undetermined: warn).")
         return True
     if deferred is None:
         return True
@@ -401,11 +432,15 @@ def _end_stock_window(trainer: Trainer, state: GradFixState) -> None:
 
 
 def _disable(trainer: Trainer, state: GradFixState, reason: str) -> None:
-    """loss.on_undetermined=warn: leave this trainer's loss to transformers, loudly."""
+    """Leave this trainer's loss exactly to transformers / the trainer, with one warning (a batch layout or loss the
+    plugin cannot read)."""
+    if state.disabled_reason is not None:
+        return
     state.disabled_reason = reason
+    state.window = None
     if state.saved_accepts_loss_kwargs is not None:
         trainer.model_accepts_loss_kwargs = state.saved_accepts_loss_kwargs
-    logger.warning("%s The loss of %s is left to transformers (loss.on_undetermined: warn).", reason, type(trainer).__name__)
+    logger.warning("%s", reason)
 
 
 def _check_packed(batches: list) -> None:
@@ -462,6 +497,7 @@ def _close_short_window(trainer: Trainer, batches: list, num_batches: int, devic
 
 
 _GA_FLAG = "_gradfix_loss_is_scaled_for_ga"
+_NOT_COUNTED = object()  # a window drawn without stock's count
 
 
 def _own_loss_is_scaled_for_ga(trainer: Trainer) -> Any:
@@ -504,6 +540,75 @@ def _draw_window(epoch_iterator, num_batches: int) -> list:
         except StopIteration:
             break
     return batches
+
+
+@contextlib.contextmanager
+def _as_stock(trainer: Trainer, state: GradFixState):
+    """One training step exactly as stock computes it (a call of the caller's own without a count)."""
+    was_stock = state.stock_window
+    _begin_stock_window(trainer, state)
+    try:
+        yield
+    finally:
+        state.stock_window = was_stock
+        if not was_stock and state.saved_accepts_loss_kwargs is not None:
+            trainer.model_accepts_loss_kwargs = True  # the 4.57 flag, as _set_flags left it
+
+
+def _accumulation_division(trainer: Trainer, step: _Step, loss: Any) -> int | None:
+    """k when the loss reaching backward is the loss hf_gradfix returned divided by the accumulation steps k.
+
+    hf_gradfix's loss is already normalized over the whole window, so a trainer that divides it again (a subclass's
+    ``training_step`` written for stock's per-micro-batch means, e.g. LLaMA-Factory's when
+    ``model_accepts_loss_kwargs`` is False; transformers 4.57's own step when it was given no count) would take 1/k of
+    the gradient. Measured, not assumed from a class: the value compute_loss returned against the value backward
+    receives."""
+    returned = step.returned
+    if returned is None or not torch.is_tensor(loss) or loss.numel() != 1 or not math.isfinite(returned):
+        return None
+    if abs(returned) < 1e-30:
+        return None
+    ratio = float(loss.detach().float()) / returned
+    candidates = {int(getattr(trainer, "current_gradient_accumulation_steps", 0) or 0),
+                  int(trainer.args.gradient_accumulation_steps)}
+    for k in sorted(candidates):
+        if k > 1 and math.isclose(ratio * k, 1.0, rel_tol=1e-3):
+            return k
+    return None
+
+
+@contextlib.contextmanager
+def _watch_backward(trainer: Trainer, state: GradFixState, step: _Step):
+    """Around one training step: ``accelerator.backward`` (this trainer's instance only, for this step) undoes a
+    division of hf_gradfix's loss by the accumulation steps made after compute_loss (see
+    :func:`_accumulation_division`)."""
+    accelerator = trainer.accelerator
+    saved = accelerator.__dict__.get("backward")
+    original = accelerator.backward
+
+    def backward(loss, *args, **kwargs):
+        k = _accumulation_division(trainer, step, loss)
+        if k is not None:
+            step.rescaled_by = float(k)
+            if not state.ga_division_logged:
+                logger.warning(
+                    "hf_gradfix: %s.training_step divides the loss by the %d accumulation steps after compute_loss "
+                    "(measured: backward received 1/%d of the loss hf_gradfix returned, which is already normalized "
+                    "over the whole window); the division is undone, so the step stays exact.",
+                    type(trainer).__name__, k, k,
+                )
+                state.ga_division_logged = True
+            loss = loss * k
+        return original(loss, *args, **kwargs)
+
+    accelerator.backward = backward
+    try:
+        yield
+    finally:
+        if saved is not None:
+            accelerator.backward = saved
+        else:
+            accelerator.__dict__.pop("backward", None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -555,12 +660,15 @@ class _GradFixTop:
         # its gradients for an optimizer that no longer steps (a second, plain trainer trains every weight).
         from .optim_trainer import begin_lowrank_training, end_lowrank_training
 
-        if state_of(self) is not None:
+        state = state_of(self)
+        if state is not None:
             begin_lowrank_training(self)
         try:
             return super().train(*args, **kwargs)
         finally:
             end_lowrank_training(self)
+            if state is not None:  # a training_step called after train() is the caller's own, never the last window's
+                state.window = None
 
     def get_train_dataloader(self):
         state = state_of(self)
@@ -646,46 +754,104 @@ class _GradFixTop:
             return _close_short_window(self, batches, num_batches, device), count
         if state is None or not state.enabled:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        batches = _draw_window(epoch_iterator, num_batches)
+        batches, count = self._gradfix_draw_window(epoch_iterator, num_batches, device)
         if state.nd is not None:  # first window: every tp rank got the same batches (a collective on all ranks)
             from .nd import check_window
 
             check_window(self, state.nd, batches)
         if state.config.packing.enabled:
             _check_packed(batches)
-        decided = _prepare(self, state, batches)
-        if not state.enabled:  # a probe failed with on_undetermined: warn
+        if not state.probed:
+            # The loss is probed inside the window's first step (the window's first compute_loss), where the training
+            # loop and the trainer have set everything a compute_loss reads; the window is counted there. Until then
+            # the Trainer holds stock's own count: what this window trains with if it ends up stock.
+            if not batches:
+                state.window = None
+                return batches, None
+            if count is _NOT_COUNTED:
+                count = self._get_num_items_in_batch(batches, device)
+            batches = _close_short_window(self, batches, num_batches, device)
+            state.window = _Window(None, len(batches), batches, pending=True)
+            return batches, count
+        window = _Window(None, len(batches), batches)
+        counted = self._gradfix_count_window(state, window, decided=True)
+        if counted == "empty":
+            return batches, None
+        if counted == "stock":
             return batches, self._get_num_items_in_batch(batches, device)
+        batches = _close_short_window(self, batches, num_batches, device)
+        window.batches = batches
+        if counted == "no_labels":
+            return batches, self._get_num_items_in_batch(batches, device)
+        return batches, self._gradfix_count_tensor(window.global_count)
+
+    def _gradfix_draw_window(self, epoch_iterator, num_batches, device) -> tuple[list, Any]:
+        """(the window's micro-batches, the count stock passes or ``_NOT_COUNTED``): through a trainer subclass's own
+        ``get_batch_samples`` when it has one, else drawn the way transformers draws them (without stock's count,
+        which costs a collective and is used only if the window runs as stock)."""
+        owner = _first_class_defining(self, "get_batch_samples", _GradFixTop)
+        if owner is not None and owner not in (_GradFixDefaultLoss, Trainer):
+            batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+            return list(batches), count
+        return _draw_window(epoch_iterator, num_batches), _NOT_COUNTED
+
+    def _gradfix_count_tensor(self, count: float) -> torch.Tensor:
+        # int64 like transformers' own count (a float64 count would turn the loss into float64)
+        value = int(count) if float(count).is_integer() else float(count)
+        return torch.tensor(value, device=self.args.device)
+
+    def _gradfix_count_window(self, state, window: _Window, decided: bool) -> str:
+        """Count the window's targets once over every rank (every rank joins, also with an empty window or a probe that
+        failed, so nobody hangs) and set ``window.global_count``; becomes ``state.window``. Returns what the window
+        is: "counted", "no_labels" (trains as stock), "stock" (a probe undecided on some rank: this window as stock),
+        "disabled" (some rank cannot read its batches: the trainer trains as stock), "empty" (past the end of the
+        data)."""
+        batches = [b for b in window.batches if not isinstance(b, _IdleMicroBatch)]
         has_labels = any(_has_labels(b) for b in batches)
         local = 0.0
-        if state.probed and has_labels:
+        if state.probed and has_labels and state.disabled_reason is None:
             local = float(sum(int(count_targets(b, state.chain.count_rule)) for b in batches))
-        # Every rank joins this reduction, also with an empty window, so nobody hangs.
-        total, ranks_with_labels, ranks_undecided, micro_batches = _all_reduce_sum(
-            self, [local, 1.0 if has_labels else 0.0, 0.0 if decided else 1.0, float(len(batches))]
+        total, ranks_with_labels, ranks_undecided, micro_batches, ranks_disabled = _all_reduce_sum(
+            self,
+            [local, 1.0 if has_labels else 0.0, 0.0 if decided else 1.0, float(len(batches)),
+             1.0 if state.disabled_reason is not None else 0.0],
         )
+        window.pending = False
+        window.micro_batches = len(batches)  # the real ones: what stock divides by where it divides
+        state.window = None
+        if ranks_disabled:
+            _disable(self, state, "hf_gradfix: another rank cannot read its training batches (its warning names them); "
+                     f"{type(self).__name__} trains exactly as stock computes it on every rank.")
+            return "disabled"
         if micro_batches == 0:  # past the end of the data (a stream's epoch ran out): nothing to count or train
-            state.window = None
-            return batches, None
+            return "empty"
         if ranks_undecided:  # a NaN / inf probe on some rank: every rank runs this window as stock
             _begin_stock_window(self, state)
-            state.window = None
-            return batches, self._get_num_items_in_batch(batches, device)
+            return "stock"
+        state.window = window
         if ranks_with_labels == 0:
             if not state.no_labels_logged:
                 logger.warning(
-                    "hf_gradfix: batches carry no 'labels'; targets cannot be counted, so the loss is left as "
-                    "transformers computes it. Put the targets under 'labels' for an exact token mean."
+                    "hf_gradfix: %s's batches carry no 'labels'; targets cannot be counted, so the loss is left "
+                    "exactly as stock computes it. Put the targets under 'labels' for an exact token mean.",
+                    type(self).__name__,
                 )
                 state.no_labels_logged = True
-            state.window = _Window(None, len(batches))
-            count = self._get_num_items_in_batch(batches, device)
-            return _close_short_window(self, batches, num_batches, device), count
-        global_count = total / _replicated_divisor(self)
-        state.window = _Window(global_count, len(batches))
-        # int64 like transformers' own count (a float64 count would turn the loss into float64)
-        value = int(global_count) if float(global_count).is_integer() else float(global_count)
-        return _close_short_window(self, batches, num_batches, device), torch.tensor(value, device=device)
+            return "no_labels"
+        window.global_count = total / _replicated_divisor(self)
+        return "counted"
+
+    def _gradfix_open_window(self, state, inputs) -> None:
+        """The window's first forward: probe the loss (once per trainer) on the batch compute_loss was given, then
+        count the window."""
+        window = state.window
+        prepared = inputs if isinstance(inputs, Mapping) else None
+        drawn = state.step.drawn if state.step is not None and prepared is not None else None
+        decided = _prepare(self, state, window.batches, prepared=prepared, drawn=drawn)
+        self._gradfix_count_window(state, window, decided)
+        callbacks, window.on_counted = window.on_counted, []
+        for callback in callbacks:
+            callback()
 
     def _gradfix_pipeline_window(self, state, epoch_iterator, num_batches, device):
         """Pipeline parallelism: the window's micro-batches and their target count over the data-parallel ranks."""
@@ -753,31 +919,76 @@ class _GradFixTop:
             return run_window(self, plan, batches)
         if isinstance(inputs, _IdleMicroBatch):  # the front of a window the data ended inside: nothing to train
             return torch.zeros((), device=self.args.device)
-        return super().training_step(model, inputs, *args, **kwargs)
+        if state is None or not state.enabled:
+            return super().training_step(model, inputs, *args, **kwargs)
+        num_items = kwargs.get("num_items_in_batch", args[0] if args else None)
+        window = state.window
+        # A micro-batch of the window the loop drew, or a call of the caller's own (a hand-written loop, a fresh
+        # trainer, after train()): then the caller's count is the window's, as in stock transformers.
+        explicit = window is None or not window.holds(inputs)
+        step = _Step(explicit=explicit, count=num_items if explicit else None, drawn=inputs)
+        stock_step = explicit and (num_items is None or not _has_labels(inputs))
+        if stock_step and num_items is None and not state.explicit_logged:
+            logger.info(
+                "hf_gradfix: %s.training_step was called outside train() without num_items_in_batch: the loss is the "
+                "micro-batch's own, exactly as stock computes it. Pass num_items_in_batch (the window's target count "
+                "over all ranks) for an exact step.", type(self).__name__,
+            )
+            state.explicit_logged = True
+        state.step = step
+        try:
+            with _as_stock(self, state) if stock_step else contextlib.nullcontext(), _watch_backward(self, state, step):
+                result = super().training_step(model, inputs, *args, **kwargs)
+        finally:
+            state.step = None
+        if step.rescaled_by is not None and torch.is_tensor(result):
+            result = result * step.rescaled_by  # the logged loss: the division undone there too
+        return result
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
         state = state_of(self)
         chain = super().compute_loss
         if state is None or not state.enabled:
             return chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
-        _prepare(self, state, [inputs])
-        if not state.probed:  # no labels in this batch
+        step, window = state.step, state.window
+        window_step = step is not None and not step.explicit and window is not None
+        if window_step and window.pending and model.training:
+            self._gradfix_open_window(state, inputs)
+            window = state.window
+        else:
+            _prepare(self, state, [inputs], prepared=inputs if isinstance(inputs, Mapping) else None)
+        if not state.enabled:  # a layout or loss the plugin cannot read, or a window run as stock: exactly stock
+            return chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
+        # The count this loss is normalized by: the window's (all micro-batches, all ranks), an explicit step's
+        # caller's, or a direct call's own argument; None: the micro-batch mean (eval, or no count anywhere).
+        count = None
+        if model.training:
+            if window_step:
+                count = window.global_count
+            elif step is not None:
+                count = step.count
+            else:
+                count = num_items_in_batch
+        if not state.probed or (window_step and count is None):  # no labels to count: as stock
             result = chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
-            if model.training and state.window is not None and _we_divide_by_ga(self, num_items_in_batch):
+            if model.training and window_step and _we_divide_by_ga(self, num_items_in_batch):
                 loss, outputs = _split(result)
-                loss = loss / state.window.micro_batches
+                loss = loss / window.micro_batches
                 return (loss, outputs) if return_outputs else loss
             return result
-        if model.training and state.window is not None and state.window.global_count is not None:
-            loss, outputs = self._gradfix_train_loss(state, model, inputs, num_items_in_batch, return_outputs, kwargs)
+        if count is not None:
+            loss, outputs = self._gradfix_train_loss(state, model, inputs, count, return_outputs, kwargs)
+            if step is not None and torch.is_tensor(loss):
+                step.returned = float(loss.detach().float().sum())
         else:
             loss, outputs = self._gradfix_eval_loss(state, model, inputs, return_outputs, kwargs)
         return (loss, outputs) if return_outputs else loss
 
-    def _gradfix_train_loss(self, state, model, inputs, num_items_in_batch, return_outputs, kwargs):
+    def _gradfix_train_loss(self, state, model, inputs, count, return_outputs, kwargs):
+        """``S_mb * W / N`` for the target count ``count`` (N: the window's targets over every data rank)."""
         chain = super().compute_loss
-        global_count = state.window.global_count
-        n = num_items_in_batch if num_items_in_batch is not None else torch.tensor(global_count)
+        global_count = float(count.sum()) if torch.is_tensor(count) else float(count)
+        n = count if torch.is_tensor(count) else self._gradfix_count_tensor(global_count)
         state.last_aux = 0.0
         local = int(count_targets(inputs, state.chain.count_rule))  # before: user code may pop "labels"
         # outputs only when the caller asked: TRL deprecates return_outputs=True (an extra forward there)
@@ -1121,7 +1332,7 @@ def fixed_class_for(cls: type) -> type:
     return _FIXED_CLASSES[cls]
 
 
-def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixState:
+def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from: str = "defaults") -> GradFixState:
     """Make one trainer's loss exact (idempotent). Returns its state."""
     state = state_of(trainer)
     if state is not None:
@@ -1139,7 +1350,7 @@ def install(trainer: Trainer, config: GradFixConfig, source: str) -> GradFixStat
 
     check_launched_world(trainer)
     check_optimizer_setup(trainer, config.optimizer)
-    state = GradFixState(config=config, source=source)
+    state = GradFixState(config=config, source=source, settings_from=settings_from)
     # Pipeline parallelism (parallel.pp > 1): the model split into this rank's stages, data by data-parallel rank
     from .pipeline import setup as pipeline_setup
 
