@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import yaml
 
 from .config import ENV_VAR, SECTION, ConfigError, config_from_dict, config_to_dict
+from .config.sources import ORIGIN_ENV_VAR
 from .config.resolve import ResolvedConfig, resolve_config, split_config  # noqa: F401  (re-exported: documented here)
 from .errors import HfGradfixError, InvalidArgumentError, model_load_error
 
@@ -169,7 +170,8 @@ def launch(argv: Sequence[str]) -> int:
     args = _launch_parser().parse_args(list(argv))
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
     tmp = None
-    saved_env = {k: os.environ.get(k) for k in (ENV_VAR, "ACCELERATE_USE_CPU", "DS_ACCELERATOR", "ACCELERATE_ALLOW_CP_STANDALONE")}
+    saved_env = {k: os.environ.get(k) for k in (ENV_VAR, ORIGIN_ENV_VAR, "ACCELERATE_USE_CPU", "DS_ACCELERATOR",
+                                                "ACCELERATE_ALLOW_CP_STANDALONE")}
     try:
         if path is not None:
             # validate everything (file, accelerate keys, section, mesh) before any process starts
@@ -188,6 +190,7 @@ def launch(argv: Sequence[str]) -> int:
                 with open(ours, "w", encoding="utf-8") as fh:
                     yaml.safe_dump({SECTION: config_to_dict(config_from_dict(section))}, fh)
                 os.environ[ENV_VAR] = ours  # inherited by every rank
+                os.environ[ORIGIN_ENV_VAR] = str(path)  # named in the start line and in conflict messages
             os.environ.update(_cpu_launch_env(acc, resolved))
             if resolved.mesh.cp > 1:
                 # accelerate refuses parallelism_config cp > 1 without its FSDP plugin; hf_gradfix shards the

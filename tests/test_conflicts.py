@@ -1,8 +1,9 @@
-"""Two configurations on one trainer, and unpatch() when someone else wrapped Trainer.__init__ after us.
+"""Settings from several sources on one trainer, and unpatch() when someone else wrapped Trainer.__init__ after us.
 
-The rule (hf_gradfix.integration.patching): a GradFixCallback's configuration wins on its trainer over
-patch()'s, with a warning naming every overridden setting; added too late to replace what is already built
-(packing, optimizer, mesh), it is an error.
+The rule (hf_gradfix.config.sources): $HF_GRADFIX_CONFIG (the launch file's section), patch(config) and
+GradFixCallback(config) each set the keys they name and keep the others'; a key two of them set to different values
+is refused in one line naming both sources; the start line names the sources. A callback added too late to change
+what is already built (packing, optimizer, mesh) is an error.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from transformers import Trainer
 import harness as H
 import hf_gradfix
 from hf_gradfix import GradFixCallback, state_of
+from hf_gradfix.config import ConfigError
 from hf_gradfix.errors import HfGradfixError, PatchError
 from hf_gradfix.integration.callback import GradFixCallbackError
 from hf_gradfix.integration.nonfinite import guard_of
@@ -64,37 +66,93 @@ def _collate(rows):
     return {"input_ids": ids, "labels": labels}
 
 
-def test_callback_at_construction_wins_over_patch_with_a_warning(warnings_log):
+def test_patch_and_callback_settings_combine(warnings_log):
     hf_gradfix.patch({"packing": {"enabled": True, "token_budget": 64}, "loss": {"on_nonfinite": "skip"}})
     callback_config = {"loss": {"count_rule": "shifted"}}
     trainer = _trainer([GradFixCallback(callback_config)])
     state = state_of(trainer)
-    assert state.source == "GradFixCallback"
-    assert state.config == hf_gradfix.load_config(callback_config)
-    assert guard_of(trainer).mode == "warn"  # the winner's on_nonfinite
-    [line] = [w for w in warnings_log if "two hf_gradfix configurations" in w]
-    for overridden in ("hf_gradfix.packing.enabled=True", "hf_gradfix.packing.token_budget=64",
-                       "hf_gradfix.loss.count_rule='auto'", "hf_gradfix.loss.on_nonfinite='skip'"):
-        assert overridden in line, line
-    assert "GradFixCallback's configuration wins" in line
+    assert state.config == hf_gradfix.load_config(
+        {"packing": {"enabled": True, "token_budget": 64}, "loss": {"on_nonfinite": "skip", "count_rule": "shifted"}})
+    assert state.settings_from == "patch(dict) + GradFixCallback(dict)"
+    assert guard_of(trainer).mode == "skip"  # patch()'s on_nonfinite, kept
+    assert not warnings_log
+
+
+def test_a_key_set_twice_to_different_values_is_refused_naming_both(warnings_log):
+    hf_gradfix.patch({"loss": {"on_nonfinite": "skip"}})
+    with pytest.raises(ConfigError) as info:
+        GradFixCallback({"loss": {"on_nonfinite": "error"}})
+    line = str(info.value)
+    assert "\n" not in line
+    assert "hf_gradfix.loss.on_nonfinite" in line and "'skip' by patch(dict)" in line
+    assert "'error' by GradFixCallback(dict)" in line
 
 
 def test_same_configuration_twice_is_silent(warnings_log):
     hf_gradfix.patch({"loss": {"count_rule": "shifted"}})
-    _trainer([GradFixCallback({"loss": {"count_rule": "shifted"}})])
-    assert not [w for w in warnings_log if "two hf_gradfix configurations" in w]
+    trainer = _trainer([GradFixCallback({"loss": {"count_rule": "shifted"}})])
+    assert state_of(trainer).config.loss.count_rule == "shifted"
+    assert not warnings_log
 
 
-def test_callback_added_later_overrides_loss_settings(warnings_log):
+def test_callback_added_later_adds_loss_settings(warnings_log):
     hf_gradfix.patch({"loss": {"on_nonfinite": "skip"}})
     trainer = _trainer()
     assert state_of(trainer).source == "patch()"
-    trainer.add_callback(GradFixCallback({"loss": {"on_nonfinite": "error", "count_rule": "shifted"}}))
+    trainer.add_callback(GradFixCallback({"loss": {"count_rule": "shifted"}}))
     trainer.train()
     state = state_of(trainer)
-    assert state.source == "GradFixCallback" and state.config.loss.count_rule == "shifted"
-    assert guard_of(trainer).mode == "error"
-    assert any("hf_gradfix.loss.on_nonfinite='skip'" in w for w in warnings_log)
+    assert state.config.loss.count_rule == "shifted" and state.config.loss.on_nonfinite == "skip"
+    assert guard_of(trainer).mode == "skip"
+
+
+def _launch_env(monkeypatch, tmp_path, section):
+    """What `hf-gradfix launch --config_file F` leaves every rank: the section in a file named by $HF_GRADFIX_CONFIG,
+    and the launch file's name."""
+    import yaml
+
+    path = tmp_path / "section.yaml"
+    path.write_text(yaml.safe_dump({"hf_gradfix": section}))
+    monkeypatch.setenv("HF_GRADFIX_CONFIG", str(path))
+    monkeypatch.setenv("HF_GRADFIX_CONFIG_ORIGIN", "configs/cpu_pp.yaml")
+
+
+def test_patch_dict_keeps_the_launch_files_mesh(warnings_log, monkeypatch, tmp_path):
+    """The launch file's pp 2 and a script's patch({"packing": ...}) combine: the mesh is kept (not silently dropped
+    for plain DDP), and the combination meets the refusal of packing under pp."""
+    from hf_gradfix.parallel.pipeline import check_combination
+
+    _launch_env(monkeypatch, tmp_path, {"parallel": {"pp": 2, "dp_shard": 1}})
+    cfg = hf_gradfix.patch({"packing": {"enabled": True}})
+    assert cfg.parallel.pp == 2 and cfg.packing.enabled
+    trainer_free = cfg.parallel
+    with pytest.raises(HfGradfixError, match=r"packing"):
+        check_combination(pp=trainer_free.pp, tp=1, cp=1, dp_shard=1, packing=cfg.packing.enabled, optimizer="none",
+                          fsdp_plugin=False, optimizer_key="optimizer.name")
+
+
+def test_patch_dict_that_changes_the_launch_files_mesh_is_refused(warnings_log, monkeypatch, tmp_path):
+    _launch_env(monkeypatch, tmp_path, {"parallel": {"pp": 2}})
+    with pytest.raises(ConfigError, match=r"hf_gradfix\.parallel\.pp: set to 2 by hf-gradfix launch --config_file "
+                                          r"configs/cpu_pp\.yaml and to 1 by patch\(dict\)"):
+        hf_gradfix.patch({"parallel": {"pp": 1}})
+    assert not hf_gradfix.is_patched()
+
+
+def test_settings_from_is_in_the_start_line(monkeypatch, tmp_path):
+    _launch_env(monkeypatch, tmp_path, {"loss": {"on_nonfinite": "skip"}})
+    handler = _Records()
+    handler.setLevel(logging.INFO)
+    logger = logging.getLogger("hf_gradfix")
+    logger.addHandler(handler)
+    try:
+        hf_gradfix.patch({"loss": {"count_rule": "shifted"}})
+        _trainer().train()
+    finally:
+        logger.removeHandler(handler)
+        hf_gradfix.unpatch()
+    [line] = [m for m in handler.lines if "settings from:" in m]
+    assert "settings from: hf-gradfix launch --config_file configs/cpu_pp.yaml + patch(dict)" in line
 
 
 def test_callback_added_too_late_for_packing_is_an_error(warnings_log):

@@ -1,6 +1,8 @@
 """Configuration of hf_gradfix: typed schema, YAML/dict/env loading, strict validation.
 
-Where the configuration comes from (first present wins, never merged):
+Where :func:`load_config` reads one configuration from (the first present wins; ``patch()`` and
+``GradFixCallback`` combine ``$HF_GRADFIX_CONFIG`` with their own argument by the rule of
+:mod:`hf_gradfix.config.sources`: each source sets the keys it names, a key set twice to different values is refused):
 
 1. the argument of :func:`load_config` -- a :class:`GradFixConfig`, a dict, or a
    YAML file path;

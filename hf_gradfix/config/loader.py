@@ -1,7 +1,8 @@
 """Load and validate the ``hf_gradfix`` configuration.
 
-Sources, in order of precedence (the first one present wins; they are never
-merged):
+What :func:`load_config` reads, in order (the first one present wins: one
+source; how ``patch()`` and ``GradFixCallback`` combine several is
+:mod:`hf_gradfix.config.sources`):
 
 1. the ``source`` argument of :func:`load_config`: a :class:`GradFixConfig`, a
    ``dict`` or the path of a YAML file;

@@ -6,9 +6,10 @@ import sys
 
 from transformers import Trainer, TrainerCallback
 
-from ..config import GradFixConfig, config_to_dict, load_config
+from ..config import GradFixConfig, config_to_dict
+from ..config.sources import combine, label_for, source_of
 from ..errors import HfGradfixError
-from .patching import fix_trainer, swap_to_fixed_class
+from .patching import fix_trainer, patch_sources, swap_to_fixed_class
 from .state import state_of
 from .versions import check_supported
 
@@ -39,10 +40,11 @@ class GradFixCallback(TrainerCallback):
 
     Applies the fixes of :func:`hf_gradfix.patch` to that trainer only, before its first optimizer step.
     Added after training has started, it raises :class:`GradFixCallbackError` (the steps already taken
-    used the wrong normalization).  With ``hf_gradfix.patch()`` also active, the callback's configuration
-    wins on its trainer and a warning names each of ``patch()``'s settings it overrides (added with
-    ``add_callback`` after construction, it can still replace the loss settings; different packing,
-    optimizer or parallel settings are then an error, since those are built with the trainer).
+    used the wrong normalization). Its settings combine with ``$HF_GRADFIX_CONFIG``'s (the launch file's) and, under
+    ``hf_gradfix.patch()``, with ``patch()``'s by one rule (:mod:`hf_gradfix.config.sources`): each sets the keys it
+    names, the others keep theirs; a key set to two different values is refused naming both. Added with
+    ``add_callback`` after construction, it can still add loss settings; packing, optimizer or parallel settings are
+    then an error, since those are built with the trainer.
 
     >>> from hf_gradfix import GradFixCallback
     >>> cb = GradFixCallback({"loss": {"count_rule": "auto"}})
@@ -52,7 +54,8 @@ class GradFixCallback(TrainerCallback):
 
     def __init__(self, config: GradFixConfig | dict | str | None = None) -> None:
         check_supported()
-        self.config = load_config(config)
+        self.source = source_of(config, label_for(config, "GradFixCallback"))
+        self.config, self.settings_from = combine(patch_sources() + [self.source])  # a conflict is refused here
         self._trainer = None
         self._saw_init = False  # on_init_end seen: the callback was given to the Trainer's constructor
 
@@ -77,9 +80,11 @@ class GradFixCallback(TrainerCallback):
                     "add_callback after construction). Pass it at construction, Trainer(..., callbacks=[GradFixCallback(...)]), "
                     "or use hf_gradfix.patch()."
                 )
-            fix_trainer(trainer, self.config, source="GradFixCallback")
+            # under patch(): patch()'s settings too (the Trainer's __init__ calls us before patch()'s wrapper installs)
+            config, settings_from = combine(patch_sources() + [self.source])
+            fix_trainer(trainer, config, source="GradFixCallback", settings_from=settings_from)
         else:
-            self._override_patch(trainer)
+            self._combine_with_patch(trainer)
         from .nonfinite import attach
 
         attach(trainer, state_of(trainer).config)
@@ -88,28 +93,32 @@ class GradFixCallback(TrainerCallback):
         attach_deepspeed(trainer, state_of(trainer).config)
         self._trainer = trainer
 
-    def _override_patch(self, trainer: Trainer) -> None:
-        """The rule for two configurations on one trainer: the callback's wins (see :mod:`.patching`)."""
-        from .patching import _differences, warn_overridden
+    def _combine_with_patch(self, trainer: Trainer) -> None:
+        """Added with add_callback to a trainer patch() fixed: its settings combine with patch()'s (the rule of
+        :mod:`hf_gradfix.config.sources`), if nothing they change is built already."""
+        from .patching import _differences
 
         state = state_of(trainer)
-        if state.source == "GradFixCallback" or state.config == self.config:
+        if state.source == "GradFixCallback":
             return
-        ours, theirs = config_to_dict(self.config), config_to_dict(state.config)
+        config, settings_from = combine(patch_sources() + [self.source])
+        if config == state.config:
+            return
+        ours, theirs = config_to_dict(config), config_to_dict(state.config)
         built = [d for section in ("packing", "optimizer", "parallel")
                  for d in _differences({section: theirs[section]}, {section: ours[section]})]
         if built or state.probed:
             what = "; ".join(f"hf_gradfix.{d}" for d in built) or "loss settings after the first batch"
             raise GradFixCallbackError(
                 "GradFixCallback(config) was added to a trainer that hf_gradfix.patch() already fixed, too late to "
-                f"override patch()'s configuration ({what}: the data loader, optimizer and mesh are already built). "
-                "Pass it at construction, Trainer(..., callbacks=[GradFixCallback(...)]) (the callback's configuration "
-                "then wins), or give patch() and the callback the same configuration."
+                f"change its settings ({what}: the data loader, optimizer and mesh are already built). "
+                "Pass it at construction, Trainer(..., callbacks=[GradFixCallback(...)]), or put the settings in "
+                "patch()'s configuration."
             )
-        warn_overridden(state.config, self.config, winner="GradFixCallback", loser="patch()")
-        state.config = self.config
+        state.config = config
         state.source = "GradFixCallback"
-        if self.config.loss.enabled:
+        state.settings_from = settings_from
+        if config.loss.enabled:
             swap_to_fixed_class(trainer)
 
     def on_init_end(self, args, state, control, **kwargs):

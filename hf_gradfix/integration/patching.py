@@ -8,9 +8,9 @@ the configuration) and reversible (``unpatch()`` puts the original function obje
 :class:`~hf_gradfix.errors.PatchError` and the bookkeeping stays true: ``is_patched()`` is still True
 (our wrapper is still called) and a second ``patch()`` does not wrap again.
 
-Two configurations on one trainer (``patch(config_a)`` and ``GradFixCallback(config_b)``): the rule is
-**the callback's configuration wins on its trainer** (it is the more specific one); a warning names
-every setting of ``patch()``'s configuration it overrides.
+Settings from several places (``$HF_GRADFIX_CONFIG`` / the launch file, ``patch(config)``,
+``GradFixCallback(config)``) combine by one rule (:mod:`hf_gradfix.config.sources`): each sets the keys it names,
+the others keep theirs, and a key two of them set to different values is refused in one line naming both.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import GradFixConfig, config_to_dict, load_config
+from ..config import GradFixConfig, config_to_dict
+from ..config.sources import SettingsSource, combine, env_source, label_for, source_of
 from ..errors import PatchError
 from .versions import check_supported
 
@@ -41,6 +42,8 @@ class _ActivePatch:
 
 _active: list[_ActivePatch] = []
 _config: GradFixConfig | None = None
+_source: SettingsSource | None = None  # what patch(config) itself set
+_settings_from: str = "defaults"
 
 
 def is_patched() -> bool:
@@ -65,11 +68,12 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
     True
     >>> hf_gradfix.unpatch()              # back to stock transformers
     """
-    global _config
+    global _config, _source, _settings_from
     check_supported()
-    resolved = load_config(config)
+    source = source_of(config, label_for(config, "patch"))
+    resolved, settings_from = combine([env_source(), source])
     with _LOCK:
-        _config = resolved
+        _config, _source, _settings_from = resolved, source, settings_from
         if _active:
             return resolved  # idempotent: already installed, configuration updated
         from transformers import Trainer
@@ -80,10 +84,9 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
         def __init__(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
             # Only the outermost __init__ call installs (a subclass's __init__ may run more code after
-            # super().__init__; install only swaps the class and attaches state, so order does not matter).
-            state = fix_trainer(self, _config, source="patch()")
-            if state.source != "patch()":  # a GradFixCallback passed to the constructor installed first: it wins
-                warn_overridden(_config, state.config, winner=state.source, loser="patch()")
+            # super().__init__; install only swaps the class and attaches state, so order does not matter). A
+            # GradFixCallback given to the constructor installed first, with patch()'s settings combined into its own.
+            state = fix_trainer(self, _config, source="patch()", settings_from=_settings_from)
             from .nonfinite import attach
 
             attach(self, state.config)
@@ -123,7 +126,7 @@ def unpatch() -> None:
     >>> import hf_gradfix
     >>> hf_gradfix.unpatch()
     """
-    global _config
+    global _config, _source, _settings_from
     with _LOCK:
         while _active:
             item = _active[-1]
@@ -138,7 +141,7 @@ def unpatch() -> None:
                 )
             setattr(item.owner, item.attr, item.original)
             _active.pop()
-        _config = None
+        _config, _source, _settings_from = None, None, "defaults"
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -150,26 +153,7 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix}={a!r} (kept: {b!r})"]
 
 
-def warn_overridden(overridden: GradFixConfig | None, kept: GradFixConfig, *, winner: str, loser: str) -> list[str]:
-    """Log a warning naming every setting of ``overridden`` that ``kept`` replaces; returns those settings.
-
-    >>> from hf_gradfix.config import config_from_dict
-    >>> warn_overridden(config_from_dict({"packing": True}), config_from_dict({}), winner="GradFixCallback", loser="patch()")
-    ['packing.enabled=True (kept: False)']
-    """
-    if overridden is None:
-        return []
-    diffs = _differences(config_to_dict(overridden), config_to_dict(kept))
-    if diffs:
-        logger.warning(
-            "two hf_gradfix configurations on one trainer: %s's configuration wins on its trainer (the rule: a "
-            "GradFixCallback overrides patch()); %s's settings overridden: %s",
-            winner, loser, "; ".join(f"hf_gradfix.{d}" for d in diffs),
-        )
-    return diffs
-
-
-def fix_trainer(trainer: Any, config: GradFixConfig, source: str) -> Any:
+def fix_trainer(trainer: Any, config: GradFixConfig, source: str, settings_from: str = "defaults") -> Any:
     """Install the fixes on one trainer (idempotent) and return its state: the one way in for ``patch()`` and
     ``GradFixCallback``, so that only this module reaches into :mod:`.trainer_fix`.
 
@@ -178,7 +162,13 @@ def fix_trainer(trainer: Any, config: GradFixConfig, source: str) -> Any:
     """
     from .trainer_fix import install
 
-    return install(trainer, config, source)
+    return install(trainer, config, source, settings_from=settings_from)
+
+
+def patch_sources() -> list[SettingsSource | None]:
+    """The sources in force for a trainer built now: ``$HF_GRADFIX_CONFIG`` and, while patched, ``patch()``'s own
+    (a GradFixCallback adds its own after them)."""
+    return [env_source(), _source if _active else None]
 
 
 def swap_to_fixed_class(trainer: Any) -> None:
