@@ -59,9 +59,20 @@ def _warnings(records):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _fresh_trainer(arch, samples, task, ga=2):
+class OwnMeanTrainer(Trainer):
+    """A compute_loss override computing its own micro-batch mean cross-entropy (ignores num_items_in_batch)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"]
+        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+        logits = outputs.logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return (loss, outputs) if return_outputs else loss
+
+
+def _fresh_trainer(arch, samples, task, ga=2, trainer_cls=None):
     model = H.build_model(arch, seed=0)
-    return H.make_trainer(model, samples, task, extra_args=dict(
+    return H.make_trainer(model, samples, task, trainer_cls=trainer_cls, extra_args=dict(
         optim="sgd", learning_rate=0.0, max_grad_norm=0.0, gradient_accumulation_steps=ga, per_device_train_batch_size=2,
         num_train_epochs=1, logging_steps=1, seed=0, report_to=[], save_strategy="no"))
 
@@ -103,17 +114,19 @@ def _sum_of_means(model, window, task):
     return grads
 
 
-@pytest.mark.parametrize("arch,task", [("llama", "causal"), ("llama_seqcls", "seqcls")])
+@pytest.mark.parametrize("arch,task,trainer_cls", [("llama", "causal", None), ("llama_seqcls", "seqcls", None),
+                                                   ("llama", "causal", OwnMeanTrainer)])
 @pytest.mark.parametrize("after_train", [False, True])
-def test_training_step_called_by_the_user_is_exact_for_its_count(arch, task, after_train):
+def test_training_step_called_by_the_user_is_exact_for_its_count(arch, task, trainer_cls, after_train):
     """A fresh trainer (or one that already ran train()): training_step with the caller's num_items_in_batch is exact
-    for that count. Stock is exact only where the model's loss honours the count (llama), not for a head that
-    ignores it (seqcls: each micro-batch's mean)."""
+    for that count. Stock is exact only where the loss honours the count (llama), not for a head or a compute_loss
+    that ignores it (each micro-batch's mean); after train(), the last window's count must not be used."""
     samples = H.make_samples(task, n=8, seed=3)
-    windows = _windows(samples)
+    # after train() (windows of 2 x 2 samples), the user's windows hold 2 x 1: the last window's count would be wrong
+    windows = _windows(samples, mbs=1 if after_train else 2)
     hf_gradfix.patch({"log_fixes": False})
     try:
-        trainer = _fresh_trainer(arch, samples, task)
+        trainer = _fresh_trainer(arch, samples, task, trainer_cls=trainer_cls)
     finally:
         hf_gradfix.unpatch()
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
