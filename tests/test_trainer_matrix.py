@@ -63,7 +63,9 @@ def check_case(name: str, recipe: M.Recipe) -> str:
         f"{name}: stock trains, but the run built under hf_gradfix.patch() raised {_describe(patched.error)} "
         f"(hf_gradfix warnings: {patched.warnings})"
     )
-    assert len(patched.grads) == len(stock.grads), f"{name}: {len(patched.grads)} optimizer steps, stock {len(stock.grads)}"
+    assert len(patched.grads) == len(stock.grads), (
+        f"{name}: {len(patched.grads)} optimizer steps, stock {len(stock.grads)}"
+    )
     assert M.grad_norm(stock.grads[0]) > 0, f"{name}: recipe '{recipe.name}' trains nothing (zero gradient)"
     state = hf_gradfix.state_of(patched.trainer)
     assert state is not None, f"{name}: patch() did not install on {type(patched.trainer).__name__}"
@@ -77,8 +79,8 @@ def check_case(name: str, recipe: M.Recipe) -> str:
         print(summary)
         for k, err in enumerate(errors):
             assert err <= M.GRAD_TOL, (
-                f"{name} step {k}: hf_gradfix reports this trainer fixed ({'; '.join(state.fixes)}) but the gradient is "
-                f"{err:.3e} (relative) from the {recipe.truth} ground truth on the micro-batches it trained on"
+                f"{name} step {k}: hf_gradfix reports this trainer fixed ({'; '.join(state.fixes)}) but the gradient "
+                f"is {err:.3e} (relative) from the {recipe.truth} ground truth on the micro-batches it trained on"
             )
         assert not patched.warnings, f"{name}: exact, but hf_gradfix warned: {patched.warnings}"
         return summary
@@ -97,8 +99,27 @@ def check_case(name: str, recipe: M.Recipe) -> str:
         f"got {len(patched.warnings)}: {patched.warnings}"
     )
     named = "labels" if state.disabled_reason is None else state.disabled_reason[:60]
-    assert named in patched.warnings[0], f"{name}: the warning does not name what was not read ({named!r}): {patched.warnings}"
+    assert named in patched.warnings[0], (
+        f"{name}: the warning does not name what was not read ({named!r}): {patched.warnings}"
+    )
     return summary
+
+
+#: hf_gradfix's known gaps, by case id (TRL or transformers), as strict xfails: (applies, reason); each case turns into
+#: a failure when its fix lands (XPASS), and its entry is removed then
+KNOWN_GAPS = {
+    "c_training_step_own_backward": (
+        MAJOR >= 5,
+        "hf_gradfix returns the window-normalized loss S_mb/N from compute_loss and the override divides it by the "
+        "accumulation steps again (model_accepts_loss_kwargs is False): 1/GA of the gradient; fix in progress",
+    ),
+}
+
+
+def _param(name):
+    gap = KNOWN_GAPS.get(name)
+    marks = [pytest.mark.xfail(strict=True, reason=gap[1])] if gap and gap[0] else []
+    return pytest.param(name, marks=marks)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -120,7 +141,8 @@ def test_trl_discovery_finds_the_trainers():
         exported = {f"trl.{n}" for n in dir(trl) if not n.startswith("_")
                     and inspect.isclass(getattr(trl, n, None)) and issubclass(getattr(trl, n), transformers.Trainer)}
     assert exported <= set(TRL_TRAINERS), f"exported but not discovered: {sorted(exported - set(TRL_TRAINERS))}"
-    assert set(STABLE) <= set(TRL_TRAINERS), f"stable trainers not discovered: {sorted(set(STABLE) - set(TRL_TRAINERS))}"
+    missing = sorted(set(STABLE) - set(TRL_TRAINERS))
+    assert not missing, f"stable trainers not discovered: {missing}"
     print(f"discovered {len(TRL_TRAINERS)} trainer classes in trl {trl.__version__}: {sorted(TRL_TRAINERS)}")
     if TRL_IMPORT_ERRORS:  # a trainer in one of these modules could not be looked at: said, not dropped
         print("modules not imported (their trainers, if any, are not in the matrix): "
@@ -131,13 +153,7 @@ def _trl_ids():
     return sorted(TRL_CASES) if TRL_CASES else ["trl-not-installed"]
 
 
-def _marks(name: str):
-    cls = TRL_CASES.get(name)
-    slow = cls is not None and not isinstance(cls, M.Recipe) and "reward_funcs" in M.init_params(cls)
-    return [pytest.mark.slow] if slow else []
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in _trl_ids()])
+@pytest.mark.parametrize("name", [_param(n) for n in _trl_ids()])
 def test_trl_trainer(name):
     if TRL_MISSING:
         pytest.skip(TRL_MISSING)
@@ -153,22 +169,8 @@ def test_trl_trainer(name):
 # ----------------------------------------------------------------------------------------------------------------------
 
 TF_CASES = M.transformers_cases()
-#: hf_gradfix's known gaps, as strict xfails: each flips to a failure (remove the marker) when the fix lands
-KNOWN_GAPS = {
-    "c_training_step_own_backward": (
-        MAJOR >= 5,
-        "hf_gradfix returns the window-normalized loss S_mb/N from compute_loss and the override divides it by the "
-        "accumulation steps again (model_accepts_loss_kwargs is False): 1/GA of the gradient; fix in progress",
-    ),
-}
 
 
-def _tf_param(name):
-    gap = KNOWN_GAPS.get(name)
-    marks = [pytest.mark.xfail(strict=True, reason=gap[1])] if gap and gap[0] else []
-    return pytest.param(name, marks=marks)
-
-
-@pytest.mark.parametrize("name", [_tf_param(n) for n in sorted(TF_CASES)])
+@pytest.mark.parametrize("name", [_param(n) for n in sorted(TF_CASES)])
 def test_transformers_trainer(name):
     check_case(name, TF_CASES[name])

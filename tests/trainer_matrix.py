@@ -7,14 +7,17 @@ stock and under ``hf_gradfix.patch()`` on tiny models built offline.
   error, so the test can say what it could not look into.
 * :func:`plan_for` picks a recipe from what the class needs: its ``__init__`` parameters (``reward_funcs``,
   ``teacher_model``, ``rollout_worker``, ...), its config class's fields (``use_vllm``, server URLs,
-  ``desirable_weight``, ...), its docs (a sequence-classification model) and the sample columns its module reads
-  (``"reference"``, ``"privileged_context"``). A class no recipe fits, or one that needs a server, comes back as a
-  :class:`Skip` with the reason.
-* :func:`run` trains one case (2 optimizer steps of GA 2, SGD at lr 0, no clipping, CPU, fp32) and records every batch
-  the collator produced, each optimizer step's accumulated gradient (``on_pre_optimizer_step``), the ``hf_gradfix``
-  log records, and the exception if ``train()`` raised.
-* :func:`window_truth` is the independent ground truth of a token-mean loss (``tests/ecosystem.py``'s, with the MoE
-  router aux term averaged over the window's micro-batches, the convention hf_gradfix documents).
+  ``desirable_weight``, ...), the model class its module imports (a sequence classifier) and the sample columns its
+  module names (``"messages"``, ``"reference"``, ``"privileged_context"``). A class no recipe fits, or one that
+  needs a server, comes back as a :class:`Skip` with the reason.
+* :func:`run` trains one case (2 optimizer steps of GA 2, SGD at lr 0, no clipping, CPU, fp32) and records, per
+  optimizer step, the inputs of every training ``compute_loss`` call (the micro-batches as trained on, after the
+  trainer's own ``_prepare_inputs`` and any generation), the accumulated gradient (``on_pre_optimizer_step``), the
+  ``hf_gradfix`` warnings, and the exception if construction or ``train()`` raised.
+* The ground truths a run hf_gradfix reports exact is held to: :func:`token_truth` (``tests/ecosystem.py``'s per-target
+  cross entropy from the logits, plus the MoE router aux term averaged over the window's micro-batches, the convention
+  hf_gradfix documents) and, for losses this file does not write out (distillation), :func:`trainer_loss_truth`: the
+  trainer's own loss on the whole window as one batch (GA k x b = 1 x kb).
 """
 
 from __future__ import annotations
@@ -100,7 +103,10 @@ def discover_trl_trainers() -> tuple[dict[str, type], dict[str, str]]:
                     and value.__module__.startswith("trl")
                     and not value.__name__.startswith("_")
                 ):
-                    found.setdefault(public_name(value), value)
+                    name = public_name(value)
+                    if found.get(name, value) is not value:  # two classes, one short name: keep both, by module
+                        name = f"{value.__module__}.{value.__qualname__}"
+                    found.setdefault(name, value)
     return dict(sorted(found.items())), errors
 
 
@@ -323,8 +329,8 @@ def training_args(cfg_cls, output_dir: str, **overrides):
         log_completions=False,
         disable_dropout=True,
         shuffle_dataset=False,
-        use_extended_uld=False,
-        distillation_topk=8,  # SDFT / SDPO: top-k logits of a 97-token vocabulary  # GOLD: byte offsets of a byte-level BPE tokenizer; the test tokenizer is word-level
+        use_extended_uld=False,  # GOLD: byte offsets of a byte-level BPE tokenizer; the test tokenizer is word-level
+        distillation_topk=8,  # SDFT / SDPO: top-k logits of a 97-token vocabulary
         max_steps=2,
         # GRPO-like (a KL coefficient beside num_iterations): no KL term, so no reference model (half the forwards)
         beta=0.0 if "num_iterations" in fields else None,
@@ -399,7 +405,8 @@ def plan_for(cls: type) -> Recipe | Skip:
             data, what = ("messages",), "conversational (messages)"
         else:
             data, what = ("prompt", "completion"), "prompt-completion"
-        return Recipe(f"distillation: {what} data, a tiny teacher of the same vocabulary",
+        return Recipe(f"distillation: {what} data, a tiny teacher of the same vocabulary, TRL's default on-policy "
+                      "share",
                       _trainer_factory(cls, cfg, model="llama", data=data, teacher_model=teacher))
     if "privileged_context" in columns:
         return Recipe("self-distillation: prompts with a privileged context for the teacher prompt",
@@ -429,8 +436,8 @@ def sft_variants() -> dict[str, Recipe]:
 
     cls, cfg = trl.SFTTrainer, config_class(trl.SFTTrainer)
     return {
-        "trl.SFTTrainer[qwen3_moe]": Recipe("language modeling on a MoE model: the window objective plus the router aux "
-                                            "loss averaged over micro-batches",
+        "trl.SFTTrainer[qwen3_moe]": Recipe("language modeling on a MoE model: the window objective plus the router "
+                                            "aux loss averaged over micro-batches",
                                             _trainer_factory(cls, cfg, model="qwen3_moe", data=("text",)), "causal"),
         "trl.SFTTrainer[peft_lora]": Recipe("language modeling on a PEFT LoRA model",
                                             _trainer_factory(cls, cfg, model="llama_lora", data=("text",)), "causal"),
@@ -482,8 +489,8 @@ def _tf_classes():
             return loss.detach()
 
     class ContextStepTrainer(Trainer):
-        """(d) TRL's pattern: ``training_step`` wraps ``super().training_step`` in a context manager (saved-tensor hooks,
-        as activation offloading installs)."""
+        """(d) TRL's pattern: ``training_step`` wraps ``super().training_step`` in a context manager
+        (saved-tensor hooks, as activation offloading installs)."""
 
         def training_step(self, *args, **kwargs):
             hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
@@ -564,7 +571,8 @@ def transformers_cases() -> dict[str, Recipe]:
         "Trainer": Recipe("causal LM, transformers' collator", causal(tf.Trainer), "causal"),
         "Seq2SeqTrainer[t5]": Recipe("T5, DataCollatorForSeq2Seq", seq2seq("t5"), "seq2seq"),
         "Seq2SeqTrainer[bart]": Recipe("BART, DataCollatorForSeq2Seq", seq2seq("bart"), "seq2seq"),
-        "a_compute_loss_outputs_loss": Recipe(classes["outputs_loss"].__doc__, causal(classes["outputs_loss"]), "causal"),
+        "a_compute_loss_outputs_loss": Recipe(classes["outputs_loss"].__doc__, causal(classes["outputs_loss"]),
+                                              "causal"),
         "b_compute_loss_own_mean": Recipe(classes["own_mean"].__doc__, causal(classes["own_mean"]), "causal"),
         "c_training_step_own_backward": Recipe(classes["own_step"].__doc__ + " Model without loss kwargs.",
                                                causal(classes["own_step"], model="nokwargs"), "causal"),
