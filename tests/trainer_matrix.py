@@ -216,9 +216,10 @@ def dataset(*columns: str):
     return datasets.Dataset.from_dict({c: make[c]() for c in columns})
 
 
-def reward_len_mod(completions, **kwargs) -> list[float]:
-    """A deterministic reward: a function of the completion's text (different completions get different rewards)."""
-    return [float(sum(map(ord, str(c))) % 7) / 7.0 for c in completions]
+def reward_parity(completions, **kwargs) -> list[float]:
+    """A deterministic reward of the completion's text, 0 or 1: different completions of one prompt get different
+    rewards (an advantage to train on), and some reach 1.0, what self-distillation trainers count as a success."""
+    return [float(sum(map(ord, str(c))) % 2) for c in completions]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -398,7 +399,7 @@ def plan_for(cls: type) -> Recipe | Skip:
     if "reward_funcs" in params:
         data = ("prompt",) + (("privileged_context",) if "privileged_context" in columns else ())
         return Recipe("rl: prompt-only data, a deterministic reward function, generation without vLLM",
-                      _trainer_factory(cls, cfg, model="llama", data=data, reward_funcs=reward_len_mod))
+                      _trainer_factory(cls, cfg, model="llama", data=data, reward_funcs=reward_parity))
     if "teacher_model" in params:
         teacher = functools.partial(build_named, "llama", 1)
         if "messages" in columns:
@@ -622,6 +623,8 @@ class Run:
 
     mode: str
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    #: per optimizer step, what hf_gradfix reported at on_pre_optimizer_step (:func:`plugin_report`); patched runs
+    reports: list[dict[str, Any]] = field(default_factory=list)
     windows: list[list[Any]] = field(default_factory=list)
     error: BaseException | None = None
     warnings: list[str] = field(default_factory=list)  # hf_gradfix WARNING records
@@ -679,6 +682,8 @@ def run(make: Callable[[str], Any], mode: str) -> Run:
                                      for n, p in trainer.model.named_parameters() if p.requires_grad})
                 result.windows.append(list(window))
                 window.clear()
+                if mode == "patch":
+                    result.reports.append(plugin_report(trainer))
 
         trainer.add_callback(Grads())
         result.initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -695,6 +700,22 @@ def run(make: Callable[[str], Any], mode: str) -> Run:
         result.warnings = [r.getMessage() for r in handler.records if r.levelno >= logging.WARNING]
         result.seconds = time.perf_counter() - started
     return result
+
+
+def plugin_report(trainer) -> dict[str, Any]:
+    """What hf_gradfix says about the optimizer window being stepped (read at ``on_pre_optimizer_step``, as
+    ``state.window`` only lives for the window): ``counted`` (the loss probed and this window's targets counted: the
+    fix is in force), the disabled reason, the fixes it applied."""
+    import hf_gradfix
+
+    state = hf_gradfix.state_of(trainer)
+    if state is None:
+        return {"installed": False, "counted": False, "reason": None, "fixes": []}
+    window = getattr(state, "window", None)
+    reason = getattr(state, "disabled_reason", None)
+    counted = (bool(getattr(state, "probed", False)) and reason is None and not getattr(state, "stock_window", False)
+               and window is not None and getattr(window, "global_count", None) is not None)
+    return {"installed": True, "counted": counted, "reason": reason, "fixes": list(getattr(state, "fixes", []))}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
