@@ -86,7 +86,7 @@ def test_patch_covers_subclasses_and_logs_one_line_per_trainer(caplog):
             record = H.run_trainer(model, samples, "seqcls", trainer_cls=TutorialTrainer)
         finally:
             logger.removeHandler(caplog.handler)
-        lines = [r.getMessage() for r in caplog.records if r.name == "hf_gradfix" and "hf_gradfix (patch())" in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records if r.name == "hf_gradfix" and "hf_gradfix (patch(); settings from: defaults)" in r.getMessage()]
         assert len(lines) == 1, lines
         assert "head ignores num_items_in_batch" in lines[0]
         assert "TutorialTrainer.compute_loss ignores num_items_in_batch" in lines[0]

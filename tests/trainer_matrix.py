@@ -712,7 +712,8 @@ def plugin_report(trainer) -> dict[str, Any]:
     if state is None:
         return {"installed": False, "counted": False, "reason": None, "fixes": []}
     window = getattr(state, "window", None)
-    reason = getattr(state, "disabled_reason", None)
+    # disabled for the run, or a window left to the trainer after it was seen training on other targets than drawn
+    reason = getattr(state, "disabled_reason", None) or getattr(state, "rewritten", None)
     counted = (bool(getattr(state, "probed", False)) and reason is None and not getattr(state, "stock_window", False)
                and window is not None and getattr(window, "global_count", None) is not None)
     return {"installed": True, "counted": counted, "reason": reason, "fixes": list(getattr(state, "fixes", []))}

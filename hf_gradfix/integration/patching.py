@@ -107,8 +107,15 @@ def _warn_if_trainers_exist(trainer_cls: type) -> None:
 
     from .state import state_of
 
-    gc.collect()  # only Trainers still in use (not ones awaiting collection)
-    earlier = [o for o in gc.get_objects() if issubclass(type(o), trainer_cls) and state_of(o) is None]
+    def unfixed_trainers():
+        # `cls in type(o).__mro__`, not issubclass: some objects' metaclasses make issubclass slow (seconds with TRL)
+        return [o for o in gc.get_objects() if trainer_cls in type(o).__mro__ and state_of(o) is None]
+
+    earlier = unfixed_trainers()
+    if earlier:  # only Trainers still in use, not ones awaiting collection (a collection costs up to a second)
+        del earlier
+        gc.collect()
+        earlier = unfixed_trainers()
     if earlier:
         warnings.warn(
             f"hf_gradfix.patch() was called after {len(earlier)} Trainer(s) ({type(earlier[0]).__name__}) were "

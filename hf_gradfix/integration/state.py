@@ -55,6 +55,9 @@ class _Step:
     explicit: bool
     count: Any = None  # an explicit call's num_items_in_batch: the target count of its window, all ranks
     drawn: Any = field(default=None, repr=False)  # the micro-batch as drawn (compute_loss gets it prepared)
+    # its targets as drawn ("labels", "shift_labels"), copied at the step's start: a trainer may replace or edit them
+    # in the same mapping
+    drawn_targets: dict = field(default_factory=dict, repr=False)
     returned: float | None = None  # the last loss hf_gradfix's compute_loss returned (already normalized)
     rescaled_by: float | None = None  # a division by the accumulation steps after compute_loss, undone
 
@@ -88,6 +91,9 @@ class GradFixState:
     step: _Step | None = None  # the training_step in progress, if any
     ga_division_logged: bool = False  # the warning for a training_step that divides by the accumulation steps, once
     explicit_logged: bool = False  # the note for a training_step called without a count outside train(), once
+    # set when the trainer trained on other targets than the micro-batch the loop drew (on-policy generation, a step
+    # that relabels): the rest of that window runs as stock, and every rank leaves the fix at the next window
+    rewritten: str | None = None
     eval_totals: _EvalTotals | None = None
     last_aux: float = 0.0
     in_probe: bool = False

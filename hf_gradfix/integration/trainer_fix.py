@@ -431,7 +431,7 @@ def _end_stock_window(trainer: Trainer, state: GradFixState) -> None:
         state.flags_set = False  # re-applied by the next _prepare (the 4.57 accepts_loss_kwargs flag)
 
 
-def _disable(trainer: Trainer, state: GradFixState, reason: str) -> None:
+def _disable(trainer: Trainer, state: GradFixState, reason: str, log: bool = True) -> None:
     """Leave this trainer's loss exactly to transformers / the trainer, with one warning (a batch layout or loss the
     plugin cannot read)."""
     if state.disabled_reason is not None:
@@ -440,7 +440,27 @@ def _disable(trainer: Trainer, state: GradFixState, reason: str) -> None:
     state.window = None
     if state.saved_accepts_loss_kwargs is not None:
         trainer.model_accepts_loss_kwargs = state.saved_accepts_loss_kwargs
-    logger.warning("%s", reason)
+    if log:
+        logger.warning("%s", reason)
+
+
+def _sequence_sharded(trainer: Trainer) -> bool:
+    """Whether compute_loss sees a shard of each drawn sequence (context / sequence parallelism), not the whole."""
+    dims = _nd_dims(trainer)
+    if dims is not None:
+        return dims.cp > 1
+    return _replicated_divisor(trainer) > _tp_size(trainer)
+
+
+def _never_opened(trainer: Trainer, state: GradFixState) -> None:
+    """A window whose steps never called compute_loss: the trainer computes its loss some other way (e.g. TRL's
+    OnlineDPOTrainer.training_step); nothing of it was normalized, and the user is told so, once."""
+    window = state.window
+    if window is not None and window.pending and state.disabled_reason is None:
+        _disable(trainer, state, (
+            f"hf_gradfix: {type(trainer).__name__}'s training steps do not call compute_loss (its training_step "
+            "computes the loss itself), so hf_gradfix cannot normalize it: it trains exactly as stock computes it."
+        ))
 
 
 def _check_packed(batches: list) -> None:
@@ -664,7 +684,10 @@ class _GradFixTop:
         if state is not None:
             begin_lowrank_training(self)
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
+            if state is not None:
+                _never_opened(self, state)  # the last window too: a trainer whose steps never call compute_loss
+            return result
         finally:
             end_lowrank_training(self)
             if state is not None:  # a training_step called after train() is the caller's own, never the last window's
@@ -748,6 +771,7 @@ class _GradFixTop:
             return self._gradfix_pipeline_window(state, epoch_iterator, num_batches, device)
         if state is not None:
             _end_stock_window(self, state)  # a deferred probe is tried again on every window
+            _never_opened(self, state)
         if state is not None and state.config.packing.enabled and not state.config.loss.enabled:
             batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
             _check_packed(batches)
@@ -777,7 +801,7 @@ class _GradFixTop:
         counted = self._gradfix_count_window(state, window, decided=True)
         if counted == "empty":
             return batches, None
-        if counted == "stock":
+        if counted in ("stock", "disabled"):
             return batches, self._get_num_items_in_batch(batches, device)
         batches = _close_short_window(self, batches, num_batches, device)
         window.batches = batches
@@ -811,15 +835,17 @@ class _GradFixTop:
         local = 0.0
         if state.probed and has_labels and state.disabled_reason is None:
             local = float(sum(int(count_targets(b, state.chain.count_rule)) for b in batches))
+        disabled = state.disabled_reason is not None or state.rewritten is not None
         total, ranks_with_labels, ranks_undecided, micro_batches, ranks_disabled = _all_reduce_sum(
             self,
-            [local, 1.0 if has_labels else 0.0, 0.0 if decided else 1.0, float(len(batches)),
-             1.0 if state.disabled_reason is not None else 0.0],
+            [local, 1.0 if has_labels else 0.0, 0.0 if decided else 1.0, float(len(batches)), 1.0 if disabled else 0.0],
         )
         window.pending = False
         window.micro_batches = len(batches)  # the real ones: what stock divides by where it divides
         state.window = None
         if ranks_disabled:
+            if state.rewritten is not None:
+                _disable(self, state, state.rewritten, log=False)  # logged when it was seen
             _disable(self, state, "hf_gradfix: another rank cannot read its training batches (its warning names them); "
                      f"{type(self).__name__} trains exactly as stock computes it on every rank.")
             return "disabled"
@@ -926,7 +952,9 @@ class _GradFixTop:
         # A micro-batch of the window the loop drew, or a call of the caller's own (a hand-written loop, a fresh
         # trainer, after train()): then the caller's count is the window's, as in stock transformers.
         explicit = window is None or not window.holds(inputs)
-        step = _Step(explicit=explicit, count=num_items if explicit else None, drawn=inputs)
+        targets = {k: v.clone() for k, v in inputs.items() if k in ("labels", "shift_labels") and torch.is_tensor(v)} \
+            if isinstance(inputs, Mapping) else {}
+        step = _Step(explicit=explicit, count=num_items if explicit else None, drawn=inputs, drawn_targets=targets)
         stock_step = explicit and (num_items is None or not _has_labels(inputs))
         if stock_step and num_items is None and not state.explicit_logged:
             logger.info(
@@ -959,6 +987,9 @@ class _GradFixTop:
             _prepare(self, state, [inputs], prepared=inputs if isinstance(inputs, Mapping) else None)
         if not state.enabled:  # a layout or loss the plugin cannot read, or a window run as stock: exactly stock
             return chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
+        if window_step and model.training and self._gradfix_batch_rewritten(state, step, inputs):
+            _begin_stock_window(self, state)  # the rest of this window as stock; every rank leaves at the next window
+            return chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
         # The count this loss is normalized by: the window's (all micro-batches, all ranks), an explicit step's
         # caller's, or a direct call's own argument; None: the micro-batch mean (eval, or no count anywhere).
         count = None
@@ -983,6 +1014,30 @@ class _GradFixTop:
         else:
             loss, outputs = self._gradfix_eval_loss(state, model, inputs, return_outputs, kwargs)
         return (loss, outputs) if return_outputs else loss
+
+    def _gradfix_batch_rewritten(self, state, step, inputs) -> bool:
+        """Whether compute_loss was given other targets than the micro-batch the loop drew (TRL's GKD / GOLD train on
+        on-policy generations in its place, a training_step may relabel): the window's count is then not the count
+        of what it trains on. Measured per step by the loss's own count rule."""
+        if not state.probed or state.chain is None or _sequence_sharded(self):
+            return False
+        if not isinstance(step.drawn, Mapping) or not isinstance(inputs, Mapping):
+            return False
+        rule = state.chain.count_rule
+        drawn = step.drawn_targets
+        counted = int(count_targets(drawn, rule)) if _has_labels(drawn) else 0
+        seen = int(count_targets(inputs, rule)) if _has_labels(inputs) else 0
+        if counted == seen:
+            return False
+        if state.rewritten is None:
+            state.rewritten = (
+                f"hf_gradfix: {type(self).__name__} trains on other targets than the micro-batches the data loader "
+                f"drew (measured: {counted} counted in the drawn micro-batch, {seen} in what compute_loss was given; "
+                "e.g. on-policy generation), so a count of the drawn window does not normalize its loss: it trains "
+                "exactly as stock computes it."
+            )
+            logger.warning("%s", state.rewritten)
+        return True
 
     def _gradfix_train_loss(self, state, model, inputs, count, return_outputs, kwargs):
         """``S_mb * W / N`` for the target count ``count`` (N: the window's targets over every data rank)."""

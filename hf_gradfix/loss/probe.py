@@ -97,6 +97,8 @@ def probe_honors_num_items(loss_fn: LossFn, batch: Mapping[str, Any]) -> tuple[b
     >>> def summed(b, n): return b["labels"].float().sum() / (1.0 if n is None else n) + 0.5
     >>> probe_honors_num_items(summed, {"labels": torch.tensor([[1, 2, 3]])})
     (True, 0.5)
+    >>> probe_honors_num_items(lambda b, n: -summed(b, n), {"labels": torch.tensor([[1, 2, 3]])})   # a negative sum
+    (True, -0.5)
     """
     full = with_all_targets(batch)
     like = full.get("labels")
@@ -112,7 +114,8 @@ def probe_honors_num_items(loss_fn: LossFn, batch: Mapping[str, Any]) -> tuple[b
         raise NonFiniteProbeError(f"the loss is not finite on the probe batch (loss({2 * _N2:g})={loss4})")
     first, second = loss1 - loss2, loss2 - loss4
     additive = 2.0 * loss2 - loss1
-    if first <= 0 or abs(first - 2.0 * second) > 1e-4 * abs(first):
+    # S may be negative (a policy-gradient or distillation objective): only the 1/n shape is checked
+    if first == 0 or abs(first - 2.0 * second) > 1e-4 * abs(first):
         raise ProbeError(
             f"the loss changes with num_items_in_batch but not as sum/num_items (+ a constant): "
             f"loss({_N1:g})={loss1:.6g}, loss({_N2:g})={loss2:.6g}, loss({2 * _N2:g})={loss4:.6g}"
