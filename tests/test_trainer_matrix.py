@@ -119,7 +119,8 @@ KNOWN_GAPS: dict[str, tuple[bool, str]] = {
     # Fixed since the matrix landed: (c) LLaMA-Factory's training_step dividing again (the division is measured at
     # backward and undone); GKD / GOLD training on on-policy generations instead of the drawn micro-batches (the
     # rewrite is measured per step: that window runs as stock, then the trainer leaves the fix, with one warning);
-    # OnlineDPO, whose steps never call compute_loss (one warning, stock); IW-OPD's negative loss (probed exact).
+    # OnlineDPO, whose steps never call compute_loss (one warning, stock); IW-OPD's negative loss sum (it now probes as
+    # honouring the count; its on-policy steps rewrite the batch, so it trains as stock with one warning).
 }
 
 
