@@ -178,6 +178,8 @@ class DividingTrainer(Trainer):
     """LLaMA-Factory's HyperParallelTrainer.training_step, reduced to its loss handling: compute_loss, then a division
     by the accumulation steps when the model does not accept loss kwargs, then accelerator.backward."""
 
+    divisions = 0  # how many steps divided (transformers 4.57 under hf_gradfix: none, the flag is set for the count)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         inputs = self._prepare_inputs(inputs)
@@ -185,6 +187,7 @@ class DividingTrainer(Trainer):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if not getattr(self, "model_accepts_loss_kwargs", False) and getattr(self, "compute_loss_func", None) is None:
             loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+            self.divisions += 1
         self.accelerator.backward(loss)
         return loss.detach()
 
@@ -192,11 +195,14 @@ class DividingTrainer(Trainer):
 class AlwaysDividingTrainer(Trainer):
     """A training_step written for stock's per-micro-batch means: always divides by args.gradient_accumulation_steps."""
 
+    divisions = 0
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         inputs = self._prepare_inputs(inputs)
         loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         loss = loss / self.args.gradient_accumulation_steps
+        self.divisions += 1
         self.accelerator.backward(loss)
         return loss.detach()
 
@@ -222,7 +228,10 @@ def test_subclass_that_divides_by_the_accumulation_steps_again_is_exact(trainer_
         assert loss_err is not None and loss_err <= loss_tol, (k, errors)
     assert max(e for e, _ in stock_errors) > 0.1, stock_errors  # control: stock is wrong on this subclass
     divided = [w for w in _warnings(records) if "accumulation steps after compute_loss" in w]
-    assert len(divided) == 1 and trainer_cls.__name__ in divided[0], _warnings(records)
+    if ours.trainer.divisions:  # the subclass divided (on transformers 4.57 the plugin's count flag avoids it)
+        assert len(divided) == 1 and trainer_cls.__name__ in divided[0], _warnings(records)
+    else:
+        assert not divided, divided
 
 
 def test_a_step_that_does_not_divide_is_left_alone():
