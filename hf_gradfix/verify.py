@@ -30,6 +30,14 @@ a model (e.g. a packed row longer than its position table) are skipped with a no
 Dropout is switched off and gradient clipping disabled for the checked steps (both change gradients by
 design); the model, optimizer, trainer state and random-number generators are put back afterwards.
 
+Mixed precision (:func:`run_precision`): when the Trainer runs the forward under autocast (``bf16`` / ``fp16``,
+accelerate's ``mixed_precision``) or the parameters are bf16 / fp16, every reference is computed the same way
+(the same autocast device type and dtype, the same weights) and the fp32 ground truth beside it.  Rounding then
+moves even a correct gradient by ~1e-3, so a step is judged against its rounding floor: the ground truth against
+itself summed micro-batch by micro-batch as a trainer sums it (:func:`summed_like_a_trainer`); the step's
+tolerance is ``max(tolerance, FLOOR_FACTOR * floor)``, for the verdict and the naming alike.  fp16's loss scale
+(a ``GradScaler``) is divided out of the recorded gradient.
+
 >>> from hf_gradfix.verify import verdict_of
 >>> verdict_of({"exact": 2e-5, "ga_scaled": 3e-8}, loss_rel_err=None, tolerance=1e-5)
 'ga_scaled'
@@ -53,7 +61,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -72,7 +80,7 @@ def _progress(message: str, since: float | None = None) -> None:
     _log.info("verify: %s%s", message, took)
 
 __all__ = ["verify", "verify_trainer", "verdict_of", "VerifyReport", "StepResult", "HYPOTHESES", "tiny_model",
-           "synthetic_samples", "BUGS", "plot_report"]
+           "synthetic_samples", "BUGS", "plot_report", "Precision", "run_precision", "FLOOR_FACTOR"]
 
 HYPOTHESES = {
     "exact": "exact: the global token mean over every micro-batch and rank",
@@ -134,12 +142,13 @@ def synthetic_samples(n: int, vocab: int, lo: int = 4, hi: int = 48, seed: int =
 # ------------------------------------------------------------------------------------------ the verdict
 
 
-def verdict_of(candidates: Mapping[str, float], loss_rel_err: float | None, tolerance: float) -> str:
-    """One step's verdict from the numbers: ``exact`` only when the gradient (``candidates['exact']``) and the
-    reported loss are within ``tolerance``; else the reference that reproduces the gradient within
-    ``tolerance`` (the closest one), else ``unexplained``."""
+def verdict_of(candidates: Mapping[str, float], loss_rel_err: float | None, tolerance: float,
+               loss_tolerance: float | None = None) -> str:
+    """One step's verdict from the numbers: ``exact`` only when the gradient (``candidates['exact']``) is within
+    ``tolerance`` and the reported loss within ``loss_tolerance`` (default: ``tolerance``); else the reference
+    that reproduces the gradient within ``tolerance`` (the closest one), else ``unexplained``."""
     grad_ok = candidates["exact"] <= tolerance
-    loss_ok = loss_rel_err is None or loss_rel_err <= tolerance
+    loss_ok = loss_rel_err is None or loss_rel_err <= (tolerance if loss_tolerance is None else loss_tolerance)
     if grad_ok and loss_ok:
         return "exact"
     if grad_ok:
@@ -168,6 +177,17 @@ class StepResult:
     micro_batches: int = 0
     sequences: int = 0
     detail: str = ""
+    #: the tolerance this step was judged with: ``--tolerance``, or under mixed precision FLOOR_FACTOR x the floor
+    tolerance: float | None = None
+    #: mixed precision: the ground truth against itself summed as a trainer sums it (relative), at the run's precision
+    rounding_floor: float | None = None
+    #: mixed precision: the ground-truth loss in the run's own layout against the ground truth (None: not comparable),
+    #: and the tolerance the reported loss was judged with (FLOOR_FACTOR x that floor; else the gradient's)
+    loss_floor: float | None = None
+    loss_tolerance: float | None = None
+    #: mixed precision: the run's errors against the fp32 ground truth beside it
+    fp32_grad_rel_err: float | None = None
+    fp32_loss_rel_err: float | None = None
 
 
 @dataclass
@@ -183,6 +203,9 @@ class VerifyReport:
     head: str = ""
     count_rule: str = ""
     notes: list[str] = field(default_factory=list)
+    #: how the run computed ("fp32", "bf16 autocast (cpu)", "bf16 parameters") and what the reference computed in
+    precision: str = "fp32"
+    reference: str = "fp32"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -201,17 +224,30 @@ class VerifyReport:
         ]
         if self.head:
             out.append(f"  loss: {self.head}; count rule {self.count_rule}")
+        if self.reference != "fp32":
+            out.append(f"  precision: the run computed in {self.precision}; reference: {self.reference}")
         for s in self.steps:
             loss = f", loss rel err {s.loss_rel_err:.1e}" if s.loss_rel_err is not None else ""
             out.append(f"  step {s.step}: gradient rel err {s.grad_rel_err:.1e}{loss} ({s.targets} targets, "
                        f"{s.sequences} sequences, {s.micro_batches} micro-batches) -> {self.describe(s.verdict, s)}")
+            if s.rounding_floor is not None:
+                beside = (f"; fp32 beside it: gradient rel err {s.fp32_grad_rel_err:.1e}, loss rel err "
+                          f"{s.fp32_loss_rel_err:.1e}" if s.fp32_grad_rel_err is not None else "")
+                loss_floor = (f", loss floor {s.loss_floor:.1e} -> {s.loss_tolerance:.1e}" if s.loss_floor is not None
+                              else "")
+                out.append(f"    rounding floor {s.rounding_floor:.1e} -> tolerance {s.tolerance:.1e} (max of "
+                           f"{self.tolerance:g} and {FLOOR_FACTOR:g} x floor){loss_floor}{beside}")
             out.append("    per group: " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(s.groups.items())))
             if s.verdict != "exact":
                 near = sorted((v, k) for k, v in s.candidates.items() if k != "exact")[:3]
                 out.append("    nearest references: " + ", ".join(f"{k} {v:.1e}" for v, k in near))
         for note in self.notes:
             out.append(f"  note: {note}")
-        if self.exact:
+        if self.exact and any(s.rounding_floor is not None for s in self.steps):
+            worst = max((s.grad_rel_err for s in self.steps), default=0.0)
+            out.append(f"EXACT (at {self.precision}, as the run: gradient within {worst:.1e} of the ground truth "
+                       "computed the same way, within its rounding)")
+        elif self.exact:
             out.append("EXACT")
         else:
             by_name = {s.verdict: s for s in self.steps if s.verdict != "exact"}
@@ -511,11 +547,15 @@ class _Context:
     position_limit: int | None
     smoothing: float = 0.0
     virtual_shift: bool = False
+    #: the precision of every forward: ``torch.autocast`` as the run's (a new context per forward, as accelerate's
+    #: forward wrapper enters one per call), or autocast off for the fp32 reference
+    amp: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 def _seq_loss(ctx: _Context, seq: Mapping[str, torch.Tensor], labels: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None, keep_mask: bool = False) -> tuple[torch.Tensor, int]:
-    logits = _logits(ctx.model, seq, ctx.keys, ctx.encoder_decoder, position_ids, keep_mask)
+    with ctx.amp():  # the forward only; the loss is taken in fp32 from fp32 logits, backward outside autocast
+        logits = _logits(ctx.model, seq, ctx.keys, ctx.encoder_decoder, position_ids, keep_mask)
     if ctx.rule is CountRule.ELEMENTS:
         return _sequence_level_loss(logits, seq["labels"].to(logits.device), ctx.config, ctx.smoothing)
     if labels is None:
@@ -571,6 +611,9 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
     ga = max(1, max(sum(1 for m in per_mb if m.rank == r) for r in range(world)))
     exact = _lin([(1.0 / N, m.grad) for m in per_mb])
     refs: dict[str, list[torch.Tensor]] = {"exact": exact}
+    packed = any(s > r for r, s in ((m.rows, m.sequences) for m in per_mb))
+    facts = {"targets": N, "micro_batches": M, "sequences": sum(m.sequences for m in per_mb), "packed": packed,
+             "offset": offset}
     nz = [m for m in per_mb if m.count > 0]
     refs["mean_of_means"] = _lin([(1.0 / (len(nz) * m.count), m.grad) for m in nz]) if nz else exact
     refs["mean_of_means_summed"] = _lin([(1.0 / (world * m.count), m.grad) for m in nz]) if nz else exact
@@ -586,6 +629,7 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
         n_other = sum(m.other_count for m in per_mb)
         if n_other and n_other != N:
             refs["count_unshifted" if ctx.rule is CountRule.SHIFTED else "count_shifted"] = [x * (N / n_other) for x in exact]
+            facts["loss_factors"] = {"count_unshifted" if ctx.rule is CountRule.SHIFTED else "count_shifted": N / n_other}
     rows_total = max(sum(m.rows for m in per_mb), 1)
     refs["per_row"] = _lin([(1.0 / (world * m.rows), m.grad) for m in per_mb if m.rows])
     refs["per_row_averaged"] = _lin([(1.0 / (M * m.rows), m.grad) for m in per_mb if m.rows])
@@ -603,11 +647,89 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
         notes.append(f"labels[t] == input_ids[t{offset:+d}] on {share:.0%} of the targets: the labels are shifted "
                      "before the model's own shift; the ground truth uses labels aligned with input_ids")
     _padding_targets(ctx, window, refs, notes)
-    packed = any(s > r for r, s in ((m.rows, m.sequences) for m in per_mb))
     if packed and token_level:
         _cross_attention(ctx, window, N, refs, notes)
-    return refs, sum(m.loss for m in per_mb) / N, {"targets": N, "micro_batches": M, "sequences": sum(m.sequences for m in per_mb),
-                                                   "packed": packed, "offset": offset}
+    return refs, sum(m.loss for m in per_mb) / N, facts
+
+
+def summed_like_a_trainer(ctx: _Context, window: list[list[dict]], *, offset: int, N: int) -> tuple[list[torch.Tensor], float]:
+    """The ground truth once more, summed the way a trainer sums it: per micro-batch one autocast region for the
+    forwards of its sequences (the weights cast once, their gradients summed in the low precision), the
+    micro-batch's summed loss divided by the window's count ``N`` before its backward, the micro-batches'
+    gradients accumulated in the parameters' own dtype (as ``.grad`` is).  In exact arithmetic this is the ground
+    truth; its distance from :func:`references`' ``exact`` is what the precision's rounding alone does to the same
+    sum (the rounding floor).  Sequences stay unpadded and unpacked, so no model behaviour (masks, boundaries)
+    enters the floor: only the order of the arithmetic changes."""
+    acc = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p in ctx.params]
+    total = 0.0
+    for rank in window:
+        for batch in rank:
+            loss = None
+            with ctx.amp():
+                for seq in sequences_of(batch, ctx.encoder_decoder):
+                    part, _ = _seq_loss(ctx, seq, labels=_realign(seq["labels"], offset) if offset else None)
+                    loss = part if loss is None else loss + part
+            if loss is None:
+                continue
+            total += float(loss.detach())
+            for a, g in zip(acc, _grads(ctx.model, ctx.names, ctx.params, loss / N)):
+                a.add_(g.to(a.dtype))
+    return [a.float() for a in acc], total / N
+
+
+def loss_in_the_run_layout(ctx: _Context, window: list[list[dict]], *, offset: int, N: int) -> float | None:
+    """The ground-truth loss once more, forward only, in the layout the trainer fed the model: each recorded
+    micro-batch whole (padded rows with their attention mask, packed rows with their ``position_ids``), with the
+    ground truth's targets only (padding, and under the causal shift each sequence's first token, dropped), summed
+    over the window and divided by ``N``.  Equal to the ground truth in exact arithmetic; its distance from it is
+    the rounding of the run's own shapes (what a GPU's shape-dependent kernels add).  None where the layout cannot
+    be compared (encoder-decoder, collator-made ``shift_labels``, another target count)."""
+    if ctx.encoder_decoder:
+        return None
+    device = next(ctx.model.parameters()).device
+    total, count = 0.0, 0
+    for rank in window:
+        for b in rank:
+            ids, lab = b.get("input_ids"), b.get("labels")
+            if not torch.is_tensor(ids) or not torch.is_tensor(lab) or "shift_labels" in b:
+                return None
+            if ctx.rule is not CountRule.ELEMENTS:
+                if lab.shape != ids.shape:
+                    return None
+                lab = (_realign(lab, offset) if offset else lab).clone()
+                mask, pos = b.get("attention_mask"), b.get("position_ids")
+                if torch.is_tensor(mask) and mask.shape == lab.shape:
+                    lab[mask == 0] = IGNORE
+                if ctx.rule is CountRule.SHIFTED:  # a sequence's first token has no token before it
+                    if torch.is_tensor(pos) and pos.shape == lab.shape:
+                        lab[pos == 0] = IGNORE
+                    if torch.is_tensor(mask) and mask.shape == lab.shape:
+                        lab[torch.arange(lab.shape[0]), mask.long().argmax(dim=1)] = IGNORE
+            # the model gets what the trainer gave it (flash-attention's cu_seq_lens too), labels left out; with
+            # autograd on, as in training (kernels may be chosen by it), the graph dropped at once
+            kwargs = {k: v.to(device) for k, v in b.items()
+                      if torch.is_tensor(v) and (k in ctx.keys or k in _PACKED_KWARGS) and k not in _NOT_MODEL_INPUTS}
+            if "use_cache" in ctx.keys:
+                kwargs["use_cache"] = False
+            try:
+                with ctx.amp():
+                    out = ctx.model(**kwargs)
+                logits = out["logits"] if isinstance(out, Mapping) else getattr(out, "logits", out[0])
+                if ctx.rule is CountRule.ELEMENTS:
+                    loss, c = _sequence_level_loss(logits.float(), lab.to(device), ctx.config, ctx.smoothing)
+                else:
+                    loss, c = _token_loss(logits.float(), lab, ctx.rule, preshifted=False, smoothing=ctx.smoothing,
+                                          virtual_shift=ctx.virtual_shift)
+            except (IndexError, KeyError, RuntimeError, TypeError, ValueError, InvalidArgumentError):
+                return None
+            total += float(loss.detach())
+            count += c
+            del loss, out, logits
+    return total / N if count == N else None
+
+
+_NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _cross_attention(ctx: _Context, window: list[list[dict]], N: int, refs: dict, notes: list[str]) -> None:
@@ -719,6 +841,94 @@ def _scale_fit(g: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> tuple[
 # ------------------------------------------------------------------------------------------ the user's trainer
 
 
+_DTYPE_WORDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Precision:
+    """How the run computed: ``autocast`` = (device type, dtype) of the Trainer's ``torch.autocast``, or None;
+    ``param_dtype``: the dtype of most of the model's floating parameters (by elements).  ``mixed``: below fp32
+    somewhere, so the ground truth is computed the same way and judged against the rounding floor.
+
+    >>> Precision(("cpu", torch.bfloat16), torch.float32).words(), Precision(None, torch.float32).mixed
+    ('bf16 autocast (cpu)', False)
+    """
+
+    autocast: tuple[str, torch.dtype] | None
+    param_dtype: torch.dtype
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def mixed(self) -> bool:
+        return self.autocast is not None or self.param_dtype in _LOW
+
+    def words(self) -> str:
+        parts = []
+        if self.autocast is not None:
+            parts.append(f"{_DTYPE_WORDS.get(self.autocast[1], str(self.autocast[1]))} autocast ({self.autocast[0]})")
+        if self.param_dtype != torch.float32:
+            parts.append(f"{_DTYPE_WORDS.get(self.param_dtype, str(self.param_dtype))} parameters")
+        return ", ".join(parts) or "fp32"
+
+    def amp(self) -> contextlib.AbstractContextManager:
+        """The run's autocast (a new context each call), or nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.autocast[0], dtype=self.autocast[1])
+
+
+def run_precision(trainer: Any, model: nn.Module) -> Precision:
+    """How ``trainer`` runs ``model``: the autocast its accelerator wraps the forward in (``native_amp`` with
+    ``mixed_precision`` fp16 / bf16, on the accelerator's device; transformers 4.57's CPU AMP too) and the
+    parameters' dtype.  ``bf16`` / ``fp16`` asked for but not applied (fp16 on a CPU, DeepSpeed's own casting) is
+    said in a note: the run computed as its parameters are."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    param_dtype = max(sizes, key=sizes.get) if sizes else torch.float32
+    args, acc = trainer.args, getattr(trainer, "accelerator", None)
+    autocast = None
+    mp = str(getattr(acc, "mixed_precision", None) or "no")
+    handler = getattr(acc, "autocast_handler", None)
+    if getattr(acc, "native_amp", False) and mp in ("bf16", "fp16", "fp8") and getattr(handler, "enabled", True) is not False:
+        device = getattr(getattr(acc, "device", None), "type", None) or next(model.parameters()).device.type
+        autocast = (device, torch.float16 if mp == "fp16" else torch.bfloat16)  # fp8: accelerate's bf16 autocast
+    elif getattr(trainer, "use_cpu_amp", False):  # transformers 4.57: autocast around compute_loss on the CPU
+        autocast = ("cpu", getattr(trainer, "amp_dtype", torch.bfloat16))
+    notes = []
+    asked = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
+    if asked and autocast is None:
+        device = next(model.parameters()).device.type
+        notes.append(f"{asked}=True, but the Trainer runs no autocast here ({device}"
+                     f"{', DeepSpeed casts the model itself' if getattr(trainer, 'is_deepspeed_enabled', False) else ''}"
+                     f"; accelerate mixed_precision {mp}): the run computed in "
+                     f"{_DTYPE_WORDS.get(param_dtype, str(param_dtype))}, as its parameters are")
+    if mp == "fp8" and autocast is not None:
+        notes.append("fp8: the reference runs accelerate's bf16 autocast, not the fp8 layers themselves")
+    return Precision(autocast, param_dtype, notes)
+
+
+@contextlib.contextmanager
+def _plain_forward(model: nn.Module):
+    """accelerate's mixed-precision wrapper taken off the forwards it wrapped (``_original_forward`` kept beside
+    them), put back after: within the block, the references choose the precision themselves."""
+    saved = []
+    for m in model.modules():
+        forward = vars(m).get("forward")
+        original = vars(m).get("_original_forward")
+        if forward is not None and original is not None and "convert_outputs_to_fp32" in getattr(
+                getattr(forward, "__func__", forward), "__qualname__", ""):
+            saved.append((m, forward))
+            m.forward = original
+    try:
+        yield
+    finally:
+        for m, forward in reversed(saved):
+            m.forward = forward
+
+
 def _world() -> int:
     d = torch.distributed
     return d.get_world_size() if d.is_available() and d.is_initialized() else 1
@@ -748,6 +958,28 @@ def _data_ranks(trainer) -> list[bool] | None:
     if dims is None or dims.non_data_parallel == 1:
         return None
     return [dims.coords(r)["tp"] == 0 and dims.coords(r)["cp"] == 0 for r in range(_world())]
+
+
+def _loss_scale(trainer: Any, optimizer: Any = None) -> float:
+    """The factor a ``GradScaler`` (fp16 mixed precision) still holds in the gradients just before the optimizer
+    step: its scale, or 1 when there is none or the gradients were unscaled already (for clipping)."""
+    scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
+    if scaler is None or not callable(getattr(scaler, "get_scale", None)) or not scaler.is_enabled():
+        return 1.0
+    inner = optimizer if optimizer is not None else getattr(trainer, "optimizer", None)
+    for _ in range(4):  # accelerate's AcceleratedOptimizer (and other wrappers) around the torch optimizer
+        if getattr(inner, "optimizer", None) is None:
+            break
+        inner = inner.optimizer
+    try:
+        from torch.amp.grad_scaler import OptState
+
+        stage = scaler._per_optimizer_states[id(inner)]["stage"] if id(inner) in scaler._per_optimizer_states else None
+        if stage is OptState.UNSCALED:
+            return 1.0
+    except (ImportError, AttributeError, KeyError, TypeError):  # another scaler: take its scale
+        pass
+    return float(scaler.get_scale())
 
 
 def _to_cpu(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -817,13 +1049,17 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     Under ``torchrun`` / ``hf-gradfix launch`` every rank calls it; the report is the same on every rank.
     A model sharded by an ND mesh (FSDP2 / tp / cp DTensor parameters) needs ``reference_model``: an unsharded copy
     made before the trainer sharded it (the ground truth runs on it in one process).
+    Under mixed precision (``bf16=True``, bf16 parameters) the references compute as the run does and each step is
+    judged within ``FLOOR_FACTOR`` times its rounding floor (``report.steps[i].tolerance``); the fp32 ground truth
+    is reported beside it (``fp32_grad_rel_err``).
 
-    >>> import transformers, hf_gradfix
+    >>> import contextlib, io, transformers, hf_gradfix
     >>> from hf_gradfix.verify import tiny_model, synthetic_samples, _PadCollator, _ListDataset
     >>> args = transformers.TrainingArguments("/tmp/hf_gradfix_doctest", per_device_train_batch_size=2,
     ...     gradient_accumulation_steps=2, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
-    >>> trainer = transformers.Trainer(model=tiny_model(), args=args, data_collator=_PadCollator(0),
-    ...     train_dataset=_ListDataset(synthetic_samples(16, 128)))
+    >>> with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's notice on its first import, where installed
+    ...     trainer = transformers.Trainer(model=tiny_model(), args=args, data_collator=_PadCollator(0),
+    ...                                    train_dataset=_ListDataset(synthetic_samples(16, 128)))
     >>> report = hf_gradfix.verify_trainer(trainer, steps=1)
     >>> report.exact, report.steps[0].grad_rel_err < 1e-5
     (True, True)
@@ -870,7 +1106,8 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
                     "accumulation acts after the gradient is formed; the next train() turns it back on)")
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
-            grads.append({n: (_full(p.grad) if p.grad is not None else torch.zeros(p.shape)) for n, p in trainable})
+            scale = _loss_scale(trainer, kw.get("optimizer"))  # fp16's GradScaler: the gradients are still scaled
+            grads.append({n: (_full(p.grad) / scale if p.grad is not None else torch.zeros(p.shape)) for n, p in trainable})
             marks.append(len(recorded))
 
         def on_step_end(self, args, state, control, **kw):
@@ -954,6 +1191,31 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     return report
 
 
+#: Under mixed precision a step counts as exact when its gradient is within FLOOR_FACTOR times its rounding floor (the
+#: ground truth against itself summed micro-batch by micro-batch at the run's precision, summed_like_a_trainer) and
+#: its reported loss within FLOOR_FACTOR times the loss floor (loss_in_the_run_layout), never below ``tolerance``.
+#: Measured (docs/verify.md, "What EXACT means under bf16"; bf16 autocast on a CPU): correct runs of every head came
+#: to at most 2.07 x their floor (T5, first step; most 0.8-1.0), the smallest bug the gradient resolves (the count
+#: off by one per row, 4-48-token rows) to 7.4 x; 4 leaves about a factor 2 on either side.
+FLOOR_FACTOR = 4.0
+
+
+def _fp32_context(ctx: _Context, precision: Precision, notes: list[str]) -> _Context | None:
+    """The ground truth in fp32 beside the run's precision: the same model with autocast off, or, for low-precision
+    parameters, an fp32 copy of the model (None, with a note, when it cannot be made)."""
+    if precision.param_dtype not in _LOW:
+        device = precision.autocast[0] if precision.autocast else next(ctx.model.parameters()).device.type
+        return replace(ctx, amp=lambda: torch.autocast(device, enabled=False))
+    try:
+        model32 = copy.deepcopy(ctx.model).float()
+    except (RuntimeError, MemoryError, TypeError) as err:  # out of memory, or a model that cannot be copied
+        notes.append(f"the fp32 reference beside the run's precision was skipped: no fp32 copy of the model "
+                     f"({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})")
+        return None
+    named = dict(model32.named_parameters())
+    return replace(ctx, model=model32, params=[named[n] for n in ctx.names], amp=contextlib.nullcontext)
+
+
 def _compare(trainer, model, recorded, returned, marks, grads, params_at, trainable, tolerance) -> VerifyReport:
     names = [n for n, _ in trainable]
     params = [p for _, p in trainable]
@@ -974,57 +1236,105 @@ def _compare(trainer, model, recorded, returned, marks, grads, params_at, traina
         except Exception:  # noqa: BLE001 - the base model cannot be probed alone: no virtual-token shift
             ctx.virtual_shift = False
     notes: list[str] = []
-    if any(p.dtype != torch.float32 for p in params):
-        notes.append("trainable parameters are not fp32: rounding alone can exceed a tight tolerance")
-    if getattr(trainer.args, "bf16", False) or getattr(trainer.args, "fp16", False):
-        notes.append("mixed precision (bf16/fp16 autocast) is on: expect errors around 1e-3 from rounding alone")
+    precision = run_precision(trainer, model)
+    notes.extend(precision.notes)
+    ctx.amp = precision.amp
     report = VerifyReport(exact=True, tolerance=tolerance, world_size=world, grad_accum=ga, packing=False,
-                          trainer=type(trainer).__name__, head=head, count_rule=f"{rule.value} ({how})")
+                          trainer=type(trainer).__name__, head=head, count_rule=f"{rule.value} ({how})",
+                          precision=precision.words(),
+                          reference=f"{precision.words()}, as the run; fp32 beside it" if precision.mixed else precision.words())
     groups: dict[str, list[int]] = {}
     for i, n in enumerate(names):
         groups.setdefault(_group_of(n), []).append(i)
     holds_data = _data_ranks(trainer)
-    for step in range(len(grads)):
-        lo = marks[step - 1] if step else 0
-        window = _gather(recorded[lo:marks[step]])
-        if holds_data is not None:  # one copy of each tp x cp group's batches
-            window = [w for w, keep in zip(window, holds_data) if keep]
-        logged_local = sum(returned[lo:marks[step]])
-        logged = sum(_gather(logged_local)) / world
-        with torch.no_grad():
-            for n, p in trainable:
-                p.copy_(params_at[step][n].to(p.device, p.dtype))
-        step_notes: list[str] = []
-        refs, loss_exact, facts = references(ctx, window, grad_accum=ga, notes=step_notes)
-        _progress(f"   reference step {step + 1}/{len(grads)} computed")
-        for note in step_notes:
-            if note not in notes:
-                notes.append(note)
-        report.packing = report.packing or facts["packed"]
-        g = [grads[step][n] for n in names]
-        candidates = {name: _rel(g, [x.cpu() for x in ref]) for name, ref in refs.items()}
-        c, scaled = _scale_fit(g, refs["exact"])
-        if abs(c - 1.0) > tolerance:  # a factor indistinguishable from 1 is rounding, not a diagnosis
-            candidates["scaled"] = _rel(g, [x.cpu() for x in scaled])
-        loss_err = abs(logged - loss_exact) / max(abs(loss_exact), 1e-30)
-        verdict = verdict_of(candidates, loss_err, tolerance)
-        detail = ""
-        if verdict == "scaled":
-            detail = f"x{c:.6g}"
-        elif verdict == "reported_loss":
-            detail = f"reported {logged:.6g}, exact {loss_exact:.6g}, x{logged / loss_exact if loss_exact else math.nan:.4g}"
-        elif verdict not in ("exact", "unexplained"):
-            detail = f"reproduces the run to {candidates[verdict]:.1e}"
-        report.steps.append(StepResult(
-            step=step + 1, loss_exact=loss_exact, loss_logged=logged, loss_rel_err=loss_err,
-            grad_rel_err=candidates["exact"], verdict=verdict, candidates=candidates, detail=detail,
-            groups={k: _rel(g, [x.cpu() for x in refs["exact"]], idx) for k, idx in groups.items()},
-            targets=facts["targets"], micro_batches=facts["micro_batches"], sequences=facts["sequences"],
-        ))
-        if verdict != "exact":
-            report.exact = False
-            if verdict not in report.broken:
-                report.broken.append(verdict)
+    with _plain_forward(model):  # the precision of each reference is chosen here, not by accelerate's wrapper
+        ctx32 = _fp32_context(ctx, precision, notes) if precision.mixed else None
+        for step in range(len(grads)):
+            lo = marks[step - 1] if step else 0
+            window = _gather(recorded[lo:marks[step]])
+            if holds_data is not None:  # one copy of each tp x cp group's batches
+                window = [w for w, keep in zip(window, holds_data) if keep]
+            logged_local = sum(returned[lo:marks[step]])
+            logged = sum(_gather(logged_local)) / world
+            with torch.no_grad():
+                for n, p in trainable:
+                    p.copy_(params_at[step][n].to(p.device, p.dtype))
+                if ctx32 is not None and ctx32.model is not model:
+                    for n, p in zip(ctx32.names, ctx32.params):
+                        p.copy_(params_at[step][n].to(p.device, p.dtype))
+            step_notes: list[str] = []
+            refs, loss_exact, facts = references(ctx, window, grad_accum=ga, notes=step_notes)
+            g = [grads[step][n] for n in names]
+            step_tol, floor, fp32_errs = tolerance, None, (None, None)
+            loss_tol, loss_floor = tolerance, None
+            if precision.mixed:
+                # The rounding floor: the ground truth against itself, summed as a trainer sums it, at the run's
+                # precision (summed_like_a_trainer).  A correct run differs from the ground truth by rounding of the
+                # same kind, so its error is judged against FLOOR_FACTOR x the floor (never below --tolerance).
+                # The reported loss: against its own floor, the ground-truth loss in the run's layout (forward
+                # rounding only: far below the gradient's); where that layout cannot be compared, the gradient's.
+                summed, summed_loss = summed_like_a_trainer(ctx, window, offset=facts["offset"], N=facts["targets"])
+                rel_loss = lambda x: abs(x - loss_exact) / max(abs(loss_exact), 1e-30)  # noqa: E731
+                floor = max(_rel(summed, refs["exact"]), rel_loss(summed_loss))
+                step_tol = loss_tol = max(tolerance, FLOOR_FACTOR * floor)
+                layout = loss_in_the_run_layout(ctx, window, offset=facts["offset"], N=facts["targets"])
+                if layout is not None:
+                    loss_floor = max(rel_loss(layout), rel_loss(summed_loss))
+                    loss_tol = max(tolerance, FLOOR_FACTOR * loss_floor)
+                if ctx32 is not None:
+                    refs32, loss32, _ = references(ctx32, window, grad_accum=ga, notes=[])
+                    fp32_errs = (_rel(g, [x.cpu() for x in refs32["exact"]]),
+                                 abs(logged - loss32) / max(abs(loss32), 1e-30))
+                    # the bugs this precision cannot resolve: apart from the ground truth in fp32 (a real difference,
+                    # not rounding), yet within the tolerance of the run's precision
+                    for name, ref in refs32.items():
+                        d = _rel(ref, refs32["exact"]) if name != "exact" else 0.0
+                        if tolerance < d <= step_tol:
+                            step_notes.append(
+                                f"step {step + 1}: at {precision.words()} the gradient cannot tell the reference {name} "
+                                f"from exact: they differ by {d:.1e} in fp32, within this precision's tolerance "
+                                f"{step_tol:.1e} (the reported loss is judged on its own; run in fp32 to resolve the "
+                                "gradient)")
+                    del refs32
+            _progress(f"   reference step {step + 1}/{len(grads)} computed")
+            for note in step_notes:
+                if note not in notes:
+                    notes.append(note)
+            report.packing = report.packing or facts["packed"]
+            candidates = {name: _rel(g, [x.cpu() for x in ref]) for name, ref in refs.items()}
+            c, scaled = _scale_fit(g, refs["exact"])
+            if abs(c - 1.0) > step_tol:  # a factor indistinguishable from 1 is rounding, not a diagnosis
+                candidates["scaled"] = _rel(g, [x.cpu() for x in scaled])
+            loss_err = abs(logged - loss_exact) / max(abs(loss_exact), 1e-30)
+            verdict = verdict_of(candidates, loss_err, step_tol, loss_tol)
+            detail = ""
+            if verdict == "reported_loss" and precision.mixed:
+                # the gradient is within this precision's rounding of exact; a count bug too small for it to
+                # resolve still shows in the loss, by its own factor
+                for name, factor in facts.get("loss_factors", {}).items():
+                    err = abs(logged - factor * loss_exact) / max(abs(factor * loss_exact), 1e-30)
+                    if err <= loss_tol:
+                        verdict = name
+                        detail = (f"named by the reported loss, x{factor:.6g} the exact one to {err:.1e}; the gradient "
+                                  f"is within {precision.words()}'s tolerance {step_tol:.1e} either way")
+            if verdict == "scaled":
+                detail = f"x{c:.6g}"
+            elif verdict == "reported_loss":
+                detail = f"reported {logged:.6g}, exact {loss_exact:.6g}, x{logged / loss_exact if loss_exact else math.nan:.4g}"
+            elif verdict not in ("exact", "unexplained") and not detail:
+                detail = f"reproduces the run to {candidates[verdict]:.1e}"
+            report.steps.append(StepResult(
+                step=step + 1, loss_exact=loss_exact, loss_logged=logged, loss_rel_err=loss_err,
+                grad_rel_err=candidates["exact"], verdict=verdict, candidates=candidates, detail=detail,
+                groups={k: _rel(g, [x.cpu() for x in refs["exact"]], idx) for k, idx in groups.items()},
+                targets=facts["targets"], micro_batches=facts["micro_batches"], sequences=facts["sequences"],
+                tolerance=step_tol, rounding_floor=floor, fp32_grad_rel_err=fp32_errs[0], fp32_loss_rel_err=fp32_errs[1],
+                loss_floor=loss_floor, loss_tolerance=loss_tol,
+            ))
+            if verdict != "exact":
+                report.exact = False
+                if verdict not in report.broken:
+                    report.broken.append(verdict)
     report.notes = notes
     return report
 
@@ -1067,13 +1377,15 @@ def verify(
     tolerance: float = 1e-5,
     output_dir: str | None = None,
     learning_rate: float = 1e-3,
+    bf16: bool = False,
 ) -> VerifyReport:
     """The built-in run: a plain ``Trainer`` with the hf_gradfix configuration on a causal LM, checked by
     :func:`verify_trainer`.
 
     ``model``: a causal LM (or a zero-argument builder; default :func:`tiny_model`); ``samples``: dicts with
     ``input_ids`` and ``labels`` (default :func:`synthetic_samples`); ``config``: the hf_gradfix configuration
-    (path, dict, or None for ``$HF_GRADFIX_CONFIG`` / defaults).  Under ``torchrun`` / ``hf-gradfix launch``
+    (path, dict, or None for ``$HF_GRADFIX_CONFIG`` / defaults); ``bf16``: the Trainer's bf16 autocast (checked
+    against the ground truth computed under the same autocast, and fp32 beside it).  Under ``torchrun`` / ``hf-gradfix launch``
     every rank runs it (the report is the same on every rank).
     """
     import transformers
@@ -1110,7 +1422,7 @@ def verify(
             gradient_accumulation_steps=grad_accum, max_steps=steps, learning_rate=learning_rate,
             lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
             remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True,
-            use_cpu=not torch.cuda.is_available(), seed=0,
+            use_cpu=not torch.cuda.is_available(), seed=0, bf16=bf16,
         )
         base = _inject_trainer(transformers.Trainer, inject, grad_accum)
         collator = _PadCollator(int(getattr(model.config, "pad_token_id", None) or 0))
@@ -1190,7 +1502,9 @@ def plot_report(report: VerifyReport, path: str) -> str:
     for i, s in enumerate(report.steps):
         ys = [max(s.candidates.get(k, math.nan), 1e-12) for k in names]
         ax.bar([j + i * width for j in range(len(names))], ys, width=width, label=f"step {s.step} ({s.verdict})")
-    ax.axhline(report.tolerance, color="red", linestyle="--", label=f"tolerance {report.tolerance:g}")
+    tol = max([s.tolerance for s in report.steps if s.tolerance is not None] or [report.tolerance])
+    floor = f" (max over steps of {FLOOR_FACTOR:g} x the rounding floor)" if tol > report.tolerance else ""
+    ax.axhline(tol, color="red", linestyle="--", label=f"tolerance {tol:.2g}{floor}")
     ax.set_yscale("log")
     ax.set_xticks([j + width * (len(report.steps) - 1) / 2 for j in range(len(names))])
     ax.set_xticklabels(names, rotation=40, ha="right", fontsize=8)

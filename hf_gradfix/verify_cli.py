@@ -32,14 +32,15 @@ from .errors import HfGradfixError, InvalidArgumentError, model_load_error
 __all__ = ["verify_main", "add_verify_arguments", "trainer_train_hook", "run_script", "ScriptFailed",
            "format_script_failure"]
 
-_BUILTIN_ONLY = ("model", "config", "data", "grad_accum", "batch_size", "packing", "inject", "plot_curves")
+_BUILTIN_ONLY = ("model", "config", "data", "grad_accum", "batch_size", "packing", "inject", "plot_curves", "bf16")
 
 
 def add_verify_arguments(ver: argparse.ArgumentParser) -> None:
     """The options of ``hf-gradfix verify`` (the script's own command line goes after ``--``)."""
     ver.add_argument("--steps", type=int, default=2, help="optimizer steps to check (default: 2)")
     ver.add_argument("--tolerance", type=float, default=1e-5,
-                     help="relative gradient and loss error that counts as exact (default: 1e-05)")
+                     help="relative gradient and loss error that counts as exact (default: 1e-05); a bf16 / fp16 run is "
+                     "judged within max(this, 4 x its measured rounding floor)")
     ver.add_argument("--json", action="store_true", help="print the report as JSON (the script's own output goes to stderr)")
     ver.add_argument("--plot", default=None, metavar="FILE.png", help="draw the run's error against every reference")
     ver.add_argument("--all-ranks", action="store_true",
@@ -52,6 +53,8 @@ def add_verify_arguments(ver: argparse.ArgumentParser) -> None:
     built.add_argument("--grad-accum", type=int, default=None, help="gradient accumulation steps (default: 4)")
     built.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch and rank (default: 2)")
     built.add_argument("--packing", action="store_true", default=None, help="force packing on")
+    built.add_argument("--bf16", action="store_true", default=None,
+                       help="train under the Trainer's bf16 autocast (the reference computes the same way, fp32 beside it)")
     built.add_argument("--inject", default=None, help="plant a known bug to see it caught: " + ", ".join(
         ("mean_of_means", "ga_scaled", "world_scaled", "count_unshifted", "cross_attention")))
     built.add_argument("--plot-curves", default=None, metavar="FILE.png",
@@ -406,7 +409,8 @@ def _builtin(ns: argparse.Namespace) -> int:
     # accelerator notice, for one) goes to stderr, as the script's own output does under run_script
     with contextlib.redirect_stdout(sys.stderr) if ns.json else contextlib.nullcontext():
         report = V.verify(lambda: model, samples, config=ns.config, grad_accum=grad_accum, batch_size=batch_size,
-                          steps=ns.steps, packing=ns.packing, inject=ns.inject, tolerance=ns.tolerance)
+                          steps=ns.steps, packing=ns.packing, inject=ns.inject, tolerance=ns.tolerance,
+                          bf16=bool(ns.bf16))
     _print_report(report, ns)
     if ns.plot_curves and int(os.environ.get("RANK", "0")) == 0:
         V.plot_loss_curves(ns.plot_curves, lambda: V.load_model(spec), samples, steps=ns.plot_steps,

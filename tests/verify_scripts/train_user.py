@@ -10,6 +10,8 @@ chosen head.  ``--bug`` plants one mistake users make; ``--fixed`` writes the sa
 - ``dataset_offset``: a dataset whose ``labels`` column is ``input_ids`` shifted by one;
 - ``pad_labels``: a collator that pads the labels with the pad id instead of -100 (the loss trains on padding).
 
+``--bf16``: the same run under the Trainer's bf16 autocast (measure_precision.py).
+
 Prints ``TRAINING FINISHED`` when ``trainer.train()`` returns (verify stops the script before that).
 """
 
@@ -86,6 +88,7 @@ def main(argv=None) -> None:
     p.add_argument("--packing", action="store_true", help="with --patch: hf_gradfix packing")
     p.add_argument("--ga", type=int, default=4)
     p.add_argument("--bs", type=int, default=2)
+    p.add_argument("--bf16", action="store_true", help="bf16=True: the Trainer runs the forward under bf16 autocast")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--crash", default=None, help="'before': a ValueError before the trainer; N: a RuntimeError in step N")
     a = p.parse_args(argv)
@@ -140,7 +143,7 @@ def main(argv=None) -> None:
     args = T.TrainingArguments(
         output_dir=a.output_dir, per_device_train_batch_size=a.bs, gradient_accumulation_steps=a.ga, max_steps=6,
         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0, label_smoothing_factor=a.label_smoothing,
+        disable_tqdm=True, dataloader_num_workers=0, label_smoothing_factor=a.label_smoothing, bf16=a.bf16,
     )
 
     trainer_cls = T.Trainer
