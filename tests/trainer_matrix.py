@@ -399,7 +399,7 @@ def plan_for(cls: type) -> Recipe | Skip:
     if "reward_funcs" in params:
         data = ("prompt",) + (("privileged_context",) if "privileged_context" in columns else ())
         return Recipe("rl: prompt-only data, a deterministic reward function, generation without vLLM",
-                      _trainer_factory(cls, cfg, model="llama", data=data, reward_funcs=reward_parity))
+                      _trainer_factory(cls, cfg, model="llama", data=data, reward_funcs=reward_parity), "rl")
     if "teacher_model" in params:
         teacher = functools.partial(build_named, "llama", 1)
         if "messages" in columns:
@@ -716,7 +716,11 @@ def plugin_report(trainer) -> dict[str, Any]:
     reason = getattr(state, "disabled_reason", None) or getattr(state, "rewritten", None)
     counted = (bool(getattr(state, "probed", False)) and reason is None and not getattr(state, "stock_window", False)
                and window is not None and getattr(window, "global_count", None) is not None)
-    return {"installed": True, "counted": counted, "reason": reason, "fixes": list(getattr(state, "fixes", []))}
+    rl = getattr(state, "rl", None)  # a TRL policy-gradient trainer: the window counted from its generation batch
+    if rl is not None and reason is None and getattr(rl, "counted", False) and window is not None:
+        counted = True
+    return {"installed": True, "counted": counted, "reason": reason, "fixes": list(getattr(state, "fixes", [])),
+            "rl_loss_type": getattr(rl, "loss_type", None)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -811,7 +815,19 @@ def truth_errors(patched: Run, stock: Run, truth: str) -> list[float]:
     model.load_state_dict(patched.initial)
     model.train()
     errors = []
-    for got, window in zip(patched.grads, patched.windows):
+    for k, (got, window) in enumerate(zip(patched.grads, patched.windows)):
+        if truth == "rl":  # the loss type's objective over the window (tests/rl_reference.py, float64)
+            import rl_reference
+
+            loss_type = patched.reports[k].get("rl_loss_type") or "rloo"
+            coef = float(trainer.entropy_coef) if getattr(trainer, "_entropy_bonus_enabled", False) else 0.0
+            # a fresh model: TRL fused its log-prob head into the trained one's forward
+            fresh = type(model)._from_config(model.config, attn_implementation=model.config._attn_implementation)
+            fresh.load_state_dict(patched.initial)
+            _, want = rl_reference.window_gradient(fresh, window, loss_type, rl_reference.trl_config(trainer),
+                                                   entropy_coef=coef)
+            errors.append(H.rel_err(got, want))
+            continue
         if truth == "trainer_loss":
             want = trainer_loss_truth(trainer, window)
         else:

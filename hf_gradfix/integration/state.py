@@ -106,6 +106,7 @@ class GradFixState:
     optimizer_line: str | None = None  # which low-rank optimizer create_optimizer built, for the fix log
     saved_accepts_loss_kwargs: Any = None
     pp: Any = None  # the pipeline plan (hf_gradfix.integration.pipeline.PipelinePlan) when parallel.pp > 1
+    rl: Any = None  # a TRL policy-gradient trainer's plan (hf_gradfix.integration.rl.RLPlan)
     nd: Any = None  # the ND-parallel plan (hf_gradfix.integration.nd.NDPlan) when a mesh is in force
     fixes: list[str] = field(default_factory=list)
 

@@ -871,6 +871,15 @@ class _GradFixTop:
         """The window's first forward: probe the loss (once per trainer) on the batch compute_loss was given, then
         count the window."""
         window = state.window
+        if state.rl is None and not state.probed and self._gradfix_detect_rl(state, inputs):
+            if state.rl is None:  # recognized, but left to TRL (one warning said why)
+                return
+        if state.rl is not None:  # a TRL policy-gradient trainer: its window counted from the generation batch
+            from .rl import open_window
+
+            open_window(self, state.rl, window.micro_batches, lambda values: _all_reduce_sum(self, values))
+            window.pending = False
+            return
         prepared = inputs if isinstance(inputs, Mapping) else None
         drawn = state.step.drawn if state.step is not None and prepared is not None else None
         decided = _prepare(self, state, window.batches, prepared=prepared, drawn=drawn)
@@ -987,6 +996,15 @@ class _GradFixTop:
             _prepare(self, state, [inputs], prepared=inputs if isinstance(inputs, Mapping) else None)
         if not state.enabled:  # a layout or loss the plugin cannot read, or a window run as stock: exactly stock
             return chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
+        if state.rl is not None:  # TRL's policy-gradient losses: each term by its objective over the window
+            if not (window_step and model.training and state.rl.counted):
+                return chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
+            from .rl import window_loss
+
+            loss = window_loss(self, state.rl, inputs, lambda: chain(
+                model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch, **kwargs))
+            step.returned = float(loss.detach().float())
+            return (loss, None) if return_outputs else loss
         if window_step and model.training and self._gradfix_batch_rewritten(state, step, inputs):
             _begin_stock_window(self, state)  # the rest of this window as stock; every rank leaves at the next window
             return chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
@@ -1037,6 +1055,25 @@ class _GradFixTop:
                 "exactly as stock computes it."
             )
             logger.warning("%s", state.rewritten)
+        return True
+
+    def _gradfix_detect_rl(self, state, inputs) -> bool:
+        """Whether this is a TRL policy-gradient trainer (GRPO, RLOO and their subclasses, decided by what compute_loss
+        is given): then it is made exact by :mod:`.rl`, or left to TRL with one warning."""
+        from .rl import detect
+
+        found = detect(self, inputs, _own_loss_is_scaled_for_ga(self))
+        if found is None:
+            return False
+        if isinstance(found, str):
+            _disable(self, state, found)
+            return True
+        found.data_ranks = _dp_world(self)
+        state.rl = found
+        state.fixes.append(found.line)
+        if state.config.log_fixes:
+            logger.info("hf_gradfix (%s; settings from: %s) on %s with %s: %s.", state.source, state.settings_from,
+                        type(self).__name__, _model_name(self.model), found.line)
         return True
 
     def _gradfix_train_loss(self, state, model, inputs, count, return_outputs, kwargs):
