@@ -40,7 +40,8 @@ def main() -> None:
 
     def run_one(name: str) -> None:
         # per_device 2, num_generations 4: a generation batch's groups straddle the two ranks
-        run = rl_runs.run_rl(**CASES[name], per_device=2, steps=2)
+        mode = os.environ.get("HGF_RL_MODE", "patch")  # benchmarks/rl_report.py measures stock TRL with "stock"
+        run = rl_runs.run_rl(**CASES[name], per_device=2, steps=2, mode=mode)
         torch.save({"grads": run.grads, "micro_batches": run.micro_batches, "logged": run.logged,
                     "config": run.config, "ga": run.ga, "initial": run.initial}, out / name / f"rank{rank}.pt")
 
