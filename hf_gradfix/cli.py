@@ -188,7 +188,11 @@ def launch(argv: Sequence[str]) -> int:
             if section is not None:
                 ours = os.path.join(tmp, "hf_gradfix.yaml")
                 with open(ours, "w", encoding="utf-8") as fh:
-                    yaml.safe_dump({SECTION: config_to_dict(config_from_dict(section))}, fh)
+                    # the keys as the file names them (validated above): every rank's patch() / GradFixCallback
+                    # combines them with its own by the rule of hf_gradfix.config.sources, which needs to know which
+                    # keys the file set (an expanded dict would set every key to its default)
+                    config_from_dict(section)
+                    yaml.safe_dump({SECTION: section}, fh)
                 os.environ[ENV_VAR] = ours  # inherited by every rank
                 os.environ[ORIGIN_ENV_VAR] = str(path)  # named in the start line and in conflict messages
             os.environ.update(_cpu_launch_env(acc, resolved))
