@@ -110,6 +110,14 @@ HYPOTHESES = {
     "scaled": "scale: the exact gradient times a constant no known bug explains",
     "reported_loss": "reported loss: the gradient is exact but the loss the Trainer reports is not the window's "
     "token mean",
+    # policy-gradient runs (hf_gradfix.verify_rl): the loss type's objective over the window is the ground truth
+    "expected_window_count": "token count: expected window count: each micro-batch divided by the generation batch's "
+    "completion tokens x GA / steps_per_generation (TRL's dapo / cispo / vespo divisor), not the window's own token "
+    "count (exact only when steps_per_generation == GA)",
+    "mean_of_micro_means": "token count: mean of micro-batch means: each micro-batch normalized by its own completion "
+    "tokens (or completions), the means averaged over the window (TRL's bnpo), not one count for the whole window",
+    "entropy_mean_of_micro_means": "entropy bonus: mean of micro-batch means: each micro-batch's entropy averaged over "
+    "its own tokens (TRL's), not the window's token mean",
     "unexplained": "unexplained: no reference reproduces the run within the tolerance",
 }
 #: References with a constant fitted to the run (named only when no fixed-formula reference fits).
@@ -206,11 +214,15 @@ class VerifyReport:
     #: how the run computed ("fp32", "bf16 autocast (cpu)", "bf16 parameters") and what the reference computed in
     precision: str = "fp32"
     reference: str = "fp32"
+    #: the ground truth in words where it is not the token mean of a labels loss (a policy-gradient loss type's objective)
+    objective: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
     def describe(self, name: str, step: StepResult | None = None) -> str:
+        if name == "exact" and self.objective:
+            return f"exact: {self.objective}"
         text = "; and ".join(HYPOTHESES.get(part, part) for part in name.split("+"))
         if step is not None and step.detail and name == step.verdict:
             text += f" ({step.detail})"
@@ -245,8 +257,12 @@ class VerifyReport:
             out.append(f"  note: {note}")
         if self.exact and any(s.rounding_floor is not None for s in self.steps):
             worst = max((s.grad_rel_err for s in self.steps), default=0.0)
-            out.append(f"EXACT (at {self.precision}, as the run: gradient within {worst:.1e} of the ground truth "
-                       "computed the same way, within its rounding)")
+            if self.reference.startswith("float64"):  # a policy-gradient run: the truth in float64, the floor measured
+                out.append(f"EXACT (the run at {self.precision}: gradient within {worst:.1e} of the float64 ground "
+                           "truth, within its rounding)")
+            else:
+                out.append(f"EXACT (at {self.precision}, as the run: gradient within {worst:.1e} of the ground truth "
+                           "computed the same way, within its rounding)")
         elif self.exact:
             out.append("EXACT")
         else:
@@ -1076,6 +1092,10 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     marks: list[int] = []
     grads: list[dict[str, torch.Tensor]] = []
     params_at: list[dict[str, torch.Tensor]] = []
+    # policy-gradient runs (TRL's GRPO family, RLOO): what the loss function was given (generated completions,
+    # advantages, old / reference log-probs), and per optimizer step how many of those had been recorded
+    rl_recorded: list[dict] = []
+    rl_marks: list[int] = []
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     initial = {n: p.detach().clone() for n, p in trainable}
     sharded = any(callable(getattr(p, "full_tensor", None)) for _, p in trainable)
@@ -1109,6 +1129,7 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
             scale = _loss_scale(trainer, kw.get("optimizer"))  # fp16's GradScaler: the gradients are still scaled
             grads.append({n: (_full(p.grad) / scale if p.grad is not None else torch.zeros(p.shape)) for n, p in trainable})
             marks.append(len(recorded))
+            rl_marks.append(len(rl_recorded))
 
         def on_step_end(self, args, state, control, **kw):
             if state.global_step >= self.target:
@@ -1128,14 +1149,29 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     def training_step(model_arg, inputs, *a, **kw):
         if len(recorded) == (marks[-1] if marks else 0):  # first micro-batch of a window: the parameters it sees
             params_at.append({n: _full(p) for n, p in trainable})
-        recorded.append(_to_cpu(inputs))
+        # a policy-gradient trainer draws prompts (a list); its micro-batch is what its loss function is given
+        recorded.append(_to_cpu(inputs) if isinstance(inputs, Mapping) else {})
         out = inner_step(model_arg, inputs, *a, **kw)
         returned.append(float(out.detach().float().mean()) if torch.is_tensor(out) else float(out))
         return out
 
+    from .verify_rl import ENTROPY_COEF_KEY, entropy_coefficient, is_policy_gradient_batch
+
+    previous_loss = trainer.__dict__.get("compute_loss")
+    inner_loss = trainer.compute_loss
+
+    def compute_loss(model_arg, inputs, *a, **kw):
+        if getattr(model_arg, "training", False) and is_policy_gradient_batch(inputs):
+            rl_recorded.append({**_to_cpu(inputs), ENTROPY_COEF_KEY: entropy_coefficient(trainer)})
+        return inner_loss(model_arg, inputs, *a, **kw)
+
     args = trainer.args
     saved_args = {k: getattr(args, k) for k in ("max_grad_norm", "output_dir", "logging_dir") if hasattr(args, k)}
     saved_trainer = {k: trainer.__dict__.get(k) for k in ("state", "control", "optimizer", "lr_scheduler")}
+    # a policy-gradient trainer's own state: its micro-step, buffered generations, entropy controller, metrics
+    saved_trainer.update({k: copy.deepcopy(trainer.__dict__[k]) if k == "_metrics" else trainer.__dict__[k]
+                          for k in ("_step", "_buffered_inputs", "entropy_coef", "_last_world_entropy",
+                                    "_entropy_window_stats", "_metrics") if k in trainer.__dict__})
     opt_state = copy.deepcopy(trainer.optimizer.state_dict()) if getattr(trainer, "optimizer", None) is not None else None
     reporting = _reporting_callbacks(trainer)
     saved_callbacks = list(trainer.callback_handler.callbacks)
@@ -1153,6 +1189,7 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
                 trainer.callback_handler.remove_callback(cb)
             trainer.add_callback(recorder)
             trainer.training_step = training_step
+            trainer.compute_loss = compute_loss
             if run_train is not None:
                 run_train()
             else:
@@ -1162,6 +1199,10 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
                 trainer.__dict__.pop("training_step", None)
             else:
                 trainer.training_step = previous_step
+            if previous_loss is None:
+                trainer.__dict__.pop("compute_loss", None)
+            else:
+                trainer.compute_loss = previous_loss
             trainer.callback_handler.callbacks[:] = saved_callbacks  # the same objects, in the same order
             for k, v in saved_args.items():
                 setattr(args, k, v)
@@ -1174,7 +1215,13 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
         _progress(f"2/2 the reference: each step's exact gradient recomputed in plain PyTorch on the batches the "
                   f"trainer drew (run under test took {time.perf_counter() - t0:.1f} s) ...")
         t1 = time.perf_counter()
-        report = _compare(trainer, model, recorded, returned, marks, grads, params_at, trainable_ref, tolerance)
+        if rl_recorded:  # generated completions: the loss type's objective over the window (hf_gradfix.verify_rl)
+            from .verify_rl import compare as compare_policy_gradient
+
+            report = compare_policy_gradient(trainer, model, rl_recorded, rl_marks, returned, marks, grads, params_at,
+                                             trainable_ref, tolerance)
+        else:
+            report = _compare(trainer, model, recorded, returned, marks, grads, params_at, trainable_ref, tolerance)
         report.notes.extend(lowrank_notes)
         _progress("done", since=t1)
         model = trainer.model

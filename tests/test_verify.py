@@ -30,6 +30,7 @@ from hf_gradfix.verify_cli import trainer_train_hook
 SCRIPTS = Path(__file__).resolve().parent / "verify_scripts"
 USER = str(SCRIPTS / "train_user.py")
 SFT = str(SCRIPTS / "train_sft.py")
+GRPO = str(SCRIPTS / "train_grpo.py")
 
 
 def _verify_script(capsys, tmp_path, *script_args, steps=1, extra=(), script=USER):
@@ -486,3 +487,76 @@ def test_peft_prompt_tuning_and_lora(tmp_path):
     lora = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
     rep = verify_trainer(_tiny_trainer(tmp_path, model=lora), steps=1)
     assert rep.exact and "adapters" in rep.steps[0].groups, "\n".join(rep.lines())
+
+
+# ------------------------------------------------------------------------------------------ policy-gradient runs (RL)
+
+
+def _verify_grpo(capsys, tmp_path, *script_args, json_report=True, steps=2, bf16=False):
+    """``hf-gradfix verify --steps 2 -- python train_grpo.py --bf16 0 ...`` in this process: (exit code, report dict
+    or text)."""
+    code = main(["verify", "--steps", str(steps), *(["--json"] if json_report else []), "--", sys.executable, GRPO,
+                 *([] if bf16 else ["--bf16", "0"]), *script_args, "--output_dir", str(tmp_path / "run")])
+    captured = capsys.readouterr()
+    assert "TRAINING FINISHED" not in captured.out + captured.err
+    return code, (json.loads(captured.out) if json_report else captured.out)
+
+
+def test_grpo_script_patched_dapo_is_exact_and_stock_names_the_expected_window_count(capsys, tmp_path):
+    """Issue 35 item 3: a TRL GRPO script (dapo, steps_per_generation = 2 x GA, completions of 1 to 8 tokens), checked
+    against the float64 window objective recomputed from the completions, advantages and log-probs it trained on:
+    EXACT under hf_gradfix.patch(); stock TRL divides by the generation batch's expected window count, named."""
+    pytest.importorskip("trl")
+    code, rep = _verify_grpo(capsys, tmp_path, "--patch")
+    assert code == 0 and rep["exact"] is True, rep["steps"]
+    assert rep["trainer"] == "GRPOTrainer" and "loss_type=dapo" in rep["head"] and rep["reference"].startswith("float64")
+    assert len(rep["steps"]) == 2 and all(s["grad_rel_err"] < 1e-5 and s["loss_rel_err"] < 1e-5 for s in rep["steps"])
+    # the two windows of one generation batch hold different token counts (what the expected count gets wrong)
+    assert rep["steps"][0]["targets"] != rep["steps"][1]["targets"]
+    code, text = _verify_grpo(capsys, tmp_path, json_report=False)
+    assert code == 1, text
+    assert "NOT EXACT: token count: expected window count" in text and "reproduces the run to" in text, text
+    for line in (ln for ln in text.splitlines() if ln.strip().startswith("step ")):
+        err = float(re.search(r"gradient rel err (\S+),", line)[1])
+        assert err > 1e-2 and "expected window count" in line, line
+
+
+def test_grpo_script_bnpo_stock_is_the_mean_of_micro_batch_means(capsys, tmp_path):
+    pytest.importorskip("trl")
+    code, rep = _verify_grpo(capsys, tmp_path, "--loss_type", "bnpo")
+    assert code == 1 and rep["broken"] == ["mean_of_micro_means"], rep["steps"]
+    for step in rep["steps"]:
+        assert step["grad_rel_err"] > 1e-1 and step["candidates"]["mean_of_micro_means"] < 1e-5, step
+
+
+def test_grpo_entropy_bonus_and_kl_term_are_part_of_the_objective(capsys, tmp_path):
+    """Stock dapo with an entropy bonus and a KL term (beta 0.5; lr 0.05, so the second window's policy has moved from
+    the reference): both of TRL's divisions are named together, which only reproduces the run when the KL term from
+    the recorded reference log-probs is part of the ground truth."""
+    pytest.importorskip("trl")
+    code, rep = _verify_grpo(capsys, tmp_path, "--entropy_coef", "0.05", "--beta", "0.5", "--lr", "0.05")
+    assert code == 1 and rep["broken"] == ["expected_window_count+entropy_mean_of_micro_means"], rep["steps"]
+    assert "KL term beta 0.5" in rep["head"] and "entropy bonus" in rep["head"]
+    for step in rep["steps"]:
+        assert step["candidates"]["expected_window_count+entropy_mean_of_micro_means"] < 1e-5, step
+
+
+def test_grpo_defaults_bf16_patched_is_exact_within_its_floor_and_a_bug_below_it_is_named_by_the_loss(
+        capsys, tmp_path, monkeypatch):
+    """GRPOConfig's default bf16=True (autocast on the CPU): the float64 ground truth is ~4e-3 from any bf16 run, so a
+    patched step is judged against FLOOR_FACTOR x the rounding floor measured on it (the objective recomputed at the
+    run's precision). With the floor factor widened until the gradient cannot tell stock's expected-count bug (3e-2)
+    from exact, the bug is still named, by the reported loss."""
+    pytest.importorskip("trl")
+    import hf_gradfix.verify as V
+
+    code, rep = _verify_grpo(capsys, tmp_path, "--patch", bf16=True, steps=1)
+    assert code == 0 and rep["precision"].startswith("bf16 autocast"), rep["steps"]
+    step = rep["steps"][0]
+    assert 1e-5 < step["rounding_floor"] < 1e-2 and step["tolerance"] == pytest.approx(FLOOR_FACTOR * step["rounding_floor"])
+    assert 1e-5 < step["grad_rel_err"] <= step["tolerance"], step  # rounding is real, and within the floor's tolerance
+    monkeypatch.setattr(V, "FLOOR_FACTOR", 20.0)
+    code, rep = _verify_grpo(capsys, tmp_path, bf16=True, steps=1)
+    step = rep["steps"][0]
+    assert code == 1 and step["verdict"] == "expected_window_count", step
+    assert step["grad_rel_err"] < step["tolerance"] and "named by the reported loss" in step["detail"], step
