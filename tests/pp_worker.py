@@ -34,6 +34,7 @@ import harness  # noqa: E402
 import multiproc  # noqa: E402
 
 N_SAMPLES = 16
+_LAUNCH_ENV = {k: os.environ[k] for k in ("HF_GRADFIX_CONFIG", "HF_GRADFIX_CONFIG_ORIGIN") if k in os.environ}
 LLAMA = dict(harness.TINY_GQA_LLAMA, num_hidden_layers=4)
 
 # name -> (hf_gradfix config, options)
@@ -172,6 +173,13 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     if opts.get("stock"):
         _stock_normalization(glue)
     source = None if opts.get("from_env") else config
+    # A case with settings of its own runs as a script launched without a section would: the launch file's section
+    # (configs/cpu_pp.yaml: pp 2, 1f1b) would otherwise combine with them, and a case's other schedule is a conflict
+    for key in ("HF_GRADFIX_CONFIG", "HF_GRADFIX_CONFIG_ORIGIN"):
+        if opts.get("from_env") and key in _LAUNCH_ENV:
+            os.environ[key] = _LAUNCH_ENV[key]
+        elif not opts.get("from_env"):
+            os.environ.pop(key, None)
     if opts.get("from_env"):
         assert os.environ.get("HF_GRADFIX_CONFIG"), "launch this worker with hf-gradfix launch"
     if opts.get("yaml"):
