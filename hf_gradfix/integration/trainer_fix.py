@@ -785,7 +785,8 @@ class _GradFixTop:
             check_window(self, state.nd, batches)
         if state.config.packing.enabled:
             _check_packed(batches)
-        if not state.probed:
+        sharded = _sequence_sharded(self)
+        if not state.probed and not sharded:
             # The loss is probed inside the window's first step (the window's first compute_loss), where the training
             # loop and the trainer have set everything a compute_loss reads; the window is counted there. Until then
             # the Trainer holds stock's own count: what this window trains with if it ends up stock.
@@ -797,8 +798,12 @@ class _GradFixTop:
             batches = _close_short_window(self, batches, num_batches, device)
             state.window = _Window(None, len(batches), batches, pending=True)
             return batches, count
+        # Context / sequence parallelism: probed here, on the whole drawn sequences, before the step splits them (inside
+        # the step, compute_loss sees a shard, and the probe's forwards would run in the step's context-parallel
+        # region); the probe then gives the loop's per-window attributes their coming values (see _probe)
+        decided = True if state.probed else _prepare(self, state, batches)
         window = _Window(None, len(batches), batches)
-        counted = self._gradfix_count_window(state, window, decided=True)
+        counted = self._gradfix_count_window(state, window, decided=decided)
         if counted == "empty":
             return batches, None
         if counted in ("stock", "disabled"):
