@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import GradFixConfig, config_to_dict
+from ..config import GradFixConfig
 from ..config.sources import SettingsSource, combine, env_source, label_for, source_of
 from ..errors import PatchError
 from .versions import check_supported
