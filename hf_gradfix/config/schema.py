@@ -163,6 +163,15 @@ class PackingConfig:
         metadata={"min": 2, "max": 2**31 - 1,
                   "help": "streams (IterableDataset): samples packed together (best-fit-decreasing) in the online buffer (>= 2)"},
     )
+    rl_forwards: bool = field(
+        default=False,
+        metadata={
+            "help": "TRL GRPOTrainer / RLOOTrainer (TRL 1.16): run the policy's log-prob forwards (training, old and "
+            "reference) padding-free, each sample's prompt + completion one document of a varlen row (positions "
+            "restarted, cu_seq_lens), log-probs and entropies put back in TRL's padded layout; uses packing.attention "
+            "and packing.guard, independent of packing.enabled (which packs a dataset of token samples)"
+        },
+    )
 
 
 OptimizerName = Literal["none", "galore_adamw", "galore_adamw8bit", "apollo_adamw", "apollo_mini"]

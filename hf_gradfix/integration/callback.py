@@ -91,6 +91,9 @@ class GradFixCallback(TrainerCallback):
         from .deepspeed import attach as attach_deepspeed
 
         attach_deepspeed(trainer, state_of(trainer).config)
+        from .rl_packing import attach as attach_rl_packing
+
+        attach_rl_packing(trainer, state_of(trainer).config)
         self._trainer = trainer
 
     def _combine_with_patch(self, trainer: Trainer) -> None:

@@ -93,6 +93,9 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
             from .deepspeed import attach as attach_deepspeed
 
             attach_deepspeed(self, state.config)
+            from .rl_packing import attach as attach_rl_packing
+
+            attach_rl_packing(self, state.config)
 
         __init__._hf_gradfix_patched = True
         Trainer.__init__ = __init__
