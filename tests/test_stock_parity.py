@@ -280,3 +280,59 @@ def test_compute_loss_reading_what_the_step_sets_trains_exact(ga):
         hf_gradfix.unpatch()
     for grad_err, _ in H.check_against_gt(H.build_model("llama", seed=0), samples, "causal", ours):
         assert grad_err <= GRAD_TOL
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A method of the user's class replaced by a wrapper of the trainer's bound method (TRL's own tests do this)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class PlainSubclass(Trainer):
+    """A subclass with its own training_step and compute_loss (both only chain to the Trainer's)."""
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def compute_loss(self, model, inputs, **kwargs):
+        return super().compute_loss(model, inputs, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["training_step", "compute_loss"])
+def test_class_method_wrapping_the_bound_method_trains_as_stock_calls(method):
+    """``patch.object(MyTrainer, name, wraps=trainer.<name>)`` after construction (TRL's
+    ``test_prepare_input_called_with_correct_data``): the wrapper is called once per call, with the same arguments, as
+    stock; the run is exact. On the generated class the bound method is the plugin's, whose chain reaches the wrapper:
+    without the re-entry rule this recursed until RecursionError."""
+    from unittest import mock
+
+    samples = H.make_samples("causal", n=8, seed=11)
+    calls = {}
+
+    def run(patched):
+        stack = contextlib.ExitStack()
+
+        def wrap(trainer):
+            # the class the trainer was built as (the harness subclasses PlainSubclass on the fly to record steps)
+            built_as = getattr(type(trainer), "_gradfix_original_class", type(trainer))
+            calls[patched] = stack.enter_context(mock.patch.object(built_as, method, wraps=getattr(trainer, method)))
+
+        if patched:
+            hf_gradfix.patch({"log_fixes": False})
+        try:
+            with stack:
+                return H.run_trainer(H.build_model("llama", seed=0), samples, "causal", trainer_cls=PlainSubclass,
+                                     gradient_accumulation_steps=2, before_train=wrap)
+        finally:
+            hf_gradfix.unpatch()
+
+    run(False)
+    ours = run(True)
+    stock_calls = [c.args[1]["input_ids"].tolist() for c in calls[False].call_args_list]
+    our_calls = [c.args[1]["input_ids"].tolist() for c in calls[True].call_args_list]
+    if method == "training_step":
+        assert our_calls == stock_calls and stock_calls
+    else:  # the first window's probe also evaluates the class's compute_loss (that is how its behaviour is measured)
+        assert len(our_calls) > len(stock_calls) > 0
+        assert all(batch in our_calls for batch in stock_calls)
+    errors = H.check_against_gt(H.build_model("llama", seed=0), samples, "causal", ours)
+    assert errors and all(grad_err <= GRAD_TOL for grad_err, _ in errors), errors

@@ -184,7 +184,9 @@ def patch_sources() -> list[SettingsSource | None]:
 def swap_to_fixed_class(trainer: Any) -> None:
     """Give an already installed trainer the loss-fixing class (used when a callback's configuration turns the
     loss fix on over ``patch()``'s)."""
-    from .trainer_fix import _keep_instance_ga_flag, fixed_class_for
+    from .reentry import snapshot_methods
+    from .trainer_fix import _TOP_OVERRIDES, _keep_instance_ga_flag, fixed_class_for
 
     _keep_instance_ga_flag(trainer)
+    snapshot_methods(trainer, _TOP_OVERRIDES)
     trainer.__class__ = fixed_class_for(type(trainer))

@@ -47,6 +47,7 @@ from .state import (  # noqa: F401  (re-exported: documented and imported from h
     _Window,
     state_of,
 )
+from .reentry import passes_through_delegates, snapshot_methods
 from .versions import transformers_major
 from .windows import (
     _NOT_COUNTED,
@@ -1162,6 +1163,12 @@ for _name in ("_clip_grad_norm", "_get_grad_norm", "_track_num_input_tokens", "_
         delattr(_GradFixTop, _name)
 del _name
 
+#: the Trainer methods the generated class overrides: a delegate of one of them that calls back into the trainer
+#: (``patch.object(MyTrainer, "training_step", wraps=trainer.training_step)``) continues the stock chain (reentry.py)
+_TOP_OVERRIDES = tuple(n for n, v in vars(_GradFixTop).items() if callable(v) and hasattr(Trainer, n))
+passes_through_delegates(_GradFixTop, _TOP_OVERRIDES)
+
+
 class _GradFixDefaultLoss(Trainer):
     """The body of ``Trainer.compute_loss`` made exact for every loss producer.
 
@@ -1318,6 +1325,7 @@ def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from:
     given_lowrank = lowrank_optimizer_of(trainer) is not None
     if config.loss.enabled or config.packing.enabled or wants_optimizer or given_lowrank or state.pp is not None:
         _keep_instance_ga_flag(trainer)
+        snapshot_methods(trainer, _TOP_OVERRIDES)
         trainer.__class__ = fixed_class_for(type(trainer))
     route_clipping(trainer)  # max_grad_norm clips a lowrank_grads optimizer's accumulators, however it arrives
     begin_lowrank_training(trainer)
