@@ -10,9 +10,9 @@ here; see ``scripts/peer_suites/peer_suites_standins.py``):
 
 Per file it prints passed/failed/skipped/error stock vs patched, then every test whose outcome differs with the
 patched run's one-line reason, then the tests that fail alike in both runs, by cause (a hub id without an offline
-stand-in, a name the installed peer removed, ...). Exit status 1 when a test passes stock and fails patched, unless it is one of the upstream
-negative controls in ``NEGATIVE_CONTROLS`` (tests that assert stock's wrong loss, each listed with its reason);
-2 when a run produced no results at all.
+stand-in, a name the installed peer removed, ...). Exit status 1 when a test passes stock and fails patched, unless
+it is one of the upstream negative controls in ``NEGATIVE_CONTROLS`` (tests that assert stock's inexact loss, each
+listed with its reason); 2 when a run produced no results at all.
 
 The peers' sources are not on the package index, so this is not part of CI. Get them first (outside this repo;
 docs/testing.md says how): a TRL checkout (its ``tests/`` and ``scripts/``), and a folder holding transformers'
@@ -347,6 +347,54 @@ def _reason_key(reason: str) -> str:
     return f"{head}: {match.group(1)}" if match else reason[:160]
 
 
+def _checkout_state(path: Path) -> str:
+    """``<commit>`` of the git checkout holding ``path``, ``+ local changes`` when its hf_gradfix/ is modified."""
+    head = subprocess.run(["git", "-C", str(path), "log", "-1", "--format=%h"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "not a git checkout"
+    dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--", "."], capture_output=True,
+                           text=True).stdout.strip()
+    return head.stdout.strip() + (" + local changes" if dirty else "")
+
+
+def describe_run(run: dict, root: Path) -> None:
+    """Add to a run what its pytest reported about itself (versions, hf_gradfix) and what it ran."""
+    meta = Path(run["meta"])
+    m = json.loads(meta.read_text()) if meta.exists() else {}
+    record = Path(run["record"])
+    finished = record.stat().st_mtime if record.exists() else time.time()
+    run["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(finished))
+    run["versions"] = " ".join(f"{k} {m[k]['version']}" for k in
+                               ("torch", "transformers", "trl", "accelerate", "datasets", "peft")
+                               if isinstance(m.get(k), dict) and "version" in m[k])
+    gradfix = m.get("hf_gradfix", {})
+    run["hf_gradfix"] = (f"{gradfix['file']} at {_checkout_state(Path(gradfix['file']).parent)} "
+                         f"(patched={gradfix['patched']})" if gradfix.get("file") else "not imported")
+    run["stubbed"] = m.get("stubbed_names", [])
+    run["tests_from"] = f"{root} ({source_of(root)})"
+    run["sha256"] = hashlib.sha256((root / run["file"]).read_bytes()).hexdigest()[:12]
+
+
+def summarize(runs: list[dict], manifest: dict, standins: Path) -> dict:
+    """The facts of the report, gathered over its runs (several values when reruns used different ones)."""
+    def values(key, mode=None):
+        return ", ".join(sorted({str(r.get(key)) for r in runs if mode in (None, r["mode"])})) or "?"
+
+    facts = {"runs finished": f"{min(r.get('finished', '?') for r in runs)} .. "
+                              f"{max(r.get('finished', '?') for r in runs)}",
+             "tests from": values("tests_from"), "versions": values("versions"),
+             "hf_gradfix in stock runs": values("hf_gradfix", "stock"),
+             "hf_gradfix in patched runs": values("hf_gradfix", "patched"),
+             "names the installed peer lacks (stubbed)":
+                 ", ".join(sorted({name for r in runs for name in r.get("stubbed", [])})) or "none"}
+    for r in sorted(runs, key=lambda r: (r["peer"], r["file"])):
+        facts[f"{r['peer']}:{r['file']}"] = f"sha256 {r.get('sha256', '?')}"
+    facts["stand-ins"] = (f"{standins} ({len(manifest.get('models', {}))} models, "
+                          f"{len(manifest.get('datasets', {}))} datasets)")
+    facts["ids without a stand-in"] = ", ".join(sorted(manifest.get("missing", {}))) or "none"
+    return facts
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------------------
@@ -375,8 +423,10 @@ def main(argv=None) -> int:
 
     peers = {name: path.resolve() for name, path in (("trl", args.trl), ("transformers", args.transformers)) if path}
     if args.report:
-        state = json.loads(state_file.read_text())
-        runs, facts = state["runs"], state["facts"]
+        runs = json.loads(state_file.read_text())["runs"]
+        for run in runs:
+            if "versions" not in run and run["peer"] in peers:  # a state file from before these fields
+                describe_run(run, peers[run["peer"]])
     else:
         if not peers:
             parser.error("give --trl and/or --transformers")
@@ -392,39 +442,27 @@ def main(argv=None) -> int:
         modes = ("stock", "patched") if args.mode == "both" else (args.mode,)
         tasks = [(peer, rel, mode) for peer, rel in files for mode in modes]
         threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
+        # earlier runs of files not rerun now are kept, so an --only rerun updates the report instead of shrinking it;
+        # the state is written after every run, so a run cut short still reports what finished
+        earlier = json.loads(state_file.read_text())["runs"] if state_file.exists() else []
+        rerun = {(p, r, m) for p, r, m in tasks}
+        kept = [r for r in earlier if (r["peer"], r["file"], r["mode"]) not in rerun]
         runs = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             futures = {pool.submit(run_one, args, p, r, m, work, standins, threads): (p, r, m) for p, r, m in tasks}
             for future in concurrent.futures.as_completed(futures):
                 run = future.result()
+                describe_run(run, peers[run["peer"]])
                 runs.append(run)
+                state_file.write_text(json.dumps({"runs": runs + kept}, indent=1))
                 print(f"  {run['mode']:8s} {run['peer']}:{run['file']}  {run['seconds'] / 60:.1f} min  "
                       f"(pytest exit {run['returncode']})", flush=True)
-        facts = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        for peer, root in peers.items():
-            facts[f"{peer} tests from"] = f"{root} ({source_of(root)})"
-        for peer, rel in files:
-            digest = hashlib.sha256((peers[peer] / rel).read_bytes()).hexdigest()[:12]
-            facts[f"{peer}:{rel}"] = f"sha256 {digest}"
-        for run in runs:  # the facts each run's pytest reported about itself
-            meta = Path(run["meta"])
-            if meta.exists():
-                m = json.loads(meta.read_text())
-                facts.setdefault("versions", " ".join(f"{k} {m[k].get('version')}" for k in
-                                                      ("torch", "transformers", "trl", "accelerate", "datasets", "peft")
-                                                      if isinstance(m.get(k), dict) and "version" in m[k]))
-                facts.setdefault("python", m.get("python"))
-                key = f"hf_gradfix in {run['mode']} runs"
-                facts[key] = (f"{m['hf_gradfix']['file']} (patched={m['hf_gradfix']['patched']})"
-                              if m["hf_gradfix"].get("file") else "not imported")
-        facts["stand-ins"] = f"{standins} ({len(manifest['models'])} models, {len(manifest['datasets'])} datasets)"
-        facts["ids without a stand-in"] = ", ".join(sorted(manifest["missing"])) or "none"
-        state_file.write_text(json.dumps({"runs": runs, "facts": facts}, indent=1))
+        runs += kept
 
     manifest_path = standins / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     report = compare(runs, manifest)
-    text = render(report, facts)
+    text = render(report, summarize(runs, manifest, standins))
     (args.out / "report.md").write_text(text)
     (args.out / "report.json").write_text(json.dumps(report, indent=1))
     print(text)
