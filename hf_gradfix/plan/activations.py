@@ -31,8 +31,8 @@ from ..torch_private import private
 
 _TRACE = "hf-gradfix plan (the traced activation model)"  # what needs torch's private fake-tensor APIs
 
-__all__ = ["ActivationTrace", "trace_activations", "decoder_layers", "TRACE_ATTENTION", "prepare_config",
-           "fake_kernel_mode"]
+__all__ = ["ActivationTrace", "InferenceTrace", "trace_activations", "trace_inference", "decoder_layers",
+           "TRACE_ATTENTION", "prepare_config", "fake_kernel_mode"]
 
 TRACE_ATTENTION = "flash_fused_memory_trace"
 
@@ -181,9 +181,12 @@ def _config_key(config) -> str:
 
 
 def trace_activations(config, *, micro_batch: int, seq_len: int, dtype: str = "bf16",  # fp32 | bf16 | amp
-                      attention: str = "fused") -> ActivationTrace:
+                      attention: str = "fused", head: bool = True) -> ActivationTrace:
     """Saved-for-backward bytes of one forward of ``micro_batch x seq_len`` tokens (cached per model and shape;
     micro-batches above 2 are extrapolated exactly from 1 and 2).
+
+    ``head=False`` runs the backbone alone (``model.base_model``: no output head, no loss), for a caller that
+    counts its own head (TRL's fused LM head, :mod:`.rl`): ``logits`` and ``loss_transient`` are then 0.
 
     >>> from hf_gradfix.plan import load_model_config
     >>> t = trace_activations(load_model_config("tiny-llama"), micro_batch=2, seq_len=64, dtype="fp32")
@@ -194,10 +197,10 @@ def trace_activations(config, *, micro_batch: int, seq_len: int, dtype: str = "b
     _CONFIGS.setdefault(key, config)
     with data_dependent_refused(config):
         if micro_batch > 2:
-            one = _trace_cached(key, 1, seq_len, dtype, attention)
-            two = _trace_cached(key, 2, seq_len, dtype, attention)
+            one = _trace_cached(key, 1, seq_len, dtype, attention, head)
+            two = _trace_cached(key, 2, seq_len, dtype, attention, head)
             return one.scaled(two, micro_batch)
-        return _trace_cached(key, micro_batch, seq_len, dtype, attention)
+        return _trace_cached(key, micro_batch, seq_len, dtype, attention, head)
 
 
 @contextlib.contextmanager
@@ -225,7 +228,8 @@ _CONFIGS: dict[str, Any] = {}  # cache key -> the config it was made from
 
 
 @functools.lru_cache(maxsize=64)
-def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attention: str) -> ActivationTrace:
+def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attention: str,
+                  head: bool = True) -> ActivationTrace:
     import torch
     FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode", feature=_TRACE)
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -319,14 +323,14 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
             lambda m, a, o: ends.__setitem__("output", o[0] if isinstance(o, tuple) else o)))
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
         with _Provenance(), fake_kernel_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-            out = model(input_ids=ids, labels=ids)
+            out = model(input_ids=ids, labels=ids) if head else model.base_model(input_ids=ids)
         for h in handles:
             h.remove()
-        logits = out.logits.untyped_storage().nbytes()
+        logits = out.logits.untyped_storage().nbytes() if head else 0
         elem = torch.finfo(torch_dtype).bits // 8
         hidden = ends["input"].untyped_storage().nbytes() if ends.get("input") is not None else \
             micro_batch * seq_len * config.get_text_config().hidden_size * elem
-        vocab = out.logits.shape[-1]
+        vocab = out.logits.shape[-1] if head else 0
         layer_backward = _backward_working_set(ends, skip | saved, by_layer)
     # full recomputation re-runs one layer's forward during backward with the incoming gradient alive (one
     # hidden-state-sized tensor), then its backward: the larger of the two is the recomputed layer's footprint
@@ -334,6 +338,90 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
     return ActivationTrace(rep, split, outside[0], float(logits), float(hidden),
                            float(2 * 4 * micro_batch * seq_len * vocab), used, float(layer_backward),
                            float(recompute), layer0)
+
+
+@dataclass
+class InferenceTrace:
+    """A forward without gradients (``torch.no_grad``, no KV cache) of the backbone (``model.base_model``: no output
+    head), one micro-batch: nothing is saved, every tensor dies when its last use is over."""
+
+    peak: float  # the most bytes alive at once (input ids included; weights and buffers not)
+    output: float  # the backbone's output (the last hidden state), alive when a head runs on it
+
+
+def trace_inference(config, *, micro_batch: int, seq_len: int, dtype: str = "bf16",  # fp32 | bf16 | amp
+                    attention: str = "fused", generation: bool = False) -> InferenceTrace:
+    """The peak of one no-grad forward of ``micro_batch x seq_len`` tokens through the backbone, on fake tensors
+    (a no-grad log-prob forward, a generation's prefill without its KV cache). Cached per model and shape;
+    micro-batches above 2 are extrapolated from 1 and 2 (every tensor is proportional to the micro-batch or
+    independent of it).
+
+    ``generation=True`` runs it as ``generate``'s prefill does: with per-row position ids, so rotary tables are per
+    row, and counts its attention mask and position ids (``micro_batch x seq_len`` int64 each).
+
+    >>> from hf_gradfix.plan import load_model_config
+    >>> t = trace_inference(load_model_config("tiny-llama"), micro_batch=2, seq_len=64, dtype="fp32")
+    >>> t.output == 4 * 2 * 64 * 128, t.peak > t.output
+    (True, True)
+    """
+    key = _config_key(config)
+    _CONFIGS.setdefault(key, config)
+    with data_dependent_refused(config):
+        if micro_batch > 2:
+            one = _inference_cached(key, 1, seq_len, dtype, attention, generation)
+            two = _inference_cached(key, 2, seq_len, dtype, attention, generation)
+            lin = lambda a, b: a + (b - a) * (micro_batch - 1)  # noqa: E731
+            return InferenceTrace(lin(one.peak, two.peak), lin(one.output, two.output))
+        return _inference_cached(key, micro_batch, seq_len, dtype, attention, generation)
+
+
+@functools.lru_cache(maxsize=64)
+def _inference_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attention: str,
+                      generation: bool = False) -> InferenceTrace:
+    import torch
+    FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode", feature=_TRACE)
+    from torch.multiprocessing.reductions import StorageWeakRef
+    TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode", feature=_TRACE)
+    tree_leaves = private("torch.utils._pytree", "tree_leaves", feature=_TRACE)
+    from transformers import AutoModelForCausalLM
+
+    config = prepare_config(_CONFIGS[key])
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "amp" else contextlib.nullcontext()
+    live: dict = {}
+    peak = [0]
+
+    with FakeTensorMode():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        model.eval()  # TRL disables dropout; a no-grad forward keeps no masks either way
+        set_trace_attention(model, attention)
+        skip = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+        skip |= {StorageWeakRef(b.untyped_storage()) for b in model.buffers()}
+
+        class _Live(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        w = StorageWeakRef(t.untyped_storage())
+                        if w not in skip and w not in live:
+                            live[w] = t.untyped_storage().nbytes()
+                for w in [w for w in live if w.expired()]:
+                    del live[w]
+                peak[0] = max(peak[0], sum(live.values()))
+                return out
+
+        ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+        extra = {}
+        if generation:  # generate's per-row position ids (left padding shifts them)
+            extra = {"position_ids": torch.arange(seq_len).expand(micro_batch, seq_len).contiguous()}
+        with torch.no_grad(), _Live(), fake_kernel_mode(), autocast:
+            out = model.base_model(input_ids=ids, **extra)
+        hidden = out.last_hidden_state.untyped_storage().nbytes()
+    # the input ids, and generate's position ids and attention mask (not passed: a mask's all() is a
+    # data-dependent step; a fused kernel saves no mask)
+    held = ids.untyped_storage().nbytes() * (3 if generation else 1)
+    return InferenceTrace(float(peak[0] + held), float(hidden))
 
 
 def _recompute_forward_peak(lifetimes: dict[int, list], saved: set) -> int:

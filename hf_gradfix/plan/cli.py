@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100\n"
         "  hf-gradfix plan --model tiny-llama --num-gpus 8 --gpu-memory 80GiB --suggest\n"
         "  hf-gradfix plan --model llama-3.1-8b --num-gpus 8 --pp 4 --pp-schedule 1f1b --grad-accum 8 --gpu h100\n"
+        "  hf-gradfix plan --model llama-3.1-8b --num-gpus 8 --rl grpo --prompt-len 512 --completion-len 2048 --micro-batch 4 "
+        "--grad-accum 4 --beta 0.04 --gpu h100\n"
         "  hf-gradfix plan --model ./my-model/config.json --num-gpus 4 --optimizer galore_adamw --rank 256 --json",
     )
     ap.add_argument("--model", required=True, help="tiny name (tiny-llama, llama-3.1-8b, ...), config.json, local dir or hub id")
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-gpus", type=int, help="world size, 1 .. 2**20 (overrides num_processes; required for --suggest "
                     "without --config)")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence, 1 .. 2**24 (default: a --config's "
-                    "packing.token_budget when packing is on, else 2048)")
+                    "packing.token_budget when packing is on, else 2048; with --rl: --prompt-len + --completion-len)")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch and rank, 1 .. 2**20")
     ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps, 1 .. 2**20")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
@@ -62,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GaLore low-rank gradient accumulation (optimizer.lowrank_grads): rank-r accumulators instead "
                          "of the projected weights' gradients")
     ap.add_argument("--update-proj-gap", type=int, help="GaLore refresh gap, 1 .. 2**31-1 (default: the YAML's, else 200)")
-    ap.add_argument("--recompute", default="none", choices=["none", "full"], help="activation recomputation")
+    ap.add_argument("--recompute", choices=["none", "full"],
+                    help="activation recomputation (default: none; full with --rl, as GRPOConfig / RLOOConfig's "
+                         "gradient_checkpointing)")
     ap.add_argument("--pp", type=int, help="pipeline stages, 1 .. 2**20 (default: the --config's parallel.pp, else 1); "
                     "the other degrees share world / pp ranks, the schedule's micro-batches are --grad-accum's")
     ap.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
@@ -81,6 +85,29 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--offload-optimizer", action="store_true",
                     help="DeepSpeed offload_optimizer: fp32 master copy and optimizer state in host memory "
                          "(default: a DeepSpeed --config's offload_optimizer_device)")
+    rl = ap.add_argument_group(
+        "RL runs", "TRL 1.16 GRPOTrainer / RLOOTrainer: generation with a KV cache, the no-grad old / reference log-prob "
+        "forwards, the training micro-batch with TRL's fused LM head, each phase on its own (docs/plan.md, RL runs). "
+        "--micro-batch is per_device_train_batch_size, --grad-accum gradient_accumulation_steps")
+    rl.add_argument("--rl", choices=["grpo", "rloo"], help="plan a GRPO / RLOO step (needs --prompt-len and "
+                    "--completion-len)")
+    rl.add_argument("--prompt-len", type=int, help="the generation batch's longest prompt in tokens, 1 .. 2**24 "
+                    "(TRL pads every row to it)")
+    rl.add_argument("--completion-len", type=int, help="the longest completion, 1 .. 2**24 (max_completion_length)")
+    rl.add_argument("--num-generations", type=int, help="completions per prompt, 1 .. 2**24 (default: the trainer's, "
+                    "GRPO 8, RLOO 2); the generation batch over every rank must be a multiple of it")
+    rl.add_argument("--steps-per-generation", type=int,
+                    help="micro-batches per generation batch, 1 .. 2**20 (default: --grad-accum, TRL's)")
+    rl.add_argument("--beta", type=float, help="KL coefficient; > 0 loads a reference model (default: the trainer's, "
+                    "GRPO 0.0, RLOO 0.05)")
+    rl.add_argument("--rl-forwards", choices=["padded", "packed"],
+                    help="log-prob forwards on TRL's padded rows or packed padding-free (default: packed when the "
+                         "--config sets packing.rl_forwards, else padded)")
+    rl.add_argument("--mean-prompt-len", type=float, help="mean prompt length over the generation batch (default: "
+                    "--prompt-len): the real tokens of a packed row")
+    rl.add_argument("--mean-completion-len", type=float,
+                    help="mean completion length (default: --completion-len): the real tokens of a packed row and the "
+                         "positions TRL's fused head scores")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--gpu-memory", help="e.g. 80GiB, 40GB")
     g.add_argument("--gpu", help="GPU name, e.g. h100, a100-40gb, rtx4090")
@@ -117,9 +144,20 @@ def _mesh_and_settings(ns, config):
     zero, offload, deepspeed = ns.zero, bool(ns.offload_optimizer), bool(ns.deepspeed)
     pp, schedule, virtual = ns.pp or 1, ns.pp_schedule or "1f1b", ns.pp_virtual_stages or 1
     packing = bool(ns.packing)
+    rl_packed = False  # the --config's packing.rl_forwards
     if virtual > 1 and ns.pp_schedule is None:
         schedule = "interleaved_1f1b"  # virtual stages name the interleaved schedule
     seq_given = ns.seq_len is not None
+    if ns.rl is not None:
+        if seq_given:
+            raise PlanError(f"--seq-len with --rl: TRL's rows are --prompt-len + --completion-len long; drop --seq-len")
+        for flag, on in (("--simulate / --timeline", ns.simulate or ns.timeline), ("--suggest", ns.suggest),
+                         ("--pp", (ns.pp or 1) > 1)):
+            if on:
+                raise PlanError(f"{flag} with --rl: not planned for RL runs (the fake-tensor step and the layout "
+                                "search know a supervised step; TRL runs no pipeline stages); drop it")
+    if ns.recompute is None:
+        ns.recompute = "full" if ns.rl is not None else "none"  # GRPOConfig / RLOOConfig: gradient_checkpointing
     if not seq_given:
         ns.seq_len = 2048
     if ns.config:
@@ -141,6 +179,7 @@ def _mesh_and_settings(ns, config):
             packing = True
             if not seq_given:
                 ns.seq_len = cf.gradfix.packing.token_budget  # one packed row per micro-batch
+        rl_packed = bool(getattr(cf.gradfix.packing, "rl_forwards", False))
         world = ns.num_gpus or int(cf.accelerate.get("num_processes") or 1)
         mesh_has_pp = "pp" in getattr(ParallelDims, "__dataclass_fields__", {})
         num_processes = ns.num_gpus
@@ -183,8 +222,39 @@ def _mesh_and_settings(ns, config):
                  update_proj_gap=ns.update_proj_gap if ns.update_proj_gap is not None else gap,
                  offload_optimizer=offload, deepspeed=deepspeed,
                  pp=1 if getattr(mesh, "pp", 1) > 1 else pp, pp_schedule=schedule, pp_virtual_stages=virtual,
-                 packing=packing)
+                 packing=packing, rl=_rl_run(ns, rl_packed))
+    if s.rl is not None:
+        s.seq_len = s.rl.seq_len
+        gen = ns.micro_batch * mesh.world_size * (s.rl.steps_per_generation or ns.grad_accum)
+        if gen % s.rl.num_generations:
+            raise PlanError(f"--num-generations {s.rl.num_generations}: the generation batch (micro-batch "
+                            f"{ns.micro_batch} x {mesh.world_size} processes x steps per generation "
+                            f"{s.rl.steps_per_generation or ns.grad_accum} = {gen}) must be a multiple of it (TRL's rule)")
     return mesh, s
+
+
+_RL_ONLY = ("prompt_len", "completion_len", "num_generations", "steps_per_generation", "beta", "rl_forwards",
+            "mean_prompt_len", "mean_completion_len")
+
+
+def _rl_run(ns, config_packed: bool):
+    """The RL run of the command line (None without --rl); its flags without --rl are refused."""
+    from .rl import DEFAULT_BETA, RLRun
+
+    if ns.rl is None:
+        given = [k for k in _RL_ONLY if getattr(ns, k) is not None]
+        if given:
+            raise PlanError(f"--{given[0].replace('_', '-')} needs --rl grpo|rloo")
+        return None
+    if ns.prompt_len is None or ns.completion_len is None:
+        raise PlanError(f"--rl {ns.rl} needs --prompt-len and --completion-len (the generation batch's longest "
+                        "prompt and completion)")
+    return RLRun(trainer=ns.rl, prompt_len=ns.prompt_len, completion_len=ns.completion_len,
+                 num_generations=ns.num_generations or {"grpo": 8, "rloo": 2}[ns.rl],
+                 steps_per_generation=ns.steps_per_generation,
+                 beta=DEFAULT_BETA[ns.rl] if ns.beta is None else ns.beta,
+                 forwards=ns.rl_forwards or ("packed" if config_packed else "padded"),
+                 mean_prompt_len=ns.mean_prompt_len, mean_completion_len=ns.mean_completion_len)
 
 
 def _deepspeed_zero(resolved, zero: int | None, offload: bool) -> tuple[int | None, bool]:
@@ -300,8 +370,8 @@ def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memor
 
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(plans) + 2), 4.5))
     bottoms = [0.0] * len(plans)
-    for k in COMPONENTS:
-        vals = [p.components[k] / GiB for p in plans]
+    for k in [k for k in COMPONENTS if any(k in p.components for p in plans)]:  # reference_model: RL plans only
+        vals = [p.components.get(k, 0.0) / GiB for p in plans]
         ax.bar(range(len(plans)), vals, bottom=bottoms, label=k.replace("_", " "))
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     if gpu_memory:
@@ -320,6 +390,8 @@ _FLAG_BOUNDS = {
     "--num-gpus": ("num_gpus", 2**20), "--seq-len": ("seq_len", 2**24), "--micro-batch": ("micro_batch", 2**20),
     "--grad-accum": ("grad_accum", 2**20), "--rank": ("rank", 65536), "--update-proj-gap": ("update_proj_gap", 2**31 - 1),
     "--pp": ("pp", 2**20), "--pp-virtual-stages": ("pp_virtual_stages", 2**20),
+    "--prompt-len": ("prompt_len", 2**24), "--completion-len": ("completion_len", 2**24),
+    "--num-generations": ("num_generations", 2**24), "--steps-per-generation": ("steps_per_generation", 2**20),
 }
 _IMAGE_TYPES = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp", "eps", "ps", "pgf", "raw", "rgba")
 

@@ -28,6 +28,10 @@ Rules (Ultra-Scale Playbook, "memory usage in transformers"; N = parameter count
 * pipeline parallelism (``Settings.pp``; ``pipeline.py``): each stage's own parameters (its layers, the
   embeddings on the first, norm and head on the last), its activations times the micro-batches its schedule
   keeps in flight, and a receive buffer per micro-batch; every stage is planned and the fullest returned.
+* a TRL GRPO / RLOO run (``Settings.rl``; ``rl.py``): the reference model's weights (``beta > 0``) beside the
+  model state, and as activations the largest of three phases that never overlap: generation (the KV cache and
+  the prefill), the no-grad old / reference log-prob forwards, and the training micro-batch, whose head is TRL's
+  fused one (a tile and fp32 gradients, no logits) on padded rows or one packed row of the real tokens.
 """
 
 from __future__ import annotations
@@ -339,6 +343,9 @@ class Settings:
     # packed rows (the plugin's packer): with cp > 1 they run SDPA with a dense document mask and an all-gather
     # of K/V over the cp ranks (issue 29, hf_gradfix.parallel.context_packing) instead of the SDPA ring
     packing: bool = False
+    # a TRL GRPO / RLOO run (rl.py): generation, no-grad log-prob forwards, TRL's fused LM head; its row length
+    # (prompt + completion) replaces seq_len
+    rl: Any = None  # RLRun | None
 
     def check(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -365,10 +372,17 @@ class Settings:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**20:
                 raise PlanError(f"--{key.replace('_', '-')} {value!r}: invalid value; it must be a whole number >= 1 "
                                 "and <= 1048576")
+        if self.rl is not None:
+            self.rl.check()
+            if self.activation_model != "traced":
+                raise PlanError(f"activation_model={self.activation_model!r} with an RL run: only the traced count "
+                                "knows TRL's fused head (activation_model='traced')")
+            if self.pp > 1:
+                raise PlanError("--rl with --pp: TRL's GRPO / RLOO trainers do not run pipeline stages; drop --pp")
 
 
-COMPONENTS = ("parameters", "master_weights", "gradients", "optimizer_state", "activations", "comm_buffers",
-              "fragmentation")
+COMPONENTS = ("parameters", "master_weights", "gradients", "optimizer_state", "reference_model", "activations",
+              "comm_buffers", "fragmentation")  # reference_model: RL runs only (a plan holds the components it has)
 
 
 @dataclass
@@ -413,14 +427,24 @@ class Plan:
             "",
             f"{'component':<17}{unit + '/rank':>10}  how",
         ]
+        if self.extra.get("rl"):
+            lines.insert(4, self.extra["rl"]["summary"])
         for k in COMPONENTS:
-            lines.append(f"{k:<17}{self.components[k] / div:>10.3f}  {self.explain[k]}")
+            if k in self.components:
+                lines.append(f"{k:<17}{self.components[k] / div:>10.3f}  {self.explain[k]}")
         lines.append(f"{'peak':<17}{self.peak / div:>10.3f}  sum of the above (a conservative bound: all live at once)")
         lines.append(
             f"activations: {self.activations_no_recompute / div:.3f} {unit} without recomputation, "
             f"{self.activations_full_recompute / div:.3f} {unit} with full recomputation "
             f"(Playbook GPT formula, bf16: {self.playbook_activations / div:.3f} {unit})"
         )
+        rl = self.extra.get("rl")
+        if rl:
+            lines.append(f"rl phases   each on top of the model state, the reference model and the comm buffers ({unit}):")
+            for name, label in (("generation", "generation"), ("no_grad", "old/ref fwd"), ("training", "training")):
+                ph = rl["phases"][name]
+                mark = "  <- the peak" if name == rl["peak_phase"] else ""
+                lines.append(f"  {label:<13}{ph['bytes'] / div:>10.3f}  {ph['how']}{mark}")
         pipe = self.extra.get("pipeline")
         if pipe:
             p, v, mb = pipe["pp"], pipe["virtual_stages"], pipe["microbatches"]
@@ -538,6 +562,10 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     from . import pipeline as pl
 
     settings.check()
+    if settings.rl is not None and settings.seq_len != settings.rl.seq_len:
+        from dataclasses import replace
+
+        settings = replace(settings, seq_len=settings.rl.seq_len)  # TRL's rows: prompt + completion
     pp = pipeline_degree(mesh, settings)
     if params is None:
         params = param_table(config, targets=settings.targets, exclude=settings.exclude, min_size=settings.min_size)
@@ -582,6 +610,12 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     mesh.check_model(config)
     cp_flex = mesh.cp > 1 and settings.packing  # packed rows under CP: document mask + K/V all-gather (issue 29)
     seq_len = settings.seq_len
+    rl = settings.rl
+    if rl is not None:
+        if mesh.cp > 1:
+            raise PlanError(f"--rl with cp={mesh.cp}: TRL's GRPO / RLOO generation and log-prob forwards do not run "
+                            "context-parallel here; plan cp=1")
+        seq_len = rl.seq_len  # TRL's rows: the longest prompt + the longest completion of the generation batch
     if cp_flex:
         # the packed layout pads every document to a multiple of 2 x cp (torch's per-document head-tail
         # balancer cuts each into 2 x cp chunks); a row is counted as one document, so padded the same way
@@ -691,6 +725,13 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     fsdp = zero >= 3 and d_eff > 1
     tokens = settings.micro_batch * seq_len / mesh.cp
     pb_act = playbook_activation_bytes(config, seq_len, settings.micro_batch, tp=tp, cp=mesh.cp)
+    # the traced rows: micro-batch x sequence; an RL run's packed forwards are one row of the real tokens
+    trace_rows, trace_len = settings.micro_batch, seq_len // mesh.cp
+    if rl is not None and rl.forwards == "packed":
+        trace_rows, trace_len = 1, math.ceil(settings.micro_batch * (rl.prompt_mean + rl.completion_mean))
+        tokens = trace_len
+    trace_dtype = "fp32" if eb == 4 else "amp" if (amp and not fsdp) else "bf16"
+    rl_head = None
     act_how = ""
     tr = None
     heads = getattr(config, "num_attention_heads", None) or 1
@@ -699,9 +740,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     if settings.activation_model == "traced":
         from .activations import trace_activations
 
-        tr = trace_activations(config, micro_batch=settings.micro_batch, seq_len=seq_len // mesh.cp,
-                               dtype="fp32" if eb == 4 else "amp" if (amp and not fsdp) else "bf16",
-                               attention=settings.attention)
+        tr = trace_activations(config, micro_batch=trace_rows, seq_len=trace_len, dtype=trace_dtype,
+                               attention=settings.attention, head=rl is None)
         all_layers = [tr.layer(i, tp) for i in range(len(tr.layer_split))]
         # a layer's backward footprint (its saved tensors + gradients) shrinks with tp as its activations do
         tp_share = max(all_layers) / max(tr.layer(i) for i in range(len(all_layers)))
@@ -709,6 +749,20 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         hidden = tr.hidden
         per_layer = all_layers if stage is None else [all_layers[i] for i in stage.layers]
         head_saved, logits_b, loss_t = tr.outside, tr.logits, tr.loss_transient
+        if rl is not None:
+            # TRL's fused LM head instead of the logits and their loss gradients (rl.py)
+            from .rl import training_head
+
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            hidden_bytes = round(tr.hidden / (trace_rows * trace_len * text.hidden_size))
+            head_w = 2 if amp and fsdp else wb  # FSDP2 mixed precision gathers the head in bf16
+            rl_head = training_head(
+                config, rl, micro_batch=settings.micro_batch, rows=trace_rows, row_len=trace_len,
+                hidden_bytes=hidden_bytes, weight_bytes=head_w, compute_bytes=eb,
+                # the fp32 weight gradient becomes .grad itself only for fp32 weights, the window's first
+                # micro-batch and no FSDP2 (whose gathered head hands its gradient to a reduce-scatter)
+                weight_grad_fresh=not (head_w == 4 and settings.grad_accum == 1 and not fsdp))
+            head_saved, logits_b, loss_t = tr.outside + rl_head["kept"], 0.0, rl_head["transient"]
     else:
         layer_act = _decoder_layer_activation(config, tokens, eb, tp)
         per_layer = [layer_act] * n_layers
@@ -757,7 +811,14 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     held = (stage.in_flight - 1) if stage is not None else 0.0
     act_none = held * saved_mb + peak_mb
     act_full = held * saved_mb_full + peak_mb_full
-    if tr is not None:
+    if tr is not None and rl_head is not None:
+        fh = rl_head["fused"]
+        act_how = (f"counted from the forward ({tr.attention} attention): {len(per_layer)} layers x "
+                   f"{_fmt(sum(per_layer) / max(1, len(per_layer)))} + outside the layers {_fmt(tr.outside)}; TRL's "
+                   f"fused LM head on {rl_head['n']:,} completion tokens: kept {_fmt(rl_head['kept'])}, backward "
+                   f"{_fmt(rl_head['transient'])} ({fh['rows']:,} x 32,768 tile {_fmt(fh['tile'])}, fp32 gradients)"
+                   + (f"; a recomputed layer peaks at {_fmt(layer_rc)}" if settings.recompute == "full" else ""))
+    elif tr is not None:
         act_how = (f"counted from the forward ({tr.attention} attention): {len(per_layer)} layers x "
                    f"{_fmt(sum(per_layer) / max(1, len(per_layer)))}"
                    + (f" + outside the layers {_fmt(tr.outside)} + logits {_fmt(tr.logits)} + fp32 loss gradients "
@@ -771,6 +832,29 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     if stage is not None:
         act_how += f"; x {stage.in_flight:g} micro-batches in flight ({settings.pp_schedule})"
     act = act_full if settings.recompute == "full" else act_none
+    rl_info = None
+    ref_b = 0.0
+    if rl is not None:
+        from .rl import plan_phases
+
+        # TRL loads the reference model in the policy's dtype and prepares it as the policy (FSDP2 / ZeRO-3 shard it)
+        ref_b = params_b if rl.beta_value > 0 else 0.0
+        gather = 0.0
+        if settings.deepspeed and zero >= 3 and d_eff > 1:  # ds3_gather_for_generation (TRL's default: on)
+            gather = n_total * wb - (params_b - getattr(params, "buffer_bytes", 0))
+        phases = lambda train: plan_phases(  # noqa: E731
+            config, rl, micro_batch=settings.micro_batch, grad_accum=settings.grad_accum, rows=trace_rows,
+            row_len=trace_len, training=train, head=rl_head, trace_dtype=trace_dtype, attention=settings.attention,
+            elem_bytes=eb, tp=tp, gather_for_generation=gather)
+        rl_info = phases(act)
+        act_none, act_full = phases(act_none)["peak"], phases(act_full)["peak"]
+        rl_info["phases"]["training"]["how"] = (
+            f"{'full recompute' if settings.recompute == 'full' else 'no recompute'}: micro-batch of "
+            + (f"{settings.micro_batch} x {seq_len:,} positions, padded (prompt {rl.prompt_len:,} + completion "
+               f"{rl.completion_len:,})" if rl.forwards == "padded" else
+               f"{settings.micro_batch} samples packed into one row of {trace_len:,} real tokens")
+            + f", TRL's fused LM head")
+        act = rl_info["peak"]
 
     # communication buffers
     layer_local = max(layer_elems.values(), default=0.0)  # the largest FSDP unit (one decoder layer)
@@ -809,7 +893,7 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         comm += p2p
         comm_txt += (f"; pipeline receive buffers: {stage.recv_fwd} activation + {stage.recv_grad} gradient x "
                      f"{_fmt(hidden)}")
-    subtotal = params_b + master_b + grads_b + opt_bytes + act + comm
+    subtotal = params_b + master_b + grads_b + opt_bytes + ref_b + act + comm
     host_b = 0.0
     if settings.offload_optimizer:
         host_b = master_b + opt_bytes
@@ -818,6 +902,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     frag = settings.fragmentation * subtotal
     comp = {"parameters": params_b, "master_weights": master_b, "gradients": grads_b, "optimizer_state": opt_bytes,
             "activations": act, "comm_buffers": comm, "fragmentation": frag}
+    if rl is not None:
+        comp["reference_model"] = ref_b
     shard_txt = lambda on: f" / {d_eff} (ZeRO)" if on and d_eff > 1 else ""
     tp_txt = f", TP-split weights / {tp}" if tp > 1 else ""
     if opt.startswith(("galore", "apollo")):
@@ -856,6 +942,23 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         "fragmentation": f"{100 * settings.fragmentation:.0f} % allocator/fragmentation margin",
     }
     gbt = settings.micro_batch * settings.seq_len * settings.grad_accum * mesh.dp
+    if rl is not None:
+        peak_phase = {"generation": "generation", "no_grad": "the no-grad log-prob forwards",
+                      "training": "the training step"}[rl_info["peak_phase"]]
+        explain["activations"] = f"the largest of the rl phases below: {peak_phase}; training: " + explain["activations"]
+        explain["reference_model"] = (f"beta {rl.beta_value:g}: TRL loads it in the policy's dtype ({wb} B/param)"
+                                      + (", sharded as the policy" if zero >= 3 and d_eff > 1 else "")
+                                      if ref_b else f"beta {rl.beta_value:g}: none loaded")
+        g_rows = rl.generation_rows(settings.micro_batch, settings.grad_accum)
+        real = rl.prompt_mean + rl.completion_mean
+        layout = ("padded forwards" if rl.forwards == "padded" else
+                  f"packed forwards (mean prompt {rl.prompt_mean:g} + completion {rl.completion_mean:g} = "
+                  f"{real:g} real tokens per sample, {100 * real / seq_len:.0f} % of the padded positions)")
+        rl_info["summary"] = (f"rl          {rl.trainer} (TRL 1.16): generation batch {settings.micro_batch} x "
+                              f"{rl.steps_per_generation or settings.grad_accum} = {g_rows} samples/rank "
+                              f"(G {rl.num_generations}), rows of prompt {rl.prompt_len:,} + completion "
+                              f"{rl.completion_len:,}; {layout}; reference model: "
+                              + ("yes" if ref_b else "none (beta 0)"))
     stage_info = None
     if stage is not None:
         stage_info = {"stage": stage.index, "layers": list(stage.layers), "first": stage.first, "last": stage.last,
@@ -873,7 +976,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                # what the first decoder layer saves for backward, tensor by tensor (the traced count's evidence)
                "layer0_saved_tensors": [{"op": w, "shape": list(sh), "dtype": dt, "bytes": b}
                                         for w, sh, dt, b in (tr.layer0 if tr is not None else [])],
-               "stage": stage_info, "document_mask_bytes": mask_b, "padded_seq_len": seq_len},
+               "stage": stage_info, "document_mask_bytes": mask_b, "padded_seq_len": seq_len,
+               **({"rl": rl_info, "fused_head": rl_head} if rl is not None else {})},
     )
 
 
