@@ -491,8 +491,11 @@ def test_ctrl_c_under_launch_is_one_line_and_exit_130(tmp_path):
     script.write_text("import time\ntry:\n    print('started', flush=True)\n    time.sleep(300)\n"
                       "except KeyboardInterrupt:\n    raise SystemExit(130)\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A terminal's foreground job has Ctrl-C at its default; a suite started as a background job (`cmd &` in a script)
+    # or after a test that ignored SIGINT hands it on *ignored* through exec, and the script would sleep on: reset it.
     proc = subprocess.Popen([sys.executable, "-m", "hf_gradfix", "launch", "--config_file", path, str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "started"
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
