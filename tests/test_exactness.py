@@ -316,7 +316,8 @@ def tiny_from_config(model_type: str, auto_class: str, **overrides):
     config = transformers.AutoConfig.for_model(model_type)
     fields = config.to_dict()
     for key, value in {**_TINY, **overrides}.items():
-        if key in fields or key in overrides:
+        # attribute_map: GPT-2's n_embd / n_layer answer to hidden_size / num_hidden_layers (else it stays 124M)
+        if key in fields or key in overrides or key in getattr(config, "attribute_map", {}):
             setattr(config, key, value)
     for key, value in fields.items():
         if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
