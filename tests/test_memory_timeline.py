@@ -150,6 +150,12 @@ def _fsdp2_worker(rank: int, world: int, path: str, port: int) -> None:
         dist.destroy_process_group()
 
 
+def _tiny_llama_layer():
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(load_model_config("tiny-llama")).model.layers[0]
+
+
 def test_recorder_on_fsdp2_equals_the_trace(tmp_path):
     """Two gloo processes, FSDP2 per layer + root: rank 0's measured step equals the planner's trace of the same
     mesh in every category (all-gather / reduce-scatter buffers included); a step with two micro-batches records
@@ -166,8 +172,15 @@ def test_recorder_on_fsdp2_equals_the_trace(tmp_path):
         steady, accumulated = pickle.load(f)
     pred = simulate(load_model_config("tiny-llama"), ParallelDims(2, dp_shard=2),
                     Settings(seq_len=64, micro_batch=2, dtype="fp32", optimizer="sgd"))["timeline"]
-    assert steady.category_max()["comm_buffers"] > 0
-    assert steady.category_max() == pred.category_max()
+    measured, traced = steady.category_max(), pred.category_max()
+    assert measured["comm_buffers"] > 0
+    # Thread timing (below) can also keep a temporary of the asynchronous reduce-scatter alive across one sample:
+    # seen once on 4.57.6, temporaries +96,000 B, every other category equal. The bound: one layer's unsharded
+    # gradient (what a reduce-scatter consumes), far below a miscount of a category.
+    layer_grad = 4 * sum(p.numel() for p in _tiny_llama_layer().parameters())
+    assert traced["temporaries"] <= measured["temporaries"] <= traced["temporaries"] + layer_grad, (measured, traced)
+    assert {k: v for k, v in measured.items() if k != "temporaries"} == \
+        {k: v for k, v in traced.items() if k != "temporaries"}
     # The peak itself depends on thread timing: gloo completes FSDP2's async reduce-scatter on a background thread,
     # and in about 1 run in 6 a layer's reduce-scatter buffers are still alive when the next layer's backward
     # samples (measured on 4.57.6: 6,750,024 vs 6,695,240 B, +0.8 %, every category maximum equal). The trace is the
