@@ -297,15 +297,21 @@ class PlainSubclass(Trainer):
         return super().compute_loss(model, inputs, **kwargs)
 
 
-@pytest.mark.parametrize("method", ["training_step", "compute_loss"])
-def test_class_method_wrapping_the_bound_method_trains_as_stock_calls(method):
+class BareSubclass(Trainer):
+    """A subclass that overrides nothing: a delegate set on it has no method of its own to continue with."""
+
+
+@pytest.mark.parametrize("method,trainer_cls,arch,task", [
+    ("training_step", PlainSubclass, "llama", "causal"), ("compute_loss", PlainSubclass, "llama", "causal"),
+    ("compute_loss", BareSubclass, "llama_seqcls", "seqcls")])
+def test_class_method_wrapping_the_bound_method_trains_as_stock_calls(method, trainer_cls, arch, task):
     """``patch.object(MyTrainer, name, wraps=trainer.<name>)`` after construction (TRL's
     ``test_prepare_input_called_with_correct_data``): the wrapper is called once per call, with the same arguments, as
     stock; the run is exact. On the generated class the bound method is the plugin's, whose chain reaches the wrapper:
     without the re-entry rule this recursed until RecursionError."""
     from unittest import mock
 
-    samples = H.make_samples("causal", n=8, seed=11)
+    samples = H.make_samples(task, n=8, seed=11)
     calls = {}
 
     def run(patched):
@@ -320,7 +326,7 @@ def test_class_method_wrapping_the_bound_method_trains_as_stock_calls(method):
             hf_gradfix.patch({"log_fixes": False})
         try:
             with stack:
-                return H.run_trainer(H.build_model("llama", seed=0), samples, "causal", trainer_cls=PlainSubclass,
+                return H.run_trainer(H.build_model(arch, seed=0), samples, task, trainer_cls=trainer_cls,
                                      gradient_accumulation_steps=2, before_train=wrap)
         finally:
             hf_gradfix.unpatch()
@@ -334,5 +340,5 @@ def test_class_method_wrapping_the_bound_method_trains_as_stock_calls(method):
     else:  # the first window's probe also evaluates the class's compute_loss (that is how its behaviour is measured)
         assert len(our_calls) > len(stock_calls) > 0
         assert all(batch in our_calls for batch in stock_calls)
-    errors = H.check_against_gt(H.build_model("llama", seed=0), samples, "causal", ours)
+    errors = H.check_against_gt(H.build_model(arch, seed=0), samples, task, ours)
     assert errors and all(grad_err <= GRAD_TOL for grad_err, _ in errors), errors

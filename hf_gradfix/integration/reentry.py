@@ -25,20 +25,20 @@ def snapshot_methods(trainer: Any, names: tuple[str, ...]) -> None:
     """Remember, per class of ``trainer``'s MRO, the attributes ``names`` it defines now (before any delegate)."""
     if _SNAPSHOT_ATTR in trainer.__dict__:
         return
-    trainer.__dict__[_SNAPSHOT_ATTR] = {
-        (klass, name): klass.__dict__[name] for klass in type(trainer).__mro__ for name in names if name in klass.__dict__
-    }
+    methods = {(klass, name): klass.__dict__[name] for klass in type(trainer).__mro__ for name in names
+               if name in klass.__dict__}
+    trainer.__dict__[_SNAPSHOT_ATTR] = (frozenset(type(trainer).__mro__), methods)
 
 
 def _install_time_next(trainer: Any, top: type, name: str) -> Callable:
     """What ``super(top, trainer).<name>`` resolved to when the plugin took the trainer."""
-    snapshot = trainer.__dict__.get(_SNAPSHOT_ATTR)
+    classes, methods = trainer.__dict__.get(_SNAPSHOT_ATTR, (frozenset(), {}))
     mro = type(trainer).__mro__
     for klass in mro[mro.index(top) + 1 :]:
-        if snapshot is None:
+        if klass not in classes:  # the plugin's own layers (the exact default loss): as they are
             found = klass.__dict__.get(name)
-        else:  # a class that had no such method then (the delegate was set on it since) is passed over
-            found = snapshot.get((klass, name))
+        else:  # the user's classes as they were; one that had no such method then (a delegate set since) is passed
+            found = methods.get((klass, name))
         if found is not None:
             return found.__get__(trainer, type(trainer)) if hasattr(found, "__get__") else found
     raise AttributeError(name)
