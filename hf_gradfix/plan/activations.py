@@ -375,14 +375,36 @@ def trace_inference(config, *, micro_batch: int, seq_len: int, dtype: str = "bf1
         return _inference_cached(key, micro_batch, seq_len, dtype, attention, generation)
 
 
+def _live_storage_mode(known: set, live: dict, on_op):
+    """A dispatch mode keeping ``live`` = {storage: bytes} of every tensor an op makes (storages in ``known``
+    excepted) and dropping the freed ones; after each op ``on_op(sum of live bytes)`` (the callers keep a peak)."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode", feature=_TRACE)
+    tree_leaves = private("torch.utils._pytree", "tree_leaves", feature=_TRACE)
+
+    class _Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    w = StorageWeakRef(t.untyped_storage())
+                    if w not in known and w not in live:
+                        live[w] = t.untyped_storage().nbytes()
+            for w in [w for w in live if w.expired()]:
+                del live[w]
+            on_op(sum(live.values()))
+            return out
+
+    return _Live()
+
+
 @functools.lru_cache(maxsize=64)
 def _inference_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attention: str,
                       generation: bool = False) -> InferenceTrace:
     import torch
     FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode", feature=_TRACE)
     from torch.multiprocessing.reductions import StorageWeakRef
-    TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode", feature=_TRACE)
-    tree_leaves = private("torch.utils._pytree", "tree_leaves", feature=_TRACE)
     from transformers import AutoModelForCausalLM
 
     config = prepare_config(_CONFIGS[key])
@@ -398,24 +420,12 @@ def _inference_cached(key: str, micro_batch: int, seq_len: int, dtype: str, atte
         skip = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
         skip |= {StorageWeakRef(b.untyped_storage()) for b in model.buffers()}
 
-        class _Live(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        w = StorageWeakRef(t.untyped_storage())
-                        if w not in skip and w not in live:
-                            live[w] = t.untyped_storage().nbytes()
-                for w in [w for w in live if w.expired()]:
-                    del live[w]
-                peak[0] = max(peak[0], sum(live.values()))
-                return out
-
+        mode = _live_storage_mode(skip, live, lambda total: peak.__setitem__(0, max(peak[0], total)))
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
         extra = {}
         if generation:  # generate's per-row position ids (left padding shifts them)
             extra = {"position_ids": torch.arange(seq_len).expand(micro_batch, seq_len).contiguous()}
-        with torch.no_grad(), _Live(), fake_kernel_mode(), autocast:
+        with torch.no_grad(), mode, fake_kernel_mode(), autocast:
             out = model.base_model(input_ids=ids, **extra)
         hidden = out.last_hidden_state.untyped_storage().nbytes()
     # the input ids, and generate's position ids and attention mask (not passed: a mask's all() is a
@@ -453,8 +463,6 @@ def _backward_working_set(ends: dict, known: set, by_layer: list[list]) -> int:
     saved tensors, released as autograd goes) plus every gradient temporary alive: the maximum over the step."""
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
-    TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode", feature=_TRACE)
-    tree_leaves = private("torch.utils._pytree", "tree_leaves", feature=_TRACE)
 
     x, y = ends.get("input"), ends.get("output")
     if x is None or y is None or not (x.requires_grad and y.requires_grad):
@@ -471,20 +479,9 @@ def _backward_working_set(ends: dict, known: set, by_layer: list[list]) -> int:
     seed = torch.ones_like(y)
     known = known | {StorageWeakRef(seed.untyped_storage())}
 
-    class _Live(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    w = StorageWeakRef(t.untyped_storage())
-                    if w not in known and w not in live:
-                        live[w] = t.untyped_storage().nbytes()
-            for w in [w for w in live if w.expired()]:
-                del live[w]
-            peak[0] = max(peak[0], sum(live.values()) + layer_live())
-            return out
+    mode = _live_storage_mode(known, live, lambda total: peak.__setitem__(0, max(peak[0], total + layer_live())))
 
-    with _Live(), fake_kernel_mode():
+    with mode, fake_kernel_mode():
         grad = torch.autograd.grad(y, x, grad_outputs=seed, allow_unused=True)
     del grad
     return peak[0] + seed.untyped_storage().nbytes()
