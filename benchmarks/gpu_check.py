@@ -1,7 +1,7 @@
 """The CUDA paths, proven in one run on the lent GPU machine (offline): FlashAttention packing through torch's own
 varlen kernel (and flash-attn 2 where installed), half precision, the guard, throughput, memory.
 
-    bash scripts/gpu_check.sh                  # --profile full: every section, in order of value, ~6.5 min
+    bash scripts/gpu_check.sh                  # --profile full: every section, in order of value, ~5.5 min on an H100
     bash scripts/gpu_check.sh --profile rerun  # the smaller second call (quick sizes, ~2.5 min)
     python benchmarks/gpu_check.py --device cpu --only guard --quick   # the logic on CPU (what the tests run)
 
@@ -170,7 +170,9 @@ def half_precision_verdict(packed_err: float, separate_err: float, control_err: 
                            dtype: torch.dtype) -> tuple[bool, str]:
     """Is a packed run exact up to its dtype? Errors are relative to an fp32 ground truth of separate sequences.
 
-    fp32: ``packed_err <= 1e-5`` (bit-level exactness is not asked; 1e-5 fails on any mixing).
+    fp32 / fp64: ``packed_err <= max(1e-5, 2 * separate_err)`` against an fp64 ground truth (bit-level
+    exactness is not asked; 1e-5 fails on any mixing; ``2 * separate_err`` only where the device's own fp32
+    rounding on each sequence alone is above 5e-6, as cuBLAS's is on an H100).
 
     bf16 / fp16 cannot meet 1e-5: rounding the weights and every activation already moves logits by ~2^-8
     (bf16) or ~2^-11 (fp16) relative, whether or not sequences are packed. The honest baseline is the *same*
@@ -180,16 +182,24 @@ def half_precision_verdict(packed_err: float, separate_err: float, control_err: 
     fail: the mixing control (the same packed row without sequence boundaries) must deviate by at least
     ``10 * separate_err``, else this dtype's noise would hide a real bug and the verdict is a failure.
 
-    >>> half_precision_verdict(3e-6, 2e-6, 1e-1, torch.float32)[0]
-    True
+    >>> half_precision_verdict(3e-6, 2e-6, 1e-1, torch.float32)[0], half_precision_verdict(1.5e-5, 1e-5, 1e-1, torch.float32)[0]
+    (True, True)
+    >>> half_precision_verdict(1.1e-5, 1e-6, 1e-1, torch.float32)
+    (False, 'packed 1.10e-05 > 1.00e-05')
     >>> half_precision_verdict(4e-3, 3e-3, 2e-1, torch.bfloat16)[0], half_precision_verdict(9e-3, 3e-3, 2e-1, torch.bfloat16)[0]
     (True, False)
     >>> half_precision_verdict(4e-3, 3e-3, 1e-2, torch.bfloat16)  # the control cannot be told from noise
     (False, 'control 1.00e-02 < 10 x separate 3.00e-03: this dtype cannot detect mixing here')
     """
     if dtype == torch.float32 or dtype == torch.float64:
-        ok = packed_err <= FP32_TOL
-        return ok, f"packed {packed_err:.2e} {'<=' if ok else '>'} {FP32_TOL:.0e}"
+        # The fp32 floor of the device: cuBLAS tiles a packed row's GEMMs differently from each sequence's, so
+        # on a GPU even a correct packed fp32 run sits ~1e-5 from the fp64 truth (H100, 2026-11: separate 0 vs
+        # an fp32 truth, packed 1.3-1.8e-5). Where the same fp32 model on each sequence alone is that far from
+        # fp64 already, packed may be at most 2x that floor; mixing is ~1e-1 or more either way.
+        bar = max(FP32_TOL, HALF_FACTOR * separate_err)
+        ok = packed_err <= bar
+        floor = f" (2 x separate {separate_err:.2e})" if bar > FP32_TOL else ""
+        return ok, f"packed {packed_err:.2e} {'<=' if ok else '>'} {bar:.2e}{floor}"
     if control_err is not None and control_err < CONTROL_FACTOR * separate_err:
         return False, (f"control {control_err:.2e} < {CONTROL_FACTOR:.0f} x separate {separate_err:.2e}: "
                        "this dtype cannot detect mixing here")
@@ -242,7 +252,12 @@ def _build(config, attn: str, dtype: torch.dtype, device: str, state: dict | Non
 
 
 def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=-100, reduction="sum")
+    return F.cross_entropy(_hi(logits[:-1]), labels[1:], ignore_index=-100, reduction="sum")
+
+
+def _hi(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for half precision, fp64 kept (the ground truth)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _separate(model, seqs) -> tuple[torch.Tensor, dict]:
@@ -253,8 +268,8 @@ def _separate(model, seqs) -> tuple[torch.Tensor, dict]:
     for s in seqs:
         logits = model(input_ids=s.unsqueeze(0), use_cache=False).logits[0]
         (_ce_sum(logits, s) / n).backward()
-        outs.append(logits.detach().float())
-    return torch.cat(outs), {k: p.grad.detach().float().clone() for k, p in model.named_parameters() if p.grad is not None}
+        outs.append(_hi(logits.detach()))
+    return torch.cat(outs), {k: _hi(p.grad.detach()).clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 def _packed(model, batch) -> tuple[torch.Tensor, dict]:
@@ -262,13 +277,13 @@ def _packed(model, batch) -> tuple[torch.Tensor, dict]:
     logits = model(**batch, use_cache=False).logits[0]
     labels = batch["labels"][0]
     (_ce_sum(logits, labels) / int((labels[1:] != -100).sum())).backward()
-    return logits.detach().float(), {k: p.grad.detach().float().clone() for k, p in model.named_parameters() if p.grad is not None}
+    return _hi(logits.detach()), {k: _hi(p.grad.detach()).clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 def packed_vs_separate(arch: str, attn: str, dtype: torch.dtype, device: str, *, lengths=(37, 101, 5, 64, 23, 130),
                        config_kw: dict | None = None, seed: int = 1) -> dict:
     """Packed (hf_gradfix ``PackedCollator``, one row with ``cu_seq_lens``) vs each sequence alone, through ``attn``
-    in ``dtype``, against an fp32 eager ground truth of the separate sequences (same weights, same device).
+    in ``dtype``, against an fp64 eager ground truth of the separate sequences (same weights, same device).
 
     Returns errors relative to the ground truth for logits and gradients (packed, separate, and the mixing control:
     the same row without restarted positions and boundaries), the branch the reference kernel took, and the verdict
@@ -286,9 +301,9 @@ def packed_vs_separate(arch: str, attn: str, dtype: torch.dtype, device: str, *,
     seqs = [s.to(device) for s in seqs]
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    truth_model = _build(config, "eager", torch.float32, device)
+    truth_model = _build(config, "eager", torch.float64, device)  # fp64: below every dtype's floor here
     truth_logits, truth_grads = _separate(truth_model, seqs)
-    state = {k: v.detach().cpu() for k, v in truth_model.state_dict().items()}
+    state = {k: v.detach().float().cpu() for k, v in truth_model.state_dict().items()}
     del truth_model
     model = _build(config, attn, dtype, device, state)
     sep_logits, sep_grads = _separate(model, seqs)
@@ -308,7 +323,7 @@ def packed_vs_separate(arch: str, attn: str, dtype: torch.dtype, device: str, *,
     ok_l, why_l = half_precision_verdict(out["logits"]["packed"], out["logits"]["separate"], out["logits"]["control"], dtype)
     ok_g, why_g = half_precision_verdict(out["grads"]["packed"], out["grads"]["separate"], None, dtype)
     if dtype == torch.float32:  # fp32 also states the control could fail
-        ok_l = ok_l and out["logits"]["control"] > 10 * FP32_TOL
+        ok_l = ok_l and out["logits"]["control"] > CONTROL_FACTOR * max(FP32_TOL, out["logits"]["separate"])
     out.update(passed=bool(ok_l and ok_g), why=f"logits: {why_l}; grads: {why_g}")
     del model
     _free(device)
@@ -975,10 +990,12 @@ def time_limit(seconds: float | None):
 
 
 #: ``--profile``: sections in order of value, each with its time budget in seconds (a stopped section keeps its rows).
-#: ``full`` fits one device call (``timeout_s`` 480, device machine warm or not); ``rerun`` is the smaller second call.
+#: ``full`` fits one device call (``timeout_s`` 520, device machine warm or not); ``rerun`` is the smaller second call.
 PROFILES: dict[str, dict[str, Any]] = {
-    "full": dict(quick=False, budget_s=390, sections={"packing": 75, "guard": 30, "trainer": 60, "throughput": 100,
-                                                      "plan": 70, "optim": 55}),
+    # measured on an H100 (2026-11-27): packing 22.5 s, guard 0.3, trainer 8, throughput 66, plan 6.5, optim 228
+    # (the 7B-shaped SVD refreshes: ~50 s each for galore-torch and svd), 332 s together
+    "full": dict(quick=False, budget_s=450, sections={"packing": 45, "guard": 15, "trainer": 30, "throughput": 90,
+                                                      "plan": 30, "optim": 240}),
     "rerun": dict(quick=True, budget_s=150, sections={"packing": 40, "guard": 20, "trainer": 40, "throughput": 35,
                                                       "optim": 15}),
 }
@@ -1047,7 +1064,7 @@ def render_markdown(results: dict) -> str:
         lines.append(f"| {name} | {sec['status']} | {sec['summary']} | {sec.get('seconds', '')} |")
     packing = results["sections"].get("packing", {}).get("rows")
     if packing:
-        lines += ["", "## Packed vs separate (relative errors against fp32 eager, separate sequences)", "",
+        lines += ["", "## Packed vs separate (relative errors against fp64 eager, separate sequences)", "",
                   "| arch | attention | dtype | logits packed | logits separate | logits control (mixed) | grads packed "
                   "| grads separate | verdict |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
         for r in packing:
