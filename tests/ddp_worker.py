@@ -105,6 +105,19 @@ def _mixtral_aux(args):
     return default_scenario("mixtral", args, model_kwargs=dict(moe_aux=True))
 
 
+@scenario("qwen3_moe")
+def _qwen3_moe(args):
+    """Qwen3-MoE with its load-balancing loss (``harness.build_moe``), bs 2 (padding), GA 2, 16 samples, the long ones
+    on rank 1: unequal tokens per rank and per expert."""
+    opts = dict(getattr(args, "set", None) or {})
+    family = opts.pop("family", "qwen3_moe")
+    args.set = opts
+    model = harness.build_moe(family)
+    kw = default_scenario("llama", args, n=16, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    kw.update(model=model, arch=family)
+    return kw
+
+
 @scenario("llama_14")
 def _llama_14(args):
     """14 samples, GA 4: the last window has 3 micro-batches per rank (partial window)."""
@@ -180,12 +193,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-bs", dest="eval_bs", type=int, default=0,
                    help="after training, evaluate on the scenario's samples with this per-device eval batch size")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="scenario overrides (JSON values)")
+    p.add_argument("--patch-config", dest="patch_config", default=None,
+                   help="a JSON dict for hf_gradfix.patch(...) (with --patch)")
     args = p.parse_args(argv)
     args.set = _parse_set(args.set)
     return args
 
 
-def _apply_patch(out: Path, rank: int) -> None:
+def _apply_patch(out: Path, rank: int, config: str | None = None) -> None:
     try:
         import hf_gradfix
     except ModuleNotFoundError as e:
@@ -198,7 +213,7 @@ def _apply_patch(out: Path, rank: int) -> None:
         print(f"[rank {rank}] {msg}", file=sys.stderr)
         (out / "PLUGIN_MISSING").write_text(msg)
         sys.exit(PLUGIN_MISSING_RC)
-    patch()
+    patch(json.loads(config)) if config else patch()
 
 
 def main(argv=None) -> None:
@@ -209,7 +224,7 @@ def main(argv=None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(1)
     if args.patch:
-        _apply_patch(out, rank)
+        _apply_patch(out, rank, args.patch_config)
     kw = build_scenario(args.scenario, args)
     model, samples, task = kw.pop("model"), kw.pop("samples"), kw.pop("task")
     arch = kw.pop("arch", getattr(model, "_hgf_arch", None))

@@ -295,6 +295,28 @@ def task_of(arch_or_model) -> str:
     return task
 
 
+def build_moe(family: str, coef: float = 0.5):
+    """A tiny random-init MoE causal LM with a load-balancing aux loss (``output_router_logits=True``, ``coef``):
+    ``qwen3_moe`` (6 experts), ``mixtral`` (4), ``olmoe`` (6); top-2, 2 layers, every layer sparse, seed 0."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=128, output_router_logits=True,
+                  router_aux_loss_coef=coef, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=6, decoder_sparse_step=1,
+                                mlp_only_layers=[], norm_topk_prob=True, head_dim=16)
+        return tf.Qwen3MoeForCausalLM(cfg)
+    if family == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, router_jitter_noise=0.0, sliding_window=None)
+        return tf.MixtralForCausalLM(cfg)
+    if family == "olmoe":
+        cfg = tf.OlmoeConfig(**common, num_experts=6)
+        return tf.OlmoeForCausalLM(cfg)
+    raise KeyError(family)
+
+
 def pad_id_of(model) -> int:
     cfg = getattr(model, "config", None)
     pad = getattr(cfg, "pad_token_id", None)

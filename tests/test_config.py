@@ -76,7 +76,7 @@ def test_defaults():
     assert cfg.loss.count_rule == "auto"
     assert cfg.loss.eval_token_mean is True
     assert cfg.loss.on_undetermined == "warn"
-    assert cfg.loss.aux_loss == "micro_batch_mean"
+    assert cfg.loss.aux_loss == "micro"
     assert cfg.log_fixes is True
     assert config_from_dict({}) == GradFixConfig()
     assert config_from_dict(None) == GradFixConfig()

@@ -108,6 +108,7 @@ class GradFixState:
     pp: Any = None  # the pipeline plan (hf_gradfix.integration.pipeline.PipelinePlan) when parallel.pp > 1
     rl: Any = None  # a TRL policy-gradient trainer's plan (hf_gradfix.integration.rl.RLPlan)
     nd: Any = None  # the ND-parallel plan (hf_gradfix.integration.nd.NDPlan) when a mesh is in force
+    moe: Any = None  # routing bookkeeping of a MoE model (hf_gradfix.integration.moe.MoEState)
     fixes: list[str] = field(default_factory=list)
 
     @property

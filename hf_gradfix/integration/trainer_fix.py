@@ -33,7 +33,7 @@ from transformers import Trainer
 
 from ..config import GradFixConfig
 from ..errors import GradFixError
-from ..loss.counting import CountRule, count_targets, mean_term_share
+from ..loss.counting import CountRule, count_targets
 from ..loss.probe import LossBehaviour, NonFiniteProbeError, ProbeError, detect_count_rule, probe_honors_num_items
 from .state import (  # noqa: F401  (re-exported: documented and imported from here by user code and tests)
     _STATE_ATTR,
@@ -327,7 +327,10 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
         conv = state.config.loss.aux_loss
         fixes.append(
             f"MoE aux loss (coef {state.aux_coef:g}) "
-            + ("averaged over micro-batches and ranks" if conv == "micro_batch_mean" else "added once per micro-batch")
+            + {"micro": "averaged over micro-batches and ranks", "micro_batch_mean": "averaged over micro-batches and ranks",
+               "global": "of the whole window (expert frequencies over every micro-batch and rank, routing pre-pass)",
+               "previous": "with the previous window's expert frequencies (approximation)",
+               "off": "removed", "as_is": "added once per micro-batch (stock)"}[conv]
         )
     if not state.chain_is_default and owner is not None:
         c = state.chain
@@ -1205,6 +1208,10 @@ class _GradFixDefaultLoss(Trainer):
             and "labels" in inputs
         ):
             call = {**inputs, "num_items_in_batch": n}
+        if state.aux_coef and model.training and n is not None:
+            from .moe import before_forward
+
+            before_forward(self, state)  # global / previous router loss: the window's routing counts
         outputs = model(**call)
         if getattr(self.args, "past_index", -1) >= 0:  # removed in transformers 5
             self._past = outputs[self.args.past_index]
@@ -1249,8 +1256,11 @@ class _GradFixDefaultLoss(Trainer):
             state.last_aux = float(aux.detach()) if torch.is_tensor(aux) else aux
         else:
             share = aux
-            if torch.is_tensor(aux) and model.training and state.config.loss.aux_loss == "micro_batch_mean":
-                share = mean_term_share(aux, max(1, getattr(self, "current_gradient_accumulation_steps", 1)))
+            if torch.is_tensor(aux) and model.training and state.config.loss.aux_loss != "as_is":
+                from .moe import aux_share
+
+                share = aux_share(self, state, aux, outputs, inputs,
+                                  max(1, getattr(self, "current_gradient_accumulation_steps", 1)))
             loss = base * _dp_world(self) + share
             state.last_aux = float(share.detach()) if torch.is_tensor(share) else share
         return (loss, outputs) if return_outputs else loss

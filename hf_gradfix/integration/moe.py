@@ -1,0 +1,368 @@
+"""Mixture-of-experts in the Trainer: the router's load-balancing loss by a declared convention, and router health.
+
+``loss.aux_loss`` picks the convention (docs/moe.md):
+
+- ``micro`` (alias ``micro_batch_mean``, the default): what transformers and TRL intend, the mean over micro-batches
+  and data ranks of each micro-batch's load-balancing loss, without stock's x GA x world scaling;
+- ``global``: the load-balancing loss of the whole optimizer window, expert frequencies counted over every routed
+  token of every micro-batch on every rank (Qiu et al. 2025). Exact: before the window's first micro-batch trains,
+  a routing pre-pass (one no-grad forward per micro-batch, under a forked RNG so that dropout draws what training
+  draws) counts the window's top-k selections on every rank; each micro-batch then back-propagates its exact share
+  (:func:`hf_gradfix.loss.moe.window_share`). Cost: one extra forward per micro-batch;
+- ``previous``: the cheap approximation, the previous window's expert frequencies with this window's rows (the first
+  window: ``micro``); no extra forward, one small all-reduce per window;
+- ``off``: no router loss; ``as_is``: stock (for comparison).
+
+Whether a model's ``aux_loss`` is the load-balancing loss these conventions rebuild is measured, not assumed: on the
+first training forward the loss rebuilt from the model's own router logits must equal its ``aux_loss``; a model
+whose aux term is something else trains with ``micro`` and one warning.
+
+:class:`RouterHealthCallback` logs, per MoE layer, the max / mean expert load and the experts that received no token
+over each logging interval (every rank's tokens), and the interval's load-balancing loss.
+
+Imported by :mod:`.trainer_fix` only where a model returns router logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ..loss.counting import mean_term_share
+from ..loss.moe import routing_stats, window_share
+from .callback import _find_trainer
+from ..errors import GradFixError
+from .state import GradFixState, _dp_world, _nd_dims, state_of
+from .windows import _IdleMicroBatch
+
+logger = logging.getLogger("hf_gradfix")
+
+__all__ = ["AUX_CONVENTIONS", "RouterHealthCallback", "aux_share", "before_forward"]
+
+#: the values of ``loss.aux_loss`` (``micro_batch_mean`` is the earlier name of ``micro``)
+AUX_CONVENTIONS = ("micro", "micro_batch_mean", "global", "previous", "off", "as_is")
+_REL_TOL = 1e-4  # the model's aux_loss vs the loss rebuilt from its router logits (fp32 rounding of a sum)
+
+
+@dataclass
+class MoEState:
+    """One trainer's routing bookkeeping (``GradFixState.moe``)."""
+
+    top_k: int | None
+    checked: bool = False  # the model's aux_loss was found equal to the rebuilt load-balancing loss
+    fallback: str | None = None  # why global / previous trains as micro
+    window: Any = None  # the window whose counts below are known
+    window_counts: torch.Tensor | None = None  # (experts,) top-k selections of the whole window, all ranks
+    window_rows: float = 0.0
+    prepass_forwards: int = 0
+    # what this rank routed since the last reduction (health) and in the window in progress (previous)
+    local_counts: torch.Tensor | None = None  # (layers, experts)
+    local_prob_sum: torch.Tensor | None = None  # (experts,)
+    local_rows: float = 0.0
+    window_local_counts: torch.Tensor | None = None
+    window_local_rows: float = 0.0
+    prev_freq: torch.Tensor | None = None  # (experts,) the previous window's C_e / N, all ranks
+    health: dict = field(default_factory=dict)
+
+
+def _convention(state: GradFixState) -> str:
+    conv = state.config.loss.aux_loss
+    return "micro" if conv == "micro_batch_mean" else conv
+
+
+def _moe(trainer: Trainer, state: GradFixState) -> MoEState:
+    if getattr(state, "moe", None) is None:
+        config = getattr(trainer.model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        state.moe = MoEState(top_k=getattr(text, "num_experts_per_tok", None))
+    return state.moe
+
+
+def _router_logits(outputs: Any):
+    logits = outputs.get("router_logits") if isinstance(outputs, Mapping) else getattr(outputs, "router_logits", None)
+    if isinstance(logits, (tuple, list)) and logits and all(torch.is_tensor(t) for t in logits):
+        return tuple(logits)
+    return None
+
+
+def _reduce(trainer: Trainer, t: torch.Tensor) -> torch.Tensor:
+    t = t.to(device=trainer.args.device, dtype=torch.float64)
+    if trainer.accelerator.num_processes > 1:
+        t = trainer.accelerator.reduce(t, reduction="sum")
+    return t
+
+
+def _agree(trainer: Trainer, values: list[float]) -> list[float] | None:
+    """The values every rank holds, or None where some rank holds others (one all-reduce of sums and squares)."""
+    t = torch.tensor([x for v in values for x in (v, v * v)], dtype=torch.float64)
+    total = _reduce(trainer, t).cpu()
+    world = trainer.accelerator.num_processes
+    out = []
+    for i in range(len(values)):
+        s, sq = float(total[2 * i]), float(total[2 * i + 1])
+        if abs(s * s - world * sq) > 1e-6 * max(1.0, s * s):
+            return None
+        out.append(s / world)
+    return out
+
+
+def _fall_back(moe: MoEState, reason: str) -> None:
+    if moe.fallback is None:
+        moe.fallback = reason
+        logger.warning("hf_gradfix: %s; the router aux loss is trained by the 'micro' convention instead.", reason)
+
+
+@contextlib.contextmanager
+def _same_randomness(device: torch.device):
+    """The pre-pass consumes the random numbers the training forwards will consume next, then hands them back: with
+    dropout or router jitter each micro-batch's pre-pass routes as its training forward does."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def before_forward(trainer: Trainer, state: GradFixState) -> None:
+    """At the first training forward of each optimizer window: under ``global``, the routing pre-pass over the
+    window's micro-batches (all ranks' counts in one all-reduce); under ``previous``, the previous window's counts
+    and this window's rows (one all-reduce). Every rank calls it once per window (collectives inside)."""
+    conv = _convention(state)
+    window = state.window
+    if conv not in ("global", "previous") or window is None or not state.aux_coef:
+        return
+    moe = _moe(trainer, state)
+    if moe.window is window or moe.fallback is not None:
+        return
+    if moe.window is None:
+        _check_composes(trainer, state, conv)
+    moe.window = window
+    if conv == "global":
+        _prepass(trainer, state, moe, window)
+    else:
+        _previous_window(trainer, moe, window)
+
+
+def _check_composes(trainer: Trainer, state: GradFixState, conv: str) -> None:
+    """``global`` / ``previous`` count routing over data-parallel replicas of the whole model; a sharded model's
+    pre-pass (FSDP / ZeRO-3 all-gathers, tp / cp / pp collectives) would need every rank in lockstep, not built yet."""
+    dims = _nd_dims(trainer)
+    found = [f"parallel.{k}={getattr(dims, k)}" for k in ("pp", "tp", "cp", "dp_shard")
+             if dims is not None and getattr(dims, k, 1) > 1]
+    if getattr(trainer, "is_fsdp_enabled", False):
+        found.append("accelerate FSDP")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        found.append("DeepSpeed")
+    if found:
+        raise GradFixError(f"loss.aux_loss={conv!r} with {found[0]}: the window's routing counts are built over "
+                           "data-parallel replicas (DDP) only so far; use loss.aux_loss: micro there, or plain DDP")
+
+
+def _real_batches(window) -> list:
+    return [b for b in window.batches if not isinstance(b, _IdleMicroBatch)]
+
+
+def _prepass(trainer: Trainer, state: GradFixState, moe: MoEState, window) -> None:
+    model = trainer.model
+    counts, rows = None, 0.0
+    with torch.no_grad(), _same_randomness(trainer.args.device):
+        for batch in _real_batches(window):
+            inputs = trainer._prepare_inputs(batch)
+            kw = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
+            out = model(**kw, output_router_logits=True, use_cache=False)
+            logits = _router_logits(out)
+            if logits is None or moe.top_k is None:
+                counts = None
+                break
+            s = routing_stats(logits, moe.top_k, kw.get("attention_mask"))
+            c = s.counts.sum(0)
+            counts = c if counts is None else counts + c
+            rows += s.rows
+            moe.prepass_forwards += 1
+    # every rank joins both reductions, also one whose model returned no router logits (then all of them fall back)
+    agreed = _agree(trainer, [float(counts.numel()) if counts is not None else 0.0])
+    if agreed is None or agreed[0] == 0:
+        _fall_back(moe, "the routing pre-pass got no router logits (output_router_logits) or no top-k "
+                        "(config.num_experts_per_tok) from the model on some rank")
+        return
+    experts = int(agreed[0])
+    local = torch.zeros(experts + 1, dtype=torch.float64)
+    local[:experts] = counts.cpu()
+    local[experts] = rows
+    total = _reduce(trainer, local)
+    moe.window_counts, moe.window_rows = total[:experts], float(total[experts])
+
+
+def _previous_window(trainer: Trainer, moe: MoEState, window) -> None:
+    """The previous window's frequencies (all ranks) and this window's rows, in one all-reduce."""
+    layers = moe.window_local_counts.shape[0] if moe.window_local_counts is not None else 0
+    rows_now = 0.0
+    for batch in _real_batches(window):
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        tokens = float(mask.sum()) if torch.is_tensor(mask) else float(ids.numel()) if torch.is_tensor(ids) else 0.0
+        rows_now += tokens * layers
+    prev = moe.window_local_counts.sum(0) if moe.window_local_counts is not None else None
+    agreed = _agree(trainer, [float(prev.numel()) if prev is not None else 0.0])
+    moe.window_local_counts, moe.window_local_rows, local_rows = None, 0.0, moe.window_local_rows
+    if agreed is None or agreed[0] == 0:  # the first window (nothing counted before it): micro
+        moe.prev_freq, moe.window_rows = None, 0.0
+        return
+    experts = int(agreed[0])
+    local = torch.zeros(experts + 2, dtype=torch.float64)
+    local[:experts] = prev.cpu()
+    local[experts] = local_rows
+    local[experts + 1] = rows_now
+    total = _reduce(trainer, local)
+    moe.prev_freq = total[:experts] / total[experts]
+    moe.window_rows = float(total[experts + 1])
+
+
+def aux_share(trainer: Trainer, state: GradFixState, aux: torch.Tensor, outputs: Any, inputs: Mapping,
+              micro_batches: int) -> torch.Tensor:
+    """What one micro-batch adds for the router loss (already multiplied by its coefficient in ``aux``), so that the
+    data-parallel gradient average gives the declared convention over the window."""
+    conv = _convention(state)
+    logits = _router_logits(outputs)
+    moe = _moe(trainer, state)
+    stats = None
+    if logits is not None and moe.top_k is not None:
+        stats = routing_stats(logits, moe.top_k, inputs.get("attention_mask"))
+        _record(moe, stats)
+        if not moe.checked and moe.fallback is None:
+            _check_formula(trainer, state, moe, stats, aux)
+    if conv == "off":
+        return aux * 0.0
+    if conv == "micro" or moe.fallback is not None or stats is None:
+        if conv in ("global", "previous") and stats is None:
+            _fall_back(moe, f"{type(trainer.model).__name__} returned no router_logits with its aux_loss")
+        return mean_term_share(aux, micro_batches)
+    experts = stats.prob_sum.numel()
+    coef = state.aux_coef
+    if conv == "global":
+        if moe.window is not state.window or moe.window_counts is None:
+            return mean_term_share(aux, micro_batches)  # outside a counted window (e.g. a user's own step)
+        return coef * window_share(stats.prob_sum, moe.window_counts, moe.window_rows, experts) * _dp_world(trainer)
+    # previous: this window's rows, the previous window's frequencies (first window: micro)
+    if moe.prev_freq is None or moe.window_rows <= 0:
+        return mean_term_share(aux, micro_batches)
+    freq = moe.prev_freq.to(device=stats.prob_sum.device, dtype=stats.prob_sum.dtype)
+    return coef * experts * (freq * stats.prob_sum).sum() / moe.window_rows * _dp_world(trainer)
+
+
+def _check_formula(trainer: Trainer, state: GradFixState, moe: MoEState, stats, aux: torch.Tensor) -> None:
+    """Measured once: the model's aux_loss equals the load-balancing loss rebuilt from its own router logits."""
+    experts = stats.prob_sum.numel()
+    rebuilt = float(window_share(stats.prob_sum.detach(), stats.counts.sum(0), stats.rows, experts))
+    own = float(aux.detach()) / state.aux_coef
+    if abs(rebuilt - own) > _REL_TOL * max(abs(own), 1e-12) + 1e-9:
+        _fall_back(moe, f"{type(trainer.model).__name__}'s aux_loss ({own:.6g}) is not the Switch load-balancing loss "
+                        f"of its router logits ({rebuilt:.6g}: softmax, top-{moe.top_k}, padding masked)")
+        return
+    moe.checked = True
+
+
+def _record(moe: MoEState, stats) -> None:
+    c, q = stats.counts.detach().double().cpu(), stats.prob_sum.detach().double().cpu()
+    if moe.local_counts is None or moe.local_counts.shape != c.shape:
+        moe.local_counts, moe.local_prob_sum, moe.local_rows = c.clone(), q.clone(), 0.0
+    else:
+        moe.local_counts += c
+        moe.local_prob_sum += q
+    moe.local_rows += stats.rows
+    if moe.window_local_counts is None or moe.window_local_counts.shape != c.shape:
+        moe.window_local_counts, moe.window_local_rows = c.clone(), 0.0
+    else:
+        moe.window_local_counts += c
+    moe.window_local_rows += stats.rows
+
+
+def router_health(counts: torch.Tensor, prob_sum: torch.Tensor, rows: float) -> dict[str, float]:
+    """Log values from (layers, experts) top-k counts, (experts,) probability sums and rows, all ranks:
+    ``router/max_load`` (the largest max / mean expert load over layers), ``router/dead_experts`` (experts that got
+    no token, summed over layers), per layer ``router/layer{l}/max_load`` and ``.../dead``, and ``router/lb_loss`` (the
+    interval's load-balancing loss, frequencies over all of it).
+
+    >>> router_health(torch.tensor([[3.0, 1.0, 0.0]]), torch.tensor([1.5, 1.0, 0.5]), 2.0)["router/dead_experts"]
+    1.0
+    """
+    out: dict[str, float] = {}
+    loads = []
+    for layer, c in enumerate(counts):
+        mean = float(c.mean())
+        load = float(c.max()) / mean if mean > 0 else 0.0
+        loads.append(load)
+        out[f"router/layer{layer}/max_load"] = round(load, 4)
+        out[f"router/layer{layer}/dead"] = float((c == 0).sum())
+    experts = counts.shape[-1]
+    out["router/max_load"] = round(max(loads), 4) if loads else 0.0
+    out["router/dead_experts"] = float(sum(out[f"router/layer{i}/dead"] for i in range(len(loads))))
+    if rows > 0:
+        out["router/lb_loss"] = float(experts * (counts.sum(0).double() * prob_sum.double()).sum() / rows**2)
+    return out
+
+
+class RouterHealthCallback(TrainerCallback):
+    """Router health in the Trainer's logs: per MoE layer the max / mean expert load, the experts that received no
+    token, and the load-balancing loss, over every logging interval and every rank's tokens (padding never counted).
+
+    Needs the plugin's loss fix on the trainer (``hf_gradfix.patch()`` or ``GradFixCallback``) and a model that returns
+    router logits (``config.output_router_logits=True``); it reads the counts the loss fix already takes from each
+    training forward (no extra forward), and adds one all-reduce per log.
+
+    >>> import transformers, hf_gradfix
+    >>> from hf_gradfix.integration.moe import RouterHealthCallback
+    >>> cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+    ...     output_router_logits=True)
+    >>> cb = RouterHealthCallback()   # Trainer(..., callbacks=[GradFixCallback(), cb]); logs carry router/max_load
+    """
+
+    def __init__(self):
+        self._trainer: Trainer | None = None
+        self._original_log = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = _find_trainer(self)
+        if trainer is None or self._trainer is trainer:
+            return
+        self._trainer = trainer
+        original = trainer.log
+        self._original_log = original
+
+        def log(logs, *a, **kw):
+            if isinstance(logs, dict) and "loss" in logs:
+                logs.update(self._values(trainer))
+            return original(logs, *a, **kw)
+
+        trainer.log = log
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._trainer is not None and self._original_log is not None:
+            self._trainer.__dict__.pop("log", None)
+        self._trainer, self._original_log = None, None
+
+    @staticmethod
+    def _values(trainer: Trainer) -> dict[str, float]:
+        state = state_of(trainer)
+        moe = getattr(state, "moe", None) if state is not None else None
+        shape = list(moe.local_counts.shape) if moe is not None and moe.local_counts is not None else [0, 0]
+        agreed = _agree(trainer, [float(shape[0]), float(shape[1])])  # every rank joins
+        if agreed is None or agreed[0] == 0:
+            return {}
+        layers, experts = int(agreed[0]), int(agreed[1])
+        local = torch.zeros(layers * experts + experts + 1, dtype=torch.float64)
+        if moe is not None and moe.local_counts is not None:
+            local[: layers * experts] = moe.local_counts.reshape(-1)
+            local[layers * experts: -1] = moe.local_prob_sum
+            local[-1] = moe.local_rows
+            moe.local_counts, moe.local_prob_sum, moe.local_rows = None, None, 0.0
+        total = _reduce(trainer, local).cpu()
+        counts = total[: layers * experts].reshape(layers, experts)
+        values = router_health(counts, total[layers * experts: -1], float(total[-1]))
+        if moe is not None:
+            moe.health = values
+        return values

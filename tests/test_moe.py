@@ -1,0 +1,211 @@
+"""MoE router load-balancing loss conventions (``loss.aux_loss``) against a float64 reference written here.
+
+The reference is plain PyTorch on a float64 copy of the model at the trainer's initial weights, on the micro-batches the
+trainer recorded (re-collated from their sample ids, padding and attention mask as trained): the token-mean
+cross-entropy over the whole window plus ``coef *`` the Switch load-balancing loss, written out here from its
+definition (softmax over each layer's router logits, top-k one-hot, padding rows dropped, every layer's rows
+together):
+
+- ``global``: expert frequencies ``f`` and mean probabilities ``P`` over every row of the whole window;
+- ``micro``: the mean over micro-batches of each micro-batch's own ``E * sum f P``.
+
+Families: Qwen3-MoE, Mixtral, OLMoE (each a transformers family with a load-balancing aux loss and an ep plan), tiny
+random-init, fp32, samples of 3-40 tokens in padded micro-batches of 2, GA 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import harness as H
+
+COEF = 0.5
+TOL = 1e-5
+
+
+def _lb_terms(router_logits, attention_mask, top_k):
+    """(per-expert selection counts, per-expert probability sums, rows) of one forward, padding rows dropped."""
+    keep = attention_mask.reshape(-1).bool()
+    counts, probs, rows = 0.0, 0.0, 0
+    for gate in router_logits:
+        p = torch.softmax(gate[keep].double(), dim=-1)
+        sel = torch.topk(p, top_k, dim=-1).indices
+        counts = counts + F.one_hot(sel, p.shape[-1]).sum(dim=(0, 1)).double()
+        probs = probs + p.sum(0)
+        rows += p.shape[0]
+    return counts, probs, rows
+
+
+def _float64_copy(model, initial_state):
+    """The model at ``initial_state`` in float64, its experts as plain per-expert matmuls (torch's grouped GEMM, the
+    default of transformers 5, has no float64)."""
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    cfg._experts_implementation = "eager"
+    ref = type(model)(cfg).double()
+    ref.load_state_dict({k: v.double() for k, v in initial_state.items()})
+    return ref.train()
+
+
+def reference(model, initial_state, micro_batches, convention):
+    """(loss, grads) of one optimizer window in float64, from the definitions above."""
+    ref = _float64_copy(model, initial_state)
+    top_k, ce, targets, terms = model.config.num_experts_per_tok, 0.0, 0, []
+    for mb in micro_batches:
+        out = ref(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], output_router_logits=True)
+        logits, labels = out.logits[:, :-1], mb["labels"][:, 1:]
+        mask = labels.ne(-100)
+        ce = ce + F.cross_entropy(logits[mask], labels[mask], reduction="sum")
+        targets += int(mask.sum())
+        terms.append(_lb_terms(out.router_logits, mb["attention_mask"], top_k))
+    experts = terms[0][0].numel()
+    if convention == "global":
+        counts = sum(t[0] for t in terms)
+        probs = sum(t[1] for t in terms)
+        rows = sum(t[2] for t in terms)
+        lb = experts * (counts / rows * probs / rows).sum()
+    else:
+        lb = torch.stack([experts * (c / r * p / r).sum() for c, p, r in terms]).mean()
+    loss = ce / targets + COEF * lb
+    loss.backward()
+    return float(loss), {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def _run(family, convention, *, ga=2, n=8, batch=2):
+    import hf_gradfix
+
+    hf_gradfix.patch({"loss": {"aux_loss": convention}, "log_fixes": False})
+    try:
+        model = H.build_moe(family)
+        samples = H.make_samples("causal", n=n, seed=1)
+        record = H.run_trainer(model, samples, "causal", gradient_accumulation_steps=ga,
+                               per_device_train_batch_size=batch)
+    finally:
+        hf_gradfix.unpatch()
+    return model, samples, record
+
+
+def _errors(model, samples, record, convention):
+    by_idx = {s["idx"]: s for s in samples}
+    rows = []
+    for k, step in enumerate(record.steps):
+        mbs = [record.collator.collate([by_idx[i] for i in b]) for b in step["idx_batches"]]
+        loss, grads = reference(model, record.initial_state, mbs, convention)
+        logged = record.logged_losses[k]
+        rows.append((H.rel_err(step["grads"], grads), abs(logged - loss) / abs(loss)))
+    return rows
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+def test_global_router_loss_is_the_window_loss(family):
+    model, samples, record = _run(family, "global")
+    rows = _errors(model, samples, record, "global")
+    assert len(rows) == 2
+    for grad_err, loss_err in rows:
+        assert grad_err <= TOL and loss_err <= TOL, rows
+    # the control: the same trainer gradients against the micro-batch-mean definition must fail
+    micro = _errors(model, samples, record, "micro")
+    assert max(g for g, _ in micro) > 100 * TOL, micro
+
+
+def test_micro_router_loss_is_the_mean_of_micro_batch_losses():
+    model, samples, record = _run("qwen3_moe", "micro")
+    rows = _errors(model, samples, record, "micro")
+    for grad_err, loss_err in rows:
+        assert grad_err <= TOL and loss_err <= TOL, rows
+    assert max(g for g, _ in _errors(model, samples, record, "global")) > 100 * TOL  # micro is not global
+
+
+def test_off_drops_the_router_loss_and_previous_approximates_global():
+    model, samples, record = _run("qwen3_moe", "off")
+    by_idx = {s["idx"]: s for s in samples}
+    for k, step in enumerate(record.steps):
+        mbs = [record.collator.collate([by_idx[i] for i in b]) for b in step["idx_batches"]]
+        with_lb_loss, with_lb = reference(model, record.initial_state, mbs, "global")
+        # the reference without the router term: coefficient 0
+        ref = _float64_copy(model, record.initial_state)
+        ce, targets = 0.0, 0
+        for mb in mbs:
+            logits = ref(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1]
+            labels = mb["labels"][:, 1:]
+            mask = labels.ne(-100)
+            ce = ce + F.cross_entropy(logits[mask], labels[mask], reduction="sum")
+            targets += int(mask.sum())
+        (ce / targets).backward()
+        plain = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        assert H.rel_err(step["grads"], plain) <= TOL
+        assert H.rel_err(step["grads"], with_lb) > 100 * TOL
+    # previous: window 1 as micro, window 2 with window 1's frequencies: close to global, not equal
+    model, samples, record = _run("qwen3_moe", "previous", n=12)
+    errs = _errors(model, samples, record, "global")
+    assert errs[1][0] > TOL  # an approximation
+    assert errs[1][0] < _errors(model, samples, record, "micro")[1][0] * 10
+
+
+def test_router_health_counts_equal_the_router_logits():
+    """RouterHealthCallback's numbers equal counts recomputed here from the router logits of the trained batches."""
+    import hf_gradfix
+    from hf_gradfix.integration.moe import RouterHealthCallback
+
+    hf_gradfix.patch({"loss": {"aux_loss": "micro"}, "log_fixes": False})
+    try:
+        model = H.build_moe("qwen3_moe")
+        samples = H.make_samples("causal", n=8, seed=1)
+        record = H.run_trainer(model, samples, "causal", gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                               callbacks=[RouterHealthCallback()])
+    finally:
+        hf_gradfix.unpatch()
+    logs = [h for h in record.trainer.state.log_history if "loss" in h]
+    by_idx = {s["idx"]: s for s in samples}
+    ref = type(model)(model.config)
+    ref.load_state_dict(record.initial_state)  # lr 0: the weights never change
+    with torch.no_grad():
+        for log, step in zip(logs, record.steps):
+            per_layer = None
+            for b in step["idx_batches"]:
+                mb = record.collator.collate([by_idx[i] for i in b])
+                out = ref(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], output_router_logits=True)
+                keep = mb["attention_mask"].reshape(-1).bool()
+                c = torch.stack([F.one_hot(torch.topk(torch.softmax(g[keep], -1), 2).indices, g.shape[-1]).sum((0, 1))
+                                 for g in out.router_logits]).double()
+                per_layer = c if per_layer is None else per_layer + c
+            for layer, c in enumerate(per_layer):
+                assert log[f"router/layer{layer}/max_load"] == pytest.approx(float(c.max() / c.mean()), abs=1e-4)
+                assert log[f"router/layer{layer}/dead"] == float((c == 0).sum())
+            assert log["router/dead_experts"] == float((per_layer == 0).sum())
+
+
+def test_config_rejects_an_unknown_convention():
+    from hf_gradfix.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="aux_loss"):
+        load_config({"loss": {"aux_loss": "globl"}})
+
+
+@pytest.mark.distributed
+def test_global_router_loss_on_two_processes():
+    """2 processes (gloo), the long samples on rank 1: the window's frequencies count both ranks' tokens."""
+    import json
+
+    result = H.run_ddp("qwen3_moe", patch=True,
+                       extra=["--patch-config", json.dumps({"loss": {"aux_loss": "global"}, "log_fixes": False})])
+    model = H.build_moe("qwen3_moe")
+    collator = H.RecordingCollator("causal", H.pad_id_of(model))
+    by_idx = {s["idx"]: s for s in result["samples"]}
+    assert len(result["steps"]) == 2
+    for k, step in enumerate(result["steps"]):
+        mbs = [collator.collate([by_idx[i] for i in b]) for b in step["idx_batches"]]
+        assert len(mbs) == 4  # 2 micro-batches on each rank
+        loss, grads = reference(model, result["initial_state"], mbs, "global")
+        assert H.rel_err(step["grads"], grads) <= TOL
+        assert abs(result["logged_losses"][k] - loss) / abs(loss) <= TOL
+        assert step["rank_grad_max_diff"] == 0.0
+        # the control: each rank's own window (its counts alone) is not the objective
+        per_rank = [reference(model, result["initial_state"],
+                              [collator.collate([by_idx[i] for i in b]) for b in rank_batches], "global")[1]
+                    for rank_batches in step["idx_batches_per_rank"]]
+        mean_of_ranks = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in grads}
+        assert H.rel_err(mean_of_ranks, grads) > 100 * TOL
