@@ -69,7 +69,7 @@ def reference(model, initial_state, micro_batches, convention):
         lb = experts * (counts / rows * probs / rows).sum()
     else:
         lb = torch.stack([experts * (c / r * p / r).sum() for c, p, r in terms]).mean()
-    loss = ce / targets + COEF * lb
+    loss = ce / targets + float(model.config.router_aux_loss_coef) * lb
     loss.backward()
     return float(loss), {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 
@@ -119,8 +119,8 @@ def test_micro_router_loss_is_the_mean_of_micro_batch_losses():
     assert max(g for g, _ in _errors(model, samples, record, "global")) > 100 * TOL  # micro is not global
 
 
-def test_off_drops_the_router_loss_and_previous_approximates_global():
-    model, samples, record = _run("qwen3_moe", "off")
+def test_none_drops_the_router_loss_and_previous_approximates_global():
+    model, samples, record = _run("qwen3_moe", "none")
     by_idx = {s["idx"]: s for s in samples}
     for k, step in enumerate(record.steps):
         mbs = [record.collator.collate([by_idx[i] for i in b]) for b in step["idx_batches"]]
@@ -209,3 +209,25 @@ def test_global_router_loss_on_two_processes():
                     for rank_batches in step["idx_batches_per_rank"]]
         mean_of_ranks = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in grads}
         assert H.rel_err(mean_of_ranks, grads) > 100 * TOL
+
+
+@pytest.mark.parametrize("convention", ["global", "micro"])
+def test_trl_sft_trainer_on_a_moe_model(convention, tmp_path, monkeypatch):
+    """TRL's SFTTrainer adds the router loss itself (``router_aux_loss_coef * aux / GA``, through its fused log-prob
+    forward, which drops ``router_logits`` from the outputs): ``global`` reads the router logits from the modules the
+    model declares as routers and corrects the trainer's term; exact against the reference on the trained batches."""
+    pytest.importorskip("trl")
+    import trainer_matrix as M
+    from hf_gradfix.config import ENV_VAR
+
+    config = tmp_path / "gradfix.yaml"
+    config.write_text(f"hf_gradfix:\n  loss:\n    aux_loss: {convention}\n")
+    monkeypatch.setenv(ENV_VAR, str(config))
+    run = M.run(M.sft_variants()["trl.SFTTrainer[qwen3_moe]"].make, "patch")
+    assert run.error is None and len(run.grads) == 2
+    model = run.trainer.model
+    other = "micro" if convention == "global" else "global"
+    for grads, window in zip(run.grads, run.windows):
+        assert H.rel_err(grads, reference(model, run.initial, window, convention)[1]) <= TOL
+        assert H.rel_err(grads, reference(model, run.initial, window, other)[1]) > 100 * TOL
+    assert not run.warnings

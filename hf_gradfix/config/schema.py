@@ -73,7 +73,7 @@ class ConfigError(HfGradfixError, ValueError):
 
 CountRule = Literal["auto", "shifted", "unshifted", "elements"]
 OnUndetermined = Literal["error", "warn"]
-AuxLossMode = Literal["micro", "micro_batch_mean", "global", "previous", "off", "as_is"]
+AuxLossMode = Literal["micro", "micro_batch_mean", "global", "previous", "none", "as_is"]
 OnNonFinite = Literal["warn", "skip", "error"]
 
 
@@ -111,7 +111,7 @@ class LossConfig:
             "help": "MoE router load-balancing loss convention (docs/moe.md): 'micro' (alias 'micro_batch_mean') = "
             "each micro-batch's loss averaged over micro-batches and ranks; 'global' = the loss of the whole window, "
             "expert frequencies over every token of every micro-batch and rank (exact; one extra no-grad forward per "
-            "micro-batch); 'previous' = the previous window's frequencies (cheap approximation); 'off' = no router "
+            "micro-batch); 'previous' = the previous window's frequencies (cheap approximation); 'none' = no router "
             "loss; 'as_is' = left as the model/trainer adds it (stock)"
         },
     )

@@ -11,7 +11,7 @@
   (:func:`hf_gradfix.loss.moe.window_share`). Cost: one extra forward per micro-batch;
 - ``previous``: the cheap approximation, the previous window's expert frequencies with this window's rows (the first
   window: ``micro``); no extra forward, one small all-reduce per window;
-- ``off``: no router loss; ``as_is``: stock (for comparison).
+- ``none``: no router loss; ``as_is``: stock (for comparison).
 
 Whether a model's ``aux_loss`` is the load-balancing loss these conventions rebuild is measured, not assumed: on the
 first training forward the loss rebuilt from the model's own router logits must equal its ``aux_loss``; a model
@@ -42,10 +42,10 @@ from .windows import _IdleMicroBatch
 
 logger = logging.getLogger("hf_gradfix")
 
-__all__ = ["AUX_CONVENTIONS", "RouterHealthCallback", "aux_share", "before_forward"]
+__all__ = ["AUX_CONVENTIONS", "RouterHealthCallback", "aux_share", "before_chain", "before_forward", "chain_correction"]
 
 #: the values of ``loss.aux_loss`` (``micro_batch_mean`` is the earlier name of ``micro``)
-AUX_CONVENTIONS = ("micro", "micro_batch_mean", "global", "previous", "off", "as_is")
+AUX_CONVENTIONS = ("micro", "micro_batch_mean", "global", "previous", "none", "as_is")
 _REL_TOL = 1e-4  # the model's aux_loss vs the loss rebuilt from its router logits (fp32 rounding of a sum)
 
 
@@ -67,6 +67,10 @@ class MoEState:
     window_local_counts: torch.Tensor | None = None
     window_local_rows: float = 0.0
     prev_freq: torch.Tensor | None = None  # (experts,) the previous window's C_e / N, all ranks
+    hook: Any = None  # the forward hook that keeps a trainer-computed loss's router outputs (before_chain)
+    captured: Any = None  # (router logits, aux_loss, attention mask) of the last training forward
+    router_seen: list = field(default_factory=list)  # router outputs of the forward in progress
+    chain_warned: bool = False
     health: dict = field(default_factory=dict)
 
 
@@ -161,6 +165,83 @@ def _check_composes(trainer: Trainer, state: GradFixState, conv: str) -> None:
                            "data-parallel replicas (DDP) only so far; use loss.aux_loss: micro there, or plain DDP")
 
 
+def before_chain(trainer: Trainer, state: GradFixState) -> None:
+    """Before a trainer's own ``compute_loss`` (TRL's SFTTrainer adds the router loss itself): the window's counts
+    (as :func:`before_forward`), and a forward hook that keeps the training forward's router logits and aux loss."""
+    if _convention(state) in ("micro", "as_is"):
+        return
+    moe = _moe(trainer, state)
+    if moe.hook is None:
+        moe.hook = [trainer.model.register_forward_hook(_keep_router_outputs(moe), with_kwargs=True)]
+        moe.hook += _router_module_hooks(trainer.model, moe)
+    moe.captured, moe.router_seen = None, []
+    before_forward(trainer, state)
+
+
+def _keep_router_outputs(moe: MoEState):
+    def hook(module, args, kwargs, output):
+        if torch.is_grad_enabled() and module.training:
+            aux = output.get("aux_loss") if isinstance(output, Mapping) else getattr(output, "aux_loss", None)
+            logits = _router_logits(output) or (tuple(moe.router_seen) if moe.router_seen else None)
+            moe.captured = (logits, aux, kwargs.get("attention_mask"))
+            moe.router_seen = []
+
+    return hook
+
+
+def _router_module_hooks(model: torch.nn.Module, moe: MoEState) -> list:
+    """Hooks on the modules the model declares as its routers (transformers' ``_can_record_outputs["router_logits"]``,
+    the recorder that fills ``outputs.router_logits``): a trainer whose forward drops ``router_logits`` from its
+    outputs (TRL's fused log-prob head) still has them, in layer order."""
+    recorder = None
+    for module in model.modules():
+        recorder = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
+        if recorder is not None:
+            break
+    target, index = getattr(recorder, "target_class", None), getattr(recorder, "index", 0)
+    if target is None:
+        return []
+
+    def hook(module, args, output):
+        if torch.is_grad_enabled() and module.training:
+            moe.router_seen.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+    return [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, target)]
+
+
+def chain_correction(trainer: Trainer, state: GradFixState, micro_batches: int):
+    """What turns the router term a trainer's own ``compute_loss`` added into the configured convention's, or None.
+
+    Read from what the trainer declares: TRL's trainers set ``aux_loss_enabled`` and ``router_aux_loss_coef`` and add
+    ``router_aux_loss_coef * aux_loss / gradient_accumulation_steps`` per micro-batch (the ``micro`` convention,
+    measured exact in tests/test_trainer_matrix.py); any other trainer keeps its own term, with one warning."""
+    conv = _convention(state)
+    if conv in ("micro", "as_is"):
+        return None
+    moe = _moe(trainer, state)
+    captured, moe.captured = moe.captured, None
+    coef = getattr(trainer, "router_aux_loss_coef", None)
+    if not getattr(trainer, "aux_loss_enabled", False) or not coef:
+        if not moe.chain_warned:
+            moe.chain_warned = True
+            logger.warning("hf_gradfix: loss.aux_loss=%r: %s.compute_loss adds its router loss its own way (no TRL "
+                           "aux_loss_enabled / router_aux_loss_coef); it is left as the trainer computes it.",
+                           conv, type(trainer).__name__)
+        return None
+    if captured is None or captured[1] is None or not torch.is_tensor(captured[1]):
+        return None
+    logits, aux, mask = captured
+    added = float(coef) * aux / micro_batches  # what the trainer added
+    saved = state.aux_coef
+    state.aux_coef = float(coef)  # the trainer's coefficient, which it may set apart from the model's
+    try:
+        wanted = aux_share(trainer, state, float(coef) * aux, {"router_logits": logits}, {"attention_mask": mask},
+                           micro_batches)
+    finally:
+        state.aux_coef = saved
+    return wanted - added
+
+
 def _real_batches(window) -> list:
     return [b for b in window.batches if not isinstance(b, _IdleMicroBatch)]
 
@@ -234,7 +315,7 @@ def aux_share(trainer: Trainer, state: GradFixState, aux: torch.Tensor, outputs:
         _record(moe, stats)
         if not moe.checked and moe.fallback is None:
             _check_formula(trainer, state, moe, stats, aux)
-    if conv == "off":
+    if conv == "none":
         return aux * 0.0
     if conv == "micro" or moe.fallback is not None or stats is None:
         if conv in ("global", "previous") and stats is None:

@@ -330,7 +330,7 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
             + {"micro": "averaged over micro-batches and ranks", "micro_batch_mean": "averaged over micro-batches and ranks",
                "global": "of the whole window (expert frequencies over every micro-batch and rank, routing pre-pass)",
                "previous": "with the previous window's expert frequencies (approximation)",
-               "off": "removed", "as_is": "added once per micro-batch (stock)"}[conv]
+               "none": "removed", "as_is": "added once per micro-batch (stock)"}[conv]
         )
     if not state.chain_is_default and owner is not None:
         c = state.chain
@@ -940,9 +940,20 @@ class _GradFixTop:
         n = count if torch.is_tensor(count) else self._gradfix_count_tensor(global_count)
         state.last_aux = 0.0
         local = int(count_targets(inputs, state.chain.count_rule))  # before: user code may pop "labels"
+        own_aux = bool(state.aux_coef) and not state.chain_is_default and model.training
+        if own_aux:  # the trainer's compute_loss adds the router loss itself (TRL): the convention is corrected after
+            from .moe import before_chain
+
+            before_chain(self, state)
         # outputs only when the caller asked: TRL deprecates return_outputs=True (an extra forward there)
         result = chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=n, **kwargs)
         loss, outputs = _split(result)
+        if own_aux and loss is not None and global_count != 0:
+            from .moe import chain_correction
+
+            correction = chain_correction(self, state, max(1, getattr(self, "current_gradient_accumulation_steps", 1)))
+            if correction is not None:
+                loss = loss + correction.to(loss.device)
         if global_count == 0:
             return _zero_connected(loss, outputs, model), outputs
         if state.chain.honors_num_items:
