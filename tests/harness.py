@@ -297,7 +297,8 @@ def task_of(arch_or_model) -> str:
 
 def build_moe(family: str, coef: float = 0.5):
     """A tiny random-init MoE causal LM with a load-balancing aux loss (``output_router_logits=True``, ``coef``):
-    ``qwen3_moe`` (6 experts), ``mixtral`` (4), ``olmoe`` (6); top-2, 2 layers, every layer sparse, seed 0."""
+    ``qwen3_moe`` (6 experts), ``mixtral`` (4), ``olmoe`` (6); top-2, 2 layers, every layer sparse, seed 0.
+    ``deepseek_v3``: 8 routed experts in 2 groups (1 chosen), a shared expert, a correction bias, no aux loss."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -314,6 +315,14 @@ def build_moe(family: str, coef: float = 0.5):
     if family == "olmoe":
         cfg = tf.OlmoeConfig(**common, num_experts=6)
         return tf.OlmoeForCausalLM(cfg)
+    if family == "deepseek_v3":  # aux-loss-free: sigmoid scores + a correction bias, group-limited top-k, no aux loss
+        cfg = tf.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+            topk_group=1, first_k_dense_replace=0, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, routed_scaling_factor=1.0,
+            max_position_embeddings=128, tie_word_embeddings=False)
+        return tf.DeepseekV3ForCausalLM(cfg)
     raise KeyError(family)
 
 

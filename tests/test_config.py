@@ -326,6 +326,7 @@ def test_round_trip():
             "eval_token_mean": False,
             "on_undetermined": "warn",
             "aux_loss": "as_is",
+            "aux_bias_rate": 0.001,
             "on_nonfinite": "warn",
         },
         "packing": {"enabled": False, "token_budget": 4096, "mode": "varlen", "attention": "auto", "guard": True,

@@ -101,9 +101,12 @@ def _errors(model, samples, record, convention):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
 def test_global_router_loss_is_the_window_loss(family):
+    import hf_gradfix
+
     model, samples, record = _run(family, "global")
     rows = _errors(model, samples, record, "global")
     assert len(rows) == 2
+    assert hf_gradfix.state_of(record.trainer).moe.prepass_forwards == 4  # one routing forward per micro-batch
     for grad_err, loss_err in rows:
         assert grad_err <= TOL and loss_err <= TOL, rows
     # the control: the same trainer gradients against the micro-batch-mean definition must fail
@@ -231,3 +234,87 @@ def test_trl_sft_trainer_on_a_moe_model(convention, tmp_path, monkeypatch):
         assert H.rel_err(grads, reference(model, run.initial, window, convention)[1]) <= TOL
         assert H.rel_err(grads, reference(model, run.initial, window, other)[1]) > 100 * TOL
     assert not run.warnings
+
+
+def _deepseek_selection(hidden, weight, bias, groups, topk_group, top_k):
+    """DeepSeek-V3's routing written from the paper (arXiv 2412.19437 sec. 2.1.2): sigmoid affinities; the bias only
+    for choosing; groups ranked by the sum of their two best biased scores, the best ``topk_group`` kept; top-k."""
+    scores = torch.sigmoid(hidden.reshape(-1, hidden.shape[-1]).double() @ weight.double().T)
+    biased = scores + bias.double()
+    rows, experts = biased.shape
+    per_group = biased.view(rows, groups, experts // groups)
+    group_score = per_group.topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros(rows, groups, dtype=torch.bool)
+    keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+    biased = biased.masked_fill(~keep.repeat_interleave(experts // groups, dim=1), float("-inf"))
+    return biased.topk(top_k, dim=-1).indices
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_bias_balancing_uses_the_windows_counts(checkpointing):
+    """``aux_loss: bias`` on DeepSeek-V3: after each window every router's bias moved by rate * sign(mean - load) with
+    the load counted over the window's micro-batches (padding masked), recomputed here from the router inputs of
+    the trained batches; gradient checkpointing (the router runs again in backward) counts nothing twice."""
+    import hf_gradfix
+
+    rate = 0.01
+    hf_gradfix.patch({"loss": {"aux_loss": "bias", "aux_bias_rate": rate}, "log_fixes": False})
+    try:
+        model = H.build_moe("deepseek_v3")
+        samples = H.make_samples("causal", n=8, seed=1)
+        record = H.run_trainer(model, samples, "causal", gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                               extra_args={"gradient_checkpointing": checkpointing})
+    finally:
+        hf_gradfix.unpatch()
+    cfg = model.config
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    ref = type(model)(cfg)
+    ref.load_state_dict(record.initial_state)
+    ref_routers = [m for m in ref.modules() if hasattr(m, "e_score_correction_bias")]
+    seen = []
+    hooks = [r.register_forward_hook(lambda m, a, o: seen.append((m, a[0]))) for r in ref_routers]
+    by_idx = {s["idx"]: s for s in samples}
+    bias = [torch.zeros(cfg.n_routed_experts, dtype=torch.float64) for _ in ref_routers]
+    per_micro_batch_bias = [b.clone() for b in bias]  # the control: updated from one micro-batch's counts
+    last_counts = None
+    with torch.no_grad():
+        for step in record.steps:
+            loads = [torch.zeros(cfg.n_routed_experts, dtype=torch.float64) for _ in ref_routers]
+            for b in step["idx_batches"]:
+                mb = record.collator.collate([by_idx[i] for i in b])
+                seen.clear()
+                ref(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
+                keep = mb["attention_mask"].reshape(-1).bool()
+                for layer, (router, hidden) in enumerate(seen):
+                    chosen = _deepseek_selection(hidden, router.weight, bias[layer], cfg.n_group, cfg.topk_group,
+                                                 cfg.num_experts_per_tok)[keep]
+                    c = F.one_hot(chosen, cfg.n_routed_experts).sum((0, 1)).double()
+                    loads[layer] += c
+                    per_micro_batch_bias[layer] += rate * torch.sign(c.mean() - c)
+            for layer, load in enumerate(loads):
+                bias[layer] += rate * torch.sign(load.mean() - load)
+                ref_routers[layer].e_score_correction_bias.copy_(bias[layer])
+            last_counts = torch.cat(loads)
+    for h in hooks:
+        h.remove()
+    state = hf_gradfix.state_of(record.trainer).moe
+    assert state.bias_windows == len(record.steps) == 2
+    assert torch.equal(state.last_bias_counts, last_counts)  # not doubled by the recomputation
+    for router, want, control in zip(routers, bias, per_micro_batch_bias):
+        got = router.e_score_correction_bias.double()
+        assert torch.allclose(got, want, atol=1e-7), (got, want)
+        assert not torch.allclose(got, control, atol=1e-7)
+    assert any(b.abs().sum() > 0 for b in bias)
+
+
+def test_bias_is_refused_on_a_model_without_a_correction_bias():
+    import hf_gradfix
+    from hf_gradfix.errors import GradFixError
+
+    hf_gradfix.patch({"loss": {"aux_loss": "bias"}, "log_fixes": False})
+    try:
+        with pytest.raises(GradFixError, match="loss.aux_loss='bias'.*no router correction bias"):
+            H.run_trainer(H.build_moe("qwen3_moe"), H.make_samples("causal", n=4, seed=1), "causal",
+                          gradient_accumulation_steps=2)
+    finally:
+        hf_gradfix.unpatch()

@@ -73,7 +73,7 @@ class ConfigError(HfGradfixError, ValueError):
 
 CountRule = Literal["auto", "shifted", "unshifted", "elements"]
 OnUndetermined = Literal["error", "warn"]
-AuxLossMode = Literal["micro", "micro_batch_mean", "global", "previous", "none", "as_is"]
+AuxLossMode = Literal["micro", "micro_batch_mean", "global", "previous", "bias", "none", "as_is"]
 OnNonFinite = Literal["warn", "skip", "error"]
 
 
@@ -111,9 +111,17 @@ class LossConfig:
             "help": "MoE router load-balancing loss convention (docs/moe.md): 'micro' (alias 'micro_batch_mean') = "
             "each micro-batch's loss averaged over micro-batches and ranks; 'global' = the loss of the whole window, "
             "expert frequencies over every token of every micro-batch and rank (exact; one extra no-grad forward per "
-            "micro-batch); 'previous' = the previous window's frequencies (cheap approximation); 'none' = no router "
+            "micro-batch); 'previous' = the previous window's frequencies (cheap approximation); 'bias' = "
+            "aux-loss-free balancing (DeepSeek-V3): each router's correction bias moves by aux_bias_rate toward "
+            "balance after every window, by the window's counts over all micro-batches and ranks; 'none' = no router "
             "loss; 'as_is' = left as the model/trainer adds it (stock)"
         },
+    )
+    aux_bias_rate: float = field(
+        default=0.001,
+        metadata={"min": 0.0, "max": 1.0,
+                  "help": "aux_loss: bias: the bias update speed gamma (DeepSeek-V3: 0.001): after each window, "
+                  "bias_e += gamma * sign(mean load - load_e) per MoE layer"},
     )
     on_nonfinite: OnNonFinite = field(
         default="warn",

@@ -42,10 +42,11 @@ from .windows import _IdleMicroBatch
 
 logger = logging.getLogger("hf_gradfix")
 
-__all__ = ["AUX_CONVENTIONS", "RouterHealthCallback", "aux_share", "before_chain", "before_forward", "chain_correction"]
+__all__ = ["AUX_CONVENTIONS", "RouterHealthCallback", "aux_share", "before_chain", "before_forward", "bias_counting",
+           "chain_correction"]
 
 #: the values of ``loss.aux_loss`` (``micro_batch_mean`` is the earlier name of ``micro``)
-AUX_CONVENTIONS = ("micro", "micro_batch_mean", "global", "previous", "none", "as_is")
+AUX_CONVENTIONS = ("micro", "micro_batch_mean", "global", "previous", "bias", "none", "as_is")
 _REL_TOL = 1e-4  # the model's aux_loss vs the loss rebuilt from its router logits (fp32 rounding of a sum)
 
 
@@ -71,6 +72,13 @@ class MoEState:
     captured: Any = None  # (router logits, aux_loss, attention mask) of the last training forward
     router_seen: list = field(default_factory=list)  # router outputs of the forward in progress
     chain_warned: bool = False
+    bias_routers: list | None = None  # aux_loss: bias: the routers with a correction bias, in layer order
+    bias_counts: dict = field(default_factory=dict)  # router -> (experts,) selections this window on this rank
+    bias_seen: int = 0  # micro-batches of this window counted so far
+    bias_windows: int = 0  # bias updates applied
+    last_bias_counts: torch.Tensor | None = None  # the last window's counts, all ranks, routers concatenated
+    counting: bool = False
+    row_mask: Any = None
     health: dict = field(default_factory=dict)
 
 
@@ -240,6 +248,87 @@ def chain_correction(trainer: Trainer, state: GradFixState, micro_batches: int):
     finally:
         state.aux_coef = saved
     return wanted - added
+
+
+# ------------------------------------------------------------------------------------------------ bias (aux-free)
+_BIAS = "e_score_correction_bias"  # the buffer transformers' aux-free routers (DeepSeek-V3, GLM-4-MoE, ...) select with
+
+
+@contextlib.contextmanager
+def bias_counting(trainer: Trainer, state: GradFixState, micro_batches: int):
+    """``aux_loss: bias`` around one training micro-batch's forward: count the experts each router selected (its own
+    top-k output, padding masked), and after the window's last micro-batch move every router's correction bias by
+    ``aux_bias_rate * sign(mean load - load_e)`` with the window's counts summed over its micro-batches and ranks
+    (DeepSeek-V3, arXiv 2412.19437 sec. 2.1.2). Counted only inside this forward: the recomputation of a checkpointed
+    layer during backward runs the router again, outside it, and is not counted twice."""
+    moe = _moe(trainer, state)
+    if moe.bias_routers is None:
+        moe.bias_routers = _bias_routers(trainer)
+    moe.counting = True
+    try:
+        yield
+    finally:
+        moe.counting = False
+    moe.bias_seen += 1
+    if moe.bias_seen >= micro_batches:
+        _apply_bias_update(trainer, state, moe)
+
+
+def _bias_routers(trainer: Trainer) -> list:
+    """The modules the model declares as routers that select with a correction bias, in layer order, each with a
+    hook that counts its selections. A model without one is refused (the convention needs it)."""
+    model = trainer.model
+    routers = [m for m in model.modules() if torch.is_tensor(getattr(m, _BIAS, None))]
+    if not routers:
+        raise GradFixError(f"loss.aux_loss='bias': {type(model).__name__} has no router correction bias "
+                           f"({_BIAS}, as DeepSeek-V3's routers have); use loss.aux_loss: micro or global")
+    moe = state_of(trainer).moe
+
+    def count(module, args, output):
+        if not moe.counting:
+            return
+        chosen = output[-1] if isinstance(output, (tuple, list)) else None  # (logits, weights, top-k indices)
+        if not torch.is_tensor(chosen) or chosen.dtype not in (torch.int64, torch.int32):
+            raise GradFixError(f"loss.aux_loss='bias': the router {type(module).__name__} does not return its top-k "
+                               "expert indices last; use loss.aux_loss: micro or global")
+        experts = getattr(module, _BIAS).numel()
+        chosen = chosen.reshape(chosen.shape[0], -1)
+        weight = torch.ones(chosen.shape[0], dtype=torch.float64, device=chosen.device)
+        mask = moe.row_mask
+        if mask is not None and mask.numel() == chosen.shape[0]:
+            weight = mask.reshape(-1).to(device=chosen.device, dtype=torch.float64)
+        c = torch.zeros(experts, dtype=torch.float64, device=chosen.device)
+        c.scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(chosen.shape[1]))
+        moe.bias_counts[module] = moe.bias_counts.get(module, 0) + c.cpu()
+
+    def keep_mask(module, args, kwargs):
+        if moe.counting:
+            mask = kwargs.get("attention_mask")
+            moe.row_mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
+
+    moe.hook = [model.register_forward_pre_hook(keep_mask, with_kwargs=True)]
+    moe.hook += [r.register_forward_hook(count) for r in routers]
+    return routers
+
+
+def _apply_bias_update(trainer: Trainer, state: GradFixState, moe: MoEState) -> None:
+    routers = moe.bias_routers
+    sizes = [getattr(r, _BIAS).numel() for r in routers]
+    local = torch.cat([moe.bias_counts.get(r, torch.zeros(n, dtype=torch.float64)) for r, n in zip(routers, sizes)])
+    total = _reduce(trainer, local).cpu()  # every rank, once per window
+    moe.bias_counts, moe.bias_seen = {}, 0
+    rate = float(state.config.loss.aux_bias_rate)
+    offset = 0
+    with torch.no_grad():
+        for router, n in zip(routers, sizes):
+            load = total[offset: offset + n]
+            offset += n
+            if load.sum() <= 0:
+                continue
+            bias = getattr(router, _BIAS)
+            bias.add_((rate * torch.sign(load.mean() - load)).to(device=bias.device, dtype=bias.dtype))
+    moe.bias_windows += 1
+    moe.last_bias_counts = total
 
 
 def _real_batches(window) -> list:

@@ -330,8 +330,12 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
             + {"micro": "averaged over micro-batches and ranks", "micro_batch_mean": "averaged over micro-batches and ranks",
                "global": "of the whole window (expert frequencies over every micro-batch and rank, routing pre-pass)",
                "previous": "with the previous window's expert frequencies (approximation)",
-               "none": "removed", "as_is": "added once per micro-batch (stock)"}[conv]
+               "bias": "replaced by DeepSeek-V3's bias balancing", "none": "removed",
+               "as_is": "added once per micro-batch (stock)"}[conv]
         )
+    if state.config.loss.aux_loss == "bias":
+        fixes.append(f"router correction biases moved by {state.config.loss.aux_bias_rate:g} * sign(mean - load) after "
+                     "each window, loads over every micro-batch and rank (aux-loss-free balancing)")
     if not state.chain_is_default and owner is not None:
         c = state.chain
         if c.honors_num_items:
@@ -945,8 +949,16 @@ class _GradFixTop:
             from .moe import before_chain
 
             before_chain(self, state)
+        counting = contextlib.nullcontext()
+        if state.config.loss.aux_loss == "bias" and model.training:  # aux-free balancing: count this forward's routing
+            from .moe import bias_counting
+
+            window = state.window
+            in_window = window.micro_batches if window is not None and window.micro_batches else None
+            counting = bias_counting(self, state, in_window or max(1, getattr(self, "current_gradient_accumulation_steps", 1)))
         # outputs only when the caller asked: TRL deprecates return_outputs=True (an extra forward there)
-        result = chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=n, **kwargs)
+        with counting:
+            result = chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=n, **kwargs)
         loss, outputs = _split(result)
         if own_aux and loss is not None and global_count != 0:
             from .moe import chain_correction
