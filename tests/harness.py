@@ -811,6 +811,7 @@ def run_trainer(
     args_cls=None,
     before_train: Callable | None = None,
     dataset=None,
+    resume_from_checkpoint: str | None = None,
 ) -> RunRecord:
     """Train ``model`` on ``samples`` (dataset order kept) with SGD lr=0 and record every optimizer step.
 
@@ -878,7 +879,7 @@ def run_trainer(
     if before_train is not None:
         before_train(trainer)
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
         if own_dir:
             shutil.rmtree(output_dir, ignore_errors=True)

@@ -250,6 +250,39 @@ def chain_correction(trainer: Trainer, state: GradFixState, micro_batches: int):
     return wanted - added
 
 
+# ------------------------------------------------------------------------------------------------ checkpoints
+MOE_STATE_FILE = "hf_gradfix_moe_rank{rank}.pt"
+
+
+def save_state(trainer: Trainer, state: GradFixState, checkpoint_dir: str) -> None:
+    """``previous`` carries the last window's counts into the next window: a checkpoint keeps them (one file per
+    process), so that a resumed run's first window uses them as the uninterrupted run does."""
+    import os
+
+    moe = getattr(state, "moe", None)
+    if _convention(state) != "previous" or moe is None or moe.window_local_counts is None:
+        return
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    torch.save({"window_local_counts": moe.window_local_counts, "window_local_rows": moe.window_local_rows},
+               os.path.join(checkpoint_dir, MOE_STATE_FILE.format(rank=trainer.args.process_index)))
+
+
+def load_state(trainer: Trainer, state: GradFixState, checkpoint_dir: str | None) -> None:
+    import os
+
+    if _convention(state) != "previous" or checkpoint_dir is None:
+        return
+    path = os.path.join(checkpoint_dir, MOE_STATE_FILE.format(rank=trainer.args.process_index))
+    if not os.path.isfile(path):
+        logger.warning("hf_gradfix: loss.aux_loss='previous': %s holds no router counts (%s); the resumed run's "
+                       "first window trains with 'micro'.", checkpoint_dir, os.path.basename(path))
+        return
+    saved = torch.load(path, weights_only=True)
+    moe = _moe(trainer, state)
+    moe.window_local_counts = saved["window_local_counts"]
+    moe.window_local_rows = float(saved["window_local_rows"])
+
+
 # ------------------------------------------------------------------------------------------------ bias (aux-free)
 _BIAS = "e_score_correction_bias"  # the buffer transformers' aux-free routers (DeepSeek-V3, GLM-4-MoE, ...) select with
 

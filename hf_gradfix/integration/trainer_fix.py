@@ -566,6 +566,10 @@ class _GradFixTop:
             from .packing_trainer import save_stream_state
 
             save_stream_state(self, output_dir)
+        if state is not None and getattr(state, "moe", None) is not None:
+            from .moe import save_state
+
+            save_state(self, state, output_dir)
 
     def save_model(self, output_dir=None, _internal_call=False):
         state = state_of(self)
@@ -620,6 +624,10 @@ class _GradFixTop:
             from .packing_trainer import load_stream_state
 
             load_stream_state(self, checkpoint)
+        if state is not None and state.config.loss.aux_loss == "previous":
+            from .moe import load_state
+
+            load_state(self, state, checkpoint)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         state = state_of(self)
