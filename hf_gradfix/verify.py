@@ -24,6 +24,7 @@ a model (e.g. a packed row longer than its position table) are skipped with a no
 ``labels_offset``              labels misaligned with ``input_ids`` (a collator or dataset that shifts them itself)
 ``padding_targets``            labels that are not -100 at padding positions (the loss trains on padding)
 ``cross_attention``            packed sequences attending to each other (a row run as one sequence)
+``router_micro`` / ...         a MoE run: another router-loss convention than the run declares (``verify_moe``)
 ``scaled``                     the exact gradient times an unexplained constant (the factor is reported)
 =============================  ==================================================================================
 
@@ -566,6 +567,8 @@ class _Context:
     #: the precision of every forward: ``torch.autocast`` as the run's (a new context per forward, as accelerate's
     #: forward wrapper enters one per call), or autocast off for the fp32 reference
     amp: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    #: a MoE run's router term (``hf_gradfix.verify_moe.RouterSpec``): its convention is added to the ground truth
+    router: Any = None
 
 
 def _seq_loss(ctx: _Context, seq: Mapping[str, torch.Tensor], labels: torch.Tensor | None = None,
@@ -665,7 +668,26 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
     _padding_targets(ctx, window, refs, notes)
     if packed and token_level:
         _cross_attention(ctx, window, N, refs, notes)
-    return refs, sum(m.loss for m in per_mb) / N, facts
+    loss = sum(m.loss for m in per_mb) / N
+    if ctx.router is not None:  # a MoE run: the router term of its declared convention, the others as candidates
+        from .verify_moe import router_references
+
+        router = router_references(ctx, window, world, ga)
+        if router is None:
+            notes.append("the model returned no router logits: the router term is not in the ground truth")
+        else:
+            declared, value = router[ctx.router.convention]
+            token_refs = dict(refs)
+            for name, g in token_refs.items():
+                refs[name] = [a + b for a, b in zip(g, declared)]
+            for name, (g, _v) in router.items():
+                if name != ctx.router.convention:
+                    refs[f"router_{name}"] = [a + b for a, b in zip(token_refs["exact"], g)]
+            loss += value
+            facts["router"] = ctx.router.convention
+            if ctx.router.note:
+                notes.append(ctx.router.note)
+    return refs, loss, facts
 
 
 def summed_like_a_trainer(ctx: _Context, window: list[list[dict]], *, offset: int, N: int) -> tuple[list[torch.Tensor], float]:
@@ -1276,6 +1298,9 @@ def _compare(trainer, model, recorded, returned, marks, grads, params_at, traina
     ctx = _Context(model=model, names=names, params=params, keys=_forward_keys(model), rule=rule, encoder_decoder=enc_dec,
                    config=getattr(_base_model(model), "config", None), position_limit=_position_limit(model),
                    smoothing=float(getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0))
+    from .verify_moe import router_spec
+
+    ctx.router = router_spec(trainer, model)
     if _base_model(model) is not model and rule is CountRule.UNSHIFTED and not enc_dec:
         # PEFT prompt learning makes labels[..., 0] a target; whether the loss shifts is the base model's rule
         try:

@@ -353,3 +353,34 @@ def test_previous_resumes_exactly(tmp_path):
     (tmp_path / "bare" / "checkpoint-1" / "hf_gradfix_moe_rank0.pt").unlink()
     bare = run(3, tmp_path / "bare", resume=str(tmp_path / "bare" / "checkpoint-1"))
     assert H.rel_err(bare.steps[0]["grads"], whole.steps[1]["grads"]) > 1e-4
+
+
+@pytest.mark.parametrize("convention", [None, "micro", "global"])
+def test_verify_holds_a_moe_run_to_its_declared_router_convention(convention, tmp_path):
+    """``verify_trainer`` on Qwen3-MoE: a patched run is EXACT against its own convention's router term; a stock
+    run (transformers adds the term per micro-batch, x GA x W) is NOT EXACT, named ``router_as_is``."""
+    import transformers
+
+    import hf_gradfix
+
+    samples = H.make_samples("causal", n=8, seed=1)
+    if convention is not None:
+        hf_gradfix.patch({"loss": {"aux_loss": convention}, "log_fixes": False})
+    try:
+        model = H.build_moe("qwen3_moe")
+        args = transformers.TrainingArguments(str(tmp_path), per_device_train_batch_size=2,
+                                              gradient_accumulation_steps=2, report_to="none", use_cpu=True,
+                                              save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=H.ListDataset(samples),
+                                       data_collator=H.RecordingCollator("causal", H.pad_id_of(model)))
+        report = hf_gradfix.verify_trainer(trainer, steps=1)
+    finally:
+        if convention is not None:
+            hf_gradfix.unpatch()
+    step = report.steps[0]
+    if convention is None:
+        assert not report.exact and step.verdict == "router_as_is", (step.verdict, step.candidates)
+    else:
+        assert report.exact, (step.verdict, step.grad_rel_err, step.candidates)
+        other = "router_global" if convention == "micro" else "router_micro"
+        assert step.candidates[other] > 1e-3, step.candidates  # held to its own convention, not the other one

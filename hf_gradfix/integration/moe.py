@@ -555,6 +555,12 @@ class RouterHealthCallback(TrainerCallback):
         shape = list(moe.local_counts.shape) if moe is not None and moe.local_counts is not None else [0, 0]
         agreed = _agree(trainer, [float(shape[0]), float(shape[1])])  # every rank joins
         if agreed is None or agreed[0] == 0:
+            if not getattr(trainer, "_hgf_router_health_warned", False):
+                trainer._hgf_router_health_warned = True
+                logger.warning("hf_gradfix: RouterHealthCallback found no router counts to log: it needs the plugin's "
+                               "loss fix on this trainer and a model that returns a load-balancing aux_loss with its "
+                               "router_logits (config.output_router_logits=True); routers that select with a bias "
+                               "(DeepSeek-V3) are not counted yet.")
             return {}
         layers, experts = int(agreed[0]), int(agreed[1])
         local = torch.zeros(layers * experts + experts + 1, dtype=torch.float64)
