@@ -683,6 +683,10 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
             for name, (g, _v) in router.items():
                 if name != ctx.router.convention:
                     refs[f"router_{name}"] = [a + b for a, b in zip(token_refs["exact"], g)]
+                    # a stock run can get both wrong (transformers 4.57 also counts causal targets unshifted)
+                    for token in ("count_unshifted", "count_shifted", "mean_of_means"):
+                        if token in token_refs:
+                            refs[f"router_{name}+{token}"] = [a + b for a, b in zip(token_refs[token], g)]
             loss += value
             facts["router"] = ctx.router.convention
             if ctx.router.note:

@@ -379,7 +379,8 @@ def test_verify_holds_a_moe_run_to_its_declared_router_convention(convention, tm
             hf_gradfix.unpatch()
     step = report.steps[0]
     if convention is None:
-        assert not report.exact and step.verdict == "router_as_is", (step.verdict, step.candidates)
+        # transformers 5: router_as_is; 4.57 also counts the causal targets unshifted: router_as_is+count_unshifted
+        assert not report.exact and step.verdict.startswith("router_as_is"), (step.verdict, step.candidates)
     else:
         assert report.exact, (step.verdict, step.grad_rel_err, step.candidates)
         other = "router_global" if convention == "micro" else "router_micro"

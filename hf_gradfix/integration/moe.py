@@ -320,10 +320,14 @@ def _bias_routers(trainer: Trainer) -> list:
     def count(module, args, output):
         if not moe.counting:
             return
-        chosen = output[-1] if isinstance(output, (tuple, list)) else None  # (logits, weights, top-k indices)
-        if not torch.is_tensor(chosen) or chosen.dtype not in (torch.int64, torch.int32):
+        # the router's one integer output is its top-k expert indices (transformers 5: last of (logits, weights,
+        # indices); 4.57: first of (indices, weights))
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        chosen = [t for t in outputs if torch.is_tensor(t) and t.dtype in (torch.int64, torch.int32)]
+        if len(chosen) != 1:
             raise GradFixError(f"loss.aux_loss='bias': the router {type(module).__name__} does not return its top-k "
-                               "expert indices last; use loss.aux_loss: micro or global")
+                               "expert indices (one integer tensor); use loss.aux_loss: micro or global")
+        chosen = chosen[0]
         experts = getattr(module, _BIAS).numel()
         chosen = chosen.reshape(chosen.shape[0], -1)
         weight = torch.ones(chosen.shape[0], dtype=torch.float64, device=chosen.device)
