@@ -24,6 +24,7 @@ training, so a run that changed the weights is detected rather than silently com
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -1062,9 +1063,52 @@ def run_ddp(
         print(proc.stdout[-6000:], file=sys.stderr)
         print(proc.stderr[-20000:], file=sys.stderr)
         raise RuntimeError(f"DDP scenario {scenario!r} failed with return code {proc.returncode} (stderr printed)")
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+    result = _ddp_result(scenario, out, nproc, proc.stdout, proc.stderr)
     if own_dir:
         shutil.rmtree(out, ignore_errors=True)
+        result["out_dir"] = None
+    return result
+
+
+def run_ddp_many(jobs: Sequence[tuple[str, Sequence[str]]], nproc: int = 2, patch: bool = True,
+                 timeout: float = 600) -> list[dict]:
+    """Several :func:`run_ddp` jobs ``(scenario, extra flags)`` in ONE launch of ``nproc`` processes (the worker's
+    ``--jobs``): the imports and the rendezvous are paid once. Returns one :func:`run_ddp` result per job, in order;
+    each result's ``stderr`` is that job's ``hf_gradfix`` log (both ranks), not the launch's."""
+    base = Path(tempfile.mkdtemp(prefix="hgf_ddp_many_"))
+    argv_list = []
+    for i, (scenario, extra) in enumerate(jobs):
+        argv = ["--scenario", scenario, "--out", str(base / f"job{i}")] + (["--patch"] if patch else []) + list(extra)
+        argv_list.append(argv)
+    (base / "jobs.json").write_text(json.dumps(argv_list))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(TESTS_DIR / "ddp_worker.py"),
+           "--jobs", str(base / "jobs.json")]
+    from multiproc import worker_env
+
+    try:
+        proc = subprocess.run(cmd, cwd=str(REPO_ROOT), env=worker_env(), capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"DDP jobs timed out after {timeout}s\nstderr:\n{e.stderr}") from e
+    try:
+        if proc.returncode != 0:
+            print(proc.stderr[-20000:], file=sys.stderr)
+            raise RuntimeError(f"DDP jobs {[j[0] for j in jobs]} failed with return code {proc.returncode}")
+        results = []
+        for i, (scenario, _extra) in enumerate(jobs):
+            out = base / f"job{i}"
+            logs = "".join((out / f"rank{r}.log").read_text() for r in range(nproc) if (out / f"rank{r}.log").exists())
+            results.append(_ddp_result(scenario, out, nproc, proc.stdout, logs))
+            results[-1]["out_dir"] = None
+        return results
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _ddp_result(scenario: str, out: Path, nproc: int, stdout: str, stderr: str) -> dict:
+    """The merged record of one DDP job (see :func:`run_ddp`)."""
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
     r0 = ranks[0]
     n_steps = {len(r["steps"]) for r in ranks}
     if len(n_steps) != 1:
@@ -1093,9 +1137,9 @@ def run_ddp(
         ranks=ranks,
         steps=steps,
         logged_losses=r0["logged_losses"],
-        out_dir=None if own_dir else str(out),
-        stdout=proc.stdout,
-        stderr=proc.stderr,
+        out_dir=str(out),
+        stdout=stdout,
+        stderr=stderr,
     )
 
 

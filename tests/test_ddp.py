@@ -1,7 +1,8 @@
 """Exactness under DDP: 2 processes (gloo, CPU, 127.0.0.1), unequal token counts per rank.
 
 Window k of the ground truth is the union of every rank's k-th window (``harness.run_ddp``), run in
-one process on the whole window at once. Each launch costs ~10-20 s on 2 cores, so the cases are few.
+one process on the whole window at once. Every case below trains in ONE launch of 2 processes
+(``harness.run_ddp_many``, the worker's ``--jobs``): a launch costs ~10-20 s of imports and rendezvous on 2 cores.
 """
 
 from __future__ import annotations
@@ -13,6 +14,24 @@ import harness as H
 from test_exactness import GRAD_TOL, LOSS_TOL
 
 pytestmark = pytest.mark.distributed
+
+
+#: every case of this file: (scenario, worker flags); trained together, once, by the ``ddp`` fixture
+JOBS = {
+    "llama": ("llama", []),
+    "llama_seqcls": ("llama_seqcls", []),
+    "llama_tutorial": ("llama_tutorial", []),
+    "avg_false": ("llama", ["--avg-false"]),
+    "empty_rank": ("llama_empty_rank", []),
+    "eval_llama_bs3": ("llama", ["--eval-bs", "3"]),
+    "eval_llama_11_bs2": ("llama_11", ["--eval-bs", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def ddp():
+    results = H.run_ddp_many(list(JOBS.values()), patch=True)
+    return dict(zip(JOBS, results))
 
 
 def assert_ddp_exact(result, what, **kw):
@@ -27,8 +46,8 @@ def assert_ddp_exact(result, what, **kw):
 
 
 @pytest.mark.parametrize("scenario", ["llama", "llama_seqcls", "llama_tutorial"])
-def test_ddp_is_exact_with_unequal_tokens_per_rank(scenario):
-    result = H.run_ddp(scenario, patch=True)
+def test_ddp_is_exact_with_unequal_tokens_per_rank(scenario, ddp):
+    result = ddp[scenario]
     rows = assert_ddp_exact(result, scenario)
     if scenario == "llama":
         # the ranks really are unequal: rank 1 holds the long samples
@@ -38,14 +57,14 @@ def test_ddp_is_exact_with_unequal_tokens_per_rank(scenario):
     assert len(rows) >= 2
 
 
-def test_ddp_average_tokens_across_devices_false_is_turned_on():
-    result = H.run_ddp("llama", patch=True, extra=["--avg-false"])
+def test_ddp_average_tokens_across_devices_false_is_turned_on(ddp):
+    result = ddp["avg_false"]
     assert_ddp_exact(result, "avg=False")
     assert "turning it on" in result["stderr"]
 
 
-def test_ddp_rank_without_targets_no_nan_no_hang():
-    result = H.run_ddp("llama_empty_rank", patch=True)
+def test_ddp_rank_without_targets_no_nan_no_hang(ddp):
+    result = ddp["empty_rank"]
     first = result["steps"][0]["idx_batches_per_rank"][0]
     assert sorted(i for b in first for i in b) == [0, 2], "rank 0's first window should be the two empty samples"
     for step in result["steps"]:
@@ -54,12 +73,12 @@ def test_ddp_rank_without_targets_no_nan_no_hang():
 
 
 @pytest.mark.parametrize(
-    "scenario,eval_bs",
-    [("llama", 3), ("llama_11", 2)],
+    "job",
+    ["eval_llama_bs3", "eval_llama_11_bs2"],
     ids=["12-samples-bs3", "11-samples-bs2-last-batch-padded-by-accelerate"],
 )
-def test_ddp_eval_loss_equals_single_process_token_mean(scenario, eval_bs):
-    result = H.run_ddp(scenario, patch=True, extra=["--eval-bs", str(eval_bs)])
+def test_ddp_eval_loss_equals_single_process_token_mean(job, ddp):
+    result = ddp[job]
     model = H.build_model("llama")
     model.load_state_dict(result["initial_state"])
     model.eval()
