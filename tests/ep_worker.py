@@ -135,6 +135,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         line=state.nd.line if state is not None and state.nd is not None else None,
         wrapped=type(trainer.model_wrapped).__name__,
         seconds=time.perf_counter() - start,
+        hf_gradfix_file=hf_gradfix.__file__,
     )
     if rank == 0:
         payload.update(samples=samples, initial_state=initial_state)

@@ -55,6 +55,7 @@ def _errors(ranks: list[dict], reference_from: dict) -> list[dict]:
 
 def test_expert_parallel_gradients_are_the_window_objective(ep_runs):
     ranks = ep_runs["patched"]
+    assert ranks[0]["hf_gradfix_file"].startswith(str(H.REPO_ROOT))  # the workers ran this checkout's hf_gradfix
     assert "expert parallel ep=2 (efsdp=1, all_to_all)" in ranks[0]["line"]
     assert ranks[0]["wrapped"].startswith("FSDP")  # transformers' FSDP2, not accelerate's DDP
     rows = _errors(ranks, ranks[0])
