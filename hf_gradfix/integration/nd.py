@@ -80,6 +80,7 @@ class NDPlan:
     cp_mesh: Any = None  # the cp sub-mesh torch's context_parallel runs on (cp > 1)
     packed_cp_batches: int = 0  # packed batches split over the cp ranks (document-masked attention)
     packed_cp_calls: list = field(default_factory=lambda: [0])  # attention calls those batches made
+    ep: Any = None  # hf_gradfix.parallel.ep.EPLayout of a model sharded by expert at load time
 
     @property
     def line(self) -> str:
@@ -96,6 +97,8 @@ class NDPlan:
                 f"; context parallel over {self.dims.cp} ranks (torch ring attention, causal; labels shifted, "
                 "position_ids built and targets counted on the full sequence before the split)"
             )
+        if self.ep is not None:
+            cp += f"; {self.ep.line}"
         return (
             f"ND mesh {self.dims.describe()} from the {self.source}: {how}; data sharded over the "
             f"{self.dims.dp} data-parallel rank(s), tp and cp ranks share batches; token count summed over data "
@@ -318,11 +321,18 @@ def _resolve(trainer, section: ParallelConfig) -> tuple[ParallelDims | None, str
     model = trainer.model
     from_model = _model_sizes(model)
     from_accelerate = _accelerate_sizes(trainer.accelerator)
-    if from_model is not None and (from_model["pp"] > 1 or from_model["ep"] > 1):
+    if from_model is not None and from_model["pp"] > 1:
         raise NDParallelError(
             f"hf_gradfix parallel: the model was sharded with pp_size={from_model['pp']}, ep_size={from_model['ep']}; "
-            "hf_gradfix's exact loss is tested for dp_replicate x dp_shard x tp only."
+            "hf_gradfix's exact loss is tested for dp_replicate x dp_shard x tp (x ep over the data ranks) only."
         )
+    if from_model is not None and from_model["ep"] > 1:
+        from ..parallel.ep import EPError, check_model
+
+        try:  # ep borrows its ranks from fsdp: the data-parallel degrees below stay dp_replicate x fsdp
+            check_model(model)
+        except EPError as err:
+            raise NDParallelError(str(err)) from err
     if requested(section):
         dims, source = _dims_from_section(section, world), "config"
     elif from_model is not None:
@@ -405,6 +415,10 @@ def setup(trainer, section: ParallelConfig) -> NDPlan | None:
         trainer.is_distributed_loading_by_transformers = True
         trainer.place_model_on_device = False
     plan = NDPlan(dims=dims, route=route, source=source)
+    if route == "model" and (_model_sizes(trainer.model) or {}).get("ep", 1) > 1:
+        from ..parallel.ep import layout_of
+
+        plan.ep = layout_of(trainer.model)
     if route in ("transformers", "model"):
         plan.data_mesh = _set_data_mesh(trainer, dims)
         _no_dispatch(trainer, dims)

@@ -1,0 +1,161 @@
+"""Expert-parallel worker (gloo on CPU, 2 processes): cases in sequence inside ONE torch.distributed.run launch.
+
+Run (normally through ``test_ep.py``)::
+
+    python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT \
+        tests/ep_worker.py --out DIR --cases patched,stock,...
+
+Every case builds the tiny Qwen3-MoE of ``harness.build_moe`` (6 experts, top-2, 2 layers, router aux coef 0.5; same
+seed on every rank), shards it with transformers' own expert parallelism as a user would load it
+(``from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2, ep_size=2, ep_implementation="all_to_all"))``
+on a checkpoint saved by rank 0: 3 whole experts per rank, dense modules FSDP2 over the 2 ranks), trains a
+``transformers.Trainer`` with SGD lr 0, bs 2, GA 2 on 16 samples (the short ones on rank 0, the long ones on rank 1:
+unequal tokens per rank and per expert) and records at each ``on_pre_optimizer_step`` the FULL gradient (DTensor
+shards gathered with ``full_tensor()``, expert shards included). Rank r writes ``DIR/<case>/rank{r}.pt``.
+
+Cases: ``patched`` (``hf_gradfix.patch``, ``loss.aux_loss: micro``), ``stock`` (no hf_gradfix), ``unscaled`` (stock,
+the expert modules' gradient divide factor set to 1: what an expert gradient that is not averaged over the data
+ranks gives), ``unscaled_refused`` (the same model under hf_gradfix: must be refused before training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+_TESTS = Path(__file__).resolve().parent
+for _p in (str(_TESTS), str(_TESTS.parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+
+import harness  # noqa: E402
+import multiproc  # noqa: E402
+
+N_SAMPLES = 16
+COEF = 0.5
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _recorder():
+    from transformers import TrainerCallback
+
+    class FullGradRecorder(TrainerCallback):
+        def __init__(self):
+            self.trainer, self.collator, self.steps, self._seen = None, None, [], 0
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            tr = self.trainer
+            n = tr._hgf_consumed
+            batches, self._seen = self.collator.batches[self._seen : n], n
+            grads = {}
+            for name, p in tr.model.named_parameters():  # a collective: every rank gathers every shard
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                grads[name] = _full(g).detach().clone().cpu()
+            self.steps.append(dict(idx_batches=[list(b) for b in batches], grads=grads))
+
+    return FullGradRecorder()
+
+
+def load_ep_model(out: Path, rank: int, world: int):
+    """The tiny Qwen3-MoE, saved by rank 0 and loaded by every rank with transformers' expert parallelism."""
+    import transformers as tf
+    from transformers.distributed import DistributedConfig
+
+    model = harness.build_moe("qwen3_moe", coef=COEF)
+    initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    path = out / "checkpoint"
+    if rank == 0 and not (path / "config.json").exists():
+        model.save_pretrained(path)
+    torch.distributed.barrier()
+    config = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
+    model = tf.Qwen3MoeForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
+    return model.train(), initial_state
+
+
+def run_case(name: str, out: Path, rank: int, world: int) -> None:
+    import time
+
+    import transformers
+
+    start = time.perf_counter()
+
+    import hf_gradfix
+
+    if name in ("patched", "unscaled_refused"):
+        hf_gradfix.patch({"loss": {"aux_loss": "micro"}, "log_fixes": False})
+    model, initial_state = load_ep_model(out, rank, world)
+    if name.startswith("unscaled"):
+        from hf_gradfix.parallel.ep import expert_modules
+
+        for _, module in expert_modules(model):
+            module.set_gradient_divide_factor(1.0)
+    samples = harness.arrange_for_ranks(harness.make_samples("causal", n=N_SAMPLES, seed=0), world, 2)
+    collator = harness.RecordingCollator("causal", harness.pad_id_of(model))
+    recorder = _recorder()
+    recorder.collator = collator
+    args = transformers.TrainingArguments(
+        output_dir=str(out / name / f"trainer_rank{rank}"), per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, num_train_epochs=1, optim="sgd", learning_rate=0.0, weight_decay=0.0,
+        max_grad_norm=0.0, lr_scheduler_type="constant", logging_steps=1, report_to="none", save_strategy="no",
+        use_cpu=True, dataloader_num_workers=0, dataloader_pin_memory=False, remove_unused_columns=False,
+        disable_tqdm=True, seed=0, data_seed=0,
+    )
+    payload: dict = dict(case=name, rank=rank, world_size=world)
+    try:
+        trainer = harness._subclass(transformers.Trainer)(
+            model=model, args=args, train_dataset=harness.ListDataset(samples), data_collator=collator,
+            callbacks=[recorder],
+        )
+        recorder.trainer = trainer
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+    except Exception as err:  # noqa: BLE001 - the *_refused cases record the error
+        if not name.endswith("_refused"):
+            raise
+        payload["error"] = f"{type(err).__name__}: {err}"
+        torch.save(payload, out / name / f"rank{rank}.pt")
+        return
+    if name.endswith("_refused"):
+        raise AssertionError(f"{name}: the Trainer accepted a setup it should refuse")
+    state = hf_gradfix.state_of(trainer)
+    payload.update(
+        steps=recorder.steps,
+        logged_losses=[float(h["loss"]) for h in trainer.state.log_history if "loss" in h],
+        line=state.nd.line if state is not None and state.nd is not None else None,
+        wrapped=type(trainer.model_wrapped).__name__,
+        seconds=time.perf_counter() - start,
+        hf_gradfix_file=hf_gradfix.__file__,
+    )
+    if rank == 0:
+        payload.update(samples=samples, initial_state=initial_state)
+    torch.save(payload, out / name / f"rank{rank}.pt")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--cases", required=True, help="comma-separated: patched, stock, unscaled, unscaled_refused")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    out = Path(a.out)
+    import hf_gradfix
+
+    multiproc.run_cases(a.cases.split(","), out, rank, lambda name: run_case(name, out, rank, world),
+                        cleanup=lambda name: hf_gradfix.unpatch())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Expert parallelism (transformers 5.24's ``DistributedConfig(ep_size=2, ep_implementation="all_to_all")``) through the
+``Trainer`` on 2 gloo processes, against a one-process float64 reference of the whole window.
+
+The model is loaded as a user loads it, ``from_pretrained(path, distributed_config=...)`` (``tests/ep_worker.py``): each
+rank holds 3 of the 6 experts whole, tokens reach them by all-to-all, dense modules are FSDP2-sharded over the 2 ranks.
+The reference is tests/test_moe.py's (token-mean cross-entropy over the window + ``coef *`` the ``micro`` router loss,
+written from the definitions, float64, experts as plain per-expert matmuls), on the micro-batches both ranks trained.
+Gradients are compared per group: dense, router (``mlp.gate``), experts (``mlp.experts``, shards gathered).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harness as H
+from multiproc import launch_cases
+from test_moe import reference
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-5
+CASES = ["patched", "stock", "unscaled", "unscaled_refused"]
+
+
+@pytest.fixture(scope="module")
+def ep_runs():
+    runs, _ = launch_cases("ep_worker.py", CASES, nproc=2, keep_env="HGF_KEEP_EP_RUNS", timeout=300)
+    return runs
+
+
+def _group(name: str) -> str:
+    return "experts" if ".mlp.experts." in name else ("router" if ".mlp.gate." in name else "dense")
+
+
+def _errors(ranks: list[dict], reference_from: dict) -> list[dict]:
+    """Per window: the relative gradient error of each group and of the logged loss, vs the float64 reference."""
+    model = H.build_moe("qwen3_moe")
+    collator = H.RecordingCollator("causal", H.pad_id_of(model))
+    by_idx = {s["idx"]: s for s in reference_from["samples"]}
+    rows = []
+    for k, step in enumerate(ranks[0]["steps"]):
+        mbs = [collator.collate([by_idx[i] for i in b]) for r in ranks for b in r["steps"][k]["idx_batches"]]
+        loss, ref = reference(model, reference_from["initial_state"], mbs, "micro")
+        got = step["grads"]
+        row = {"window": k, "loss": abs(ranks[0]["logged_losses"][k] - loss) / abs(loss),
+               "ranks_differ": max(float((got[n] - r["steps"][k]["grads"][n]).abs().max()) for r in ranks[1:] for n in got)}
+        for group in ("dense", "router", "experts"):
+            names = [n for n in ref if _group(n) == group]
+            a = torch.cat([got[n].double().flatten() for n in names])
+            b = torch.cat([ref[n].flatten() for n in names])
+            row[group] = float((a - b).norm() / b.norm())
+        rows.append(row)
+    return rows
+
+
+def test_expert_parallel_gradients_are_the_window_objective(ep_runs):
+    ranks = ep_runs["patched"]
+    assert ranks[0]["hf_gradfix_file"].startswith(str(H.REPO_ROOT))  # the workers ran this checkout's hf_gradfix
+    assert "expert parallel ep=2 (efsdp=1, all_to_all)" in ranks[0]["line"]
+    assert ranks[0]["wrapped"].startswith("FSDP")  # transformers' FSDP2, not accelerate's DDP
+    rows = _errors(ranks, ranks[0])
+    assert len(rows) == 2
+    for row in rows:
+        assert max(row["dense"], row["router"], row["experts"], row["loss"]) <= TOL, rows
+        assert row["ranks_differ"] == 0.0
+
+
+def test_stock_router_loss_is_off_under_expert_parallelism(ep_runs):
+    """The control: stock transformers under ep is exact for the token loss but multiplies the router term by
+    GA x dp (transformers#48690): the router gradient fails the reference."""
+    rows = _errors(ep_runs["stock"], ep_runs["stock"][0])
+    assert all(row["router"] > 1.0 for row in rows), rows
+
+
+def test_expert_gradients_not_averaged_over_data_ranks_are_refused(ep_runs):
+    """The control for the experts: with the experts' FSDP2 divide factor 1 (the gradient summed over the data ranks,
+    not averaged as the dense ones are), stock's expert gradient is dp = 2 times too large; hf_gradfix refuses it."""
+    rows = _errors(ep_runs["unscaled"], ep_runs["stock"][0])
+    for row in rows:
+        assert row["experts"] > 0.5, rows  # 2x: relative error ~1
+    refused = ep_runs["unscaled_refused"]
+    for r in refused:
+        assert "divides its gradient by [1.0]" in r["error"] and "2 data-parallel ranks" in r["error"], r["error"]
+
+
+def test_check_model_refuses_what_is_not_measured():
+    """Without a process group: a model with no expert parallelism, and the layouts hf_gradfix does not train yet."""
+    from types import SimpleNamespace
+
+    from hf_gradfix.parallel.ep import EPError, check_model, layout_of
+
+    model = torch.nn.Linear(2, 2)
+    assert layout_of(model) is None
+    with pytest.raises(EPError, match="no expert parallelism"):
+        check_model(model)
+    dc = dict(ep_size=2, efsdp_size=1, fsdp_size=2, dp_replicate_size=1, tp_size=1, pp_size=1, ep_implementation="all_to_all")
+    for change, needle in ((dict(tp_size=2), "tp_size=2"), (dict(ep_implementation="all_reduce"), "all_reduce"),
+                           ({}, "no module")):
+        model.config = SimpleNamespace(distributed_config=SimpleNamespace(**{**dc, **change}))
+        with pytest.raises(EPError, match=needle):
+            check_model(model)
