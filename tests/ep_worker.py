@@ -92,6 +92,8 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
 
     if name in ("patched", "unscaled_refused"):
         hf_gradfix.patch({"loss": {"aux_loss": "micro"}, "log_fixes": False})
+    if name == "patched_global":  # the window's router loss: the routing pre-pass under expert parallelism
+        hf_gradfix.patch({"loss": {"aux_loss": "global"}, "log_fixes": False})
     model, initial_state = load_ep_model(out, rank, world)
     if name.startswith("unscaled"):
         from hf_gradfix.parallel.ep import expert_modules

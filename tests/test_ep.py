@@ -17,9 +17,24 @@ import harness as H
 from multiproc import launch_cases
 from test_moe import reference
 
-pytestmark = pytest.mark.distributed
+def _all_to_all_expert_parallelism() -> bool:
+    """transformers' DistributedConfig with expert-sharded FSDP (fsdp_size, ep_size, ep_implementation): 5.x."""
+    import inspect
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return False
+    names = inspect.signature(DistributedConfig.__init__).parameters
+    return {"fsdp_size", "ep_size", "ep_implementation"} <= set(names)
+
+
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not _all_to_all_expert_parallelism(),
+                                 reason="this transformers has no DistributedConfig(fsdp_size, ep_size, "
+                                        "ep_implementation) expert parallelism (transformers 5.x)")]
 TOL = 1e-5
-CASES = ["patched", "stock", "unscaled", "unscaled_refused"]
+CASES = ["patched", "patched_global", "stock", "unscaled", "unscaled_refused"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +47,7 @@ def _group(name: str) -> str:
     return "experts" if ".mlp.experts." in name else ("router" if ".mlp.gate." in name else "dense")
 
 
-def _errors(ranks: list[dict], reference_from: dict) -> list[dict]:
+def _errors(ranks: list[dict], reference_from: dict, convention: str = "micro") -> list[dict]:
     """Per window: the relative gradient error of each group and of the logged loss, vs the float64 reference."""
     model = H.build_moe("qwen3_moe")
     collator = H.RecordingCollator("causal", H.pad_id_of(model))
@@ -40,7 +55,7 @@ def _errors(ranks: list[dict], reference_from: dict) -> list[dict]:
     rows = []
     for k, step in enumerate(ranks[0]["steps"]):
         mbs = [collator.collate([by_idx[i] for i in b]) for r in ranks for b in r["steps"][k]["idx_batches"]]
-        loss, ref = reference(model, reference_from["initial_state"], mbs, "micro")
+        loss, ref = reference(model, reference_from["initial_state"], mbs, convention)
         got = step["grads"]
         row = {"window": k, "loss": abs(ranks[0]["logged_losses"][k] - loss) / abs(loss),
                "ranks_differ": max(float((got[n] - r["steps"][k]["grads"][n]).abs().max()) for r in ranks[1:] for n in got)}
@@ -63,6 +78,15 @@ def test_expert_parallel_gradients_are_the_window_objective(ep_runs):
     for row in rows:
         assert max(row["dense"], row["router"], row["experts"], row["loss"]) <= TOL, rows
         assert row["ranks_differ"] == 0.0
+
+
+def test_global_router_loss_under_expert_parallelism(ep_runs):
+    """``aux_loss: global`` under ep x fsdp: the routing pre-pass runs in lockstep on both ranks; every group equals the
+    window-loss reference, and the ``micro`` reference (the control) is far."""
+    ranks = ep_runs["patched_global"]
+    for row in _errors(ranks, ranks[0], "global"):
+        assert max(row["dense"], row["router"], row["experts"], row["loss"]) <= TOL, row
+    assert all(row["router"] > 1e-2 for row in _errors(ranks, ranks[0], "micro"))
 
 
 def test_stock_router_loss_is_off_under_expert_parallelism(ep_runs):

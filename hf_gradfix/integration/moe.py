@@ -159,11 +159,15 @@ def before_forward(trainer: Trainer, state: GradFixState) -> None:
 
 
 def _check_composes(trainer: Trainer, state: GradFixState, conv: str) -> None:
-    """``global`` / ``previous`` count routing over data-parallel replicas of the whole model; a sharded model's
-    pre-pass (FSDP / ZeRO-3 all-gathers, tp / cp / pp collectives) would need every rank in lockstep, not built yet."""
+    """``global`` / ``previous`` count routing over the data-parallel ranks. Measured exact: DDP, and a model sharded
+    by transformers' expert parallelism (FSDP2 over the data ranks, experts by all-to-all; the pre-pass forwards run
+    in lockstep as the training forwards do). Not built or not measured: tp / cp (the pre-pass would run outside the
+    sequence sharding), pp, hf_gradfix's own FSDP2 mesh, accelerate's FSDP, DeepSpeed."""
     dims = _nd_dims(trainer)
-    found = [f"parallel.{k}={getattr(dims, k)}" for k in ("pp", "tp", "cp", "dp_shard")
-             if dims is not None and getattr(dims, k, 1) > 1]
+    plan = getattr(state, "nd", None)
+    expert_parallel = plan is not None and getattr(plan, "ep", None) is not None
+    keys = ("pp", "tp", "cp") if expert_parallel else ("pp", "tp", "cp", "dp_shard")
+    found = [f"parallel.{k}={getattr(dims, k)}" for k in keys if dims is not None and getattr(dims, k, 1) > 1]
     if getattr(trainer, "is_fsdp_enabled", False):
         found.append("accelerate FSDP")
     if getattr(trainer, "is_deepspeed_enabled", False):
