@@ -1,4 +1,6 @@
 """TRL's policy-gradient trainers (``GRPOTrainer``, ``RLOOTrainer`` and their subclasses), exact over the window.
+TRL's experimental ``AsyncGRPOTrainer`` (packed rollouts, no generation buffer) is routed from here to
+:mod:`hf_gradfix.integration.rl_async`.
 
 TRL normalizes each micro-batch of a GRPO-family loss by a local or an *expected* count: ``dapo`` / ``cispo`` /
 ``vespo`` by the generation batch's token count times ``GA / steps_per_generation`` (exact only when the two are
@@ -51,7 +53,9 @@ _RL_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "advantages")
 class RLPlan:
     """One RL trainer's normalization: its loss type's objective and TRL's own normalizers."""
 
-    trainer_kind: str  # "grpo": TRL scales for accumulation itself (loss_is_scaled_for_ga); "rloo": the Trainer does
+    # "grpo": TRL scales for accumulation itself (loss_is_scaled_for_ga); "rloo": the Trainer does; "async_grpo":
+    # trl.experimental.async_grpo (hf_gradfix.integration.rl_async)
+    trainer_kind: str
     loss_type: str
     policy: PolicyLoss
     line: str
@@ -60,6 +64,7 @@ class RLPlan:
     data_ranks: int = 1
     counted: bool = False
     captured: dict = field(default_factory=dict)
+    warned: bool = False  # a window left to TRL was named once
 
 
 def _trl_version() -> str | None:
@@ -81,6 +86,10 @@ def detect(trainer: Any, inputs: Any, scaled_for_ga: Any) -> RLPlan | str | None
     """An :class:`RLPlan` for a TRL policy-gradient trainer it can make exact; a reason (str) for one it recognizes but
     leaves to TRL; None for any other trainer. Decided by what compute_loss is given and what the trainer holds, not
     by its class. ``scaled_for_ga``: the trainer's own ``loss_is_scaled_for_ga`` (TRL's GRPO: True, RLOO: False)."""
+    from . import rl_async
+
+    if rl_async.is_async_layout(inputs):  # AsyncGRPO's packed rollouts (trl.experimental.async_grpo)
+        return rl_async.detect(trainer, inputs, scaled_for_ga, SUPPORTED_TRL, _trl_version())
     if not isinstance(inputs, Mapping) or not all(torch.is_tensor(inputs.get(k)) for k in _RL_KEYS):
         return None
     if not hasattr(trainer, "_buffered_inputs") or not callable(getattr(trainer, "_get_per_token_logps_and_entropies", None)):
@@ -147,6 +156,10 @@ def _trl_divisor_text(kind: str, loss_type: str) -> str:
 def open_window(trainer: Any, plan: RLPlan, micro_batches: int, all_reduce) -> None:
     """Count the window's completion tokens and sequences on every rank, from TRL's buffered generation batch (every
     rank joins, once per window, at the window's first compute_loss)."""
+    if plan.trainer_kind == "async_grpo":  # no generation buffer: the window's packed micro-batches themselves
+        from .rl_async import open_window as open_async_window
+
+        return open_async_window(trainer, plan, all_reduce)
     spg = int(getattr(trainer.args, "steps_per_generation", None) or trainer.args.gradient_accumulation_steps)
     first = int(trainer._step) % spg
     slices = trainer._buffered_inputs[first : first + micro_batches]
@@ -199,6 +212,10 @@ def _trl_policy_normalizer(trainer: Any, plan: RLPlan, inputs: Mapping, mask: to
 def window_loss(trainer: Any, plan: RLPlan, inputs: Mapping, compute) -> torch.Tensor:
     """This micro-batch's loss with every term normalized by its objective over the window (``compute``: TRL's own
     compute_loss for these inputs)."""
+    if plan.trainer_kind == "async_grpo":
+        from .rl_async import window_loss as async_window_loss
+
+        return async_window_loss(trainer, plan, inputs, compute)
     mask = _loss_mask(inputs).float()
     bonus = plan.trainer_kind == "grpo" and getattr(trainer, "_entropy_bonus_enabled", False)
     coef = 0.0

@@ -9,7 +9,7 @@ objective         a unit's value                                              wh
 ================  ==========================================================  =========================================
 ``token_mean``    one target's loss                                           SFT / causal-LM cross-entropy; RL
                                                                               ``dapo``, ``cispo``, ``vespo``, ``bnpo``;
-                                                                              the entropy bonus
+                                                                              the entropy bonus; AsyncGRPO
 ``sequence_mean`` one sequence's value (its token mean, token sum, or token   RL ``grpo``, ``sapo`` (token mean),
                   sum over a constant length)                                 ``luspo`` (token sum), ``dr_grpo`` (sum /
                                                                               max length), RLOO
