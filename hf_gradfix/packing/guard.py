@@ -137,6 +137,56 @@ def probe_lengths(token_budget: int, max_sequence_length: int | None = None) -> 
     return (shorts[0], max(1, long), shorts[1], shorts[2])
 
 
+#: a document's outputs may depend on another document's tokens by at most this fraction of their dependence on its
+#: own: none at all. Masked attention weights are exactly 0 (exp(-inf), or exp of the dtype's minimum, underflows to
+#: 0) and so are their gradients; a convolution window or a recurrent state that crosses the boundary gives a
+#: non-zero gradient however small its weights are (LFM2 with its convolution weights x 1e-3: 2.8e-19 of its own,
+#: x 0.1: 2.8e-9, x 1: a logit difference over the value tolerance), and it grows with the weights
+STRUCTURAL_TOL = 0.0
+
+
+def _structural_leak(model: torch.nn.Module, packed: dict, placement: dict, lengths, run_kwargs: dict,
+                     device: torch.device, seed: int) -> tuple[float, int] | None:
+    """The largest dependence of one packed document's outputs on another document's input embeddings, relative to
+    its dependence on its own, and that document's index; None where the model's input embeddings cannot be reached.
+
+    Decided by structure, not by the size of a difference at the current weights: one backward per document of
+    ``<outputs of the document, a fixed random direction>`` to the embedding output (a leaf swapped in by a forward
+    hook), whose gradient at every other document's positions is exactly zero when nothing connects them."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None:
+        return None
+    leaf: list[torch.Tensor] = []
+
+    def swap(module, args, output):
+        t = output.detach().requires_grad_(True)
+        leaf.append(t)
+        return t
+
+    handle = emb.register_forward_hook(swap)
+    gen = torch.Generator().manual_seed(seed + 1)
+    worst, worst_doc = 0.0, -1
+    try:
+        with torch.enable_grad():
+            inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in packed.items()}
+            out = _output_tensor(model(**inputs, **run_kwargs)).float()
+            x = leaf[-1]
+            for i, (r, off) in placement.items():
+                n = lengths[i]
+                direction = torch.randn(out[r, off:off + n].shape, generator=gen).to(out.device)
+                (g,) = torch.autograd.grad((out[r, off:off + n] * direction).sum(), x, retain_graph=True)
+                g = g.detach().abs()
+                own = float(g[r, off:off + n].max())
+                g[r, off:off + n] = 0.0
+                other = float(g.max())
+                rel = other / own if own > 0 else (float("inf") if other > 0 else 0.0)
+                if rel > worst:
+                    worst, worst_doc = rel, i
+    finally:
+        handle.remove()
+    return worst, worst_doc
+
+
 def check_model_packs_correctly(
     model: torch.nn.Module,
     attn_implementation: str | None = None,
@@ -361,6 +411,18 @@ def check_model_packs_correctly(
         return t[r, off : off + lengths[i]]
 
     diffs = [float((part(out, placement, i) - separate[i]).abs().max()) for i in range(len(seqs))]  # type: ignore[operator]
+    leak = None
+    if max(diffs) <= tolerance:  # the values agree at these weights: does any path connect the documents at all?
+        model.eval()
+        try:
+            with use_attention_implementation(model, attn_implementation):
+                leak = _structural_leak(model, packed, placement, lengths, extra, device, seed)
+        except Exception as e:  # noqa: BLE001 - a model whose forward cannot run with gradients: the value check stands
+            details["structural_check_exception"] = repr(e)
+        finally:
+            model.train(was_training)
+        if leak is not None:
+            details["structural_leak"] = leak[0]
     max_diff = max(diffs)
     first_seq = index_bins[0][0]
     first_diff = diffs[first_seq]
@@ -376,7 +438,15 @@ def check_model_packs_correctly(
         )
 
     reason = None
-    if max_diff > tolerance:
+    if leak is not None and leak[0] > STRUCTURAL_TOL:
+        reason = (
+            f"the outputs of packed document {leak[1]} depend on the other documents' tokens (gradient "
+            f"{leak[0]:.3g} of its own, where the exact answer is 0; its logits differ by only {max_diff:.3g} at "
+            "these weights, a gap that grows as the weights do): a layer carries state across the document boundary "
+            "(a convolution window or a recurrent / linear-attention state that the packed inputs do not reset); "
+            "train this model unpacked (packing.enabled: false)"
+        )
+    elif max_diff > tolerance:
         flash = isinstance(impl_used, str) and "flash" in impl_used
         where = "cu_seq_lens / position_ids" if flash else "position_ids"
         if first_diff > tolerance:
