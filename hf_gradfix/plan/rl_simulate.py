@@ -320,7 +320,9 @@ def simulate_rl(config, mesh, settings: Settings, *, kernel: str = "triton", pro
         ids = prompt_ids
         unfinished = torch.ones(rows, dtype=torch.long)
         positions = torch.arange(P).expand(rows, P).contiguous()  # from the mask's cumsum: per row
-        with phase(tracker, "generation", "generation: prefill"):
+        # amp-bf16: accelerate wraps the prepared model's forward in autocast, generate's calls included (the
+        # KV cache holds bf16 keys and values)
+        with phase(tracker, "generation", "generation: prefill"), autocast():
             out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
                         logits_to_keep=1)
         del positions
@@ -354,8 +356,9 @@ def simulate_rl(config, mesh, settings: Settings, *, kernel: str = "triton", pro
                 else:
                     tracker.rl_label = f"generation: decode step {decoded + 1}"
                 position = torch.full((rows, 1), ids.shape[1] - 1)
-                out = model(input_ids=ids[:, -1:], position_ids=position, past_key_values=cache, use_cache=True,
-                            logits_to_keep=1)
+                with autocast():
+                    out = model(input_ids=ids[:, -1:], position_ids=position, past_key_values=cache,
+                                use_cache=True, logits_to_keep=1)
                 decoded += 1
                 del position
         del cache  # freed when generate returns
