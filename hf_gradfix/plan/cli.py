@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  hf-gradfix plan --model llama-3.1-8b --num-gpus 8 --pp 4 --pp-schedule 1f1b --grad-accum 8 --gpu h100\n"
         "  hf-gradfix plan --model llama-3.1-8b --num-gpus 8 --rl grpo --prompt-len 512 --completion-len 2048 --micro-batch 4 "
         "--grad-accum 4 --beta 0.04 --gpu h100\n"
+        "  hf-gradfix plan --model tiny-qwen2 --rl grpo --prompt-len 64 --completion-len 128 --micro-batch 2 "
+        "--grad-accum 2 --num-generations 4 --beta 0.04 --dtype fp32 --timeline grpo.png\n"
         "  hf-gradfix plan --model ./my-model/config.json --num-gpus 4 --optimizer galore_adamw --rank 256 --json",
     )
     ap.add_argument("--model", required=True, help="tiny name (tiny-llama, llama-3.1-8b, ...), config.json, local dir or hub id")
@@ -124,6 +126,29 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# the trace's RL phases -> the closed form's (plan.extra["rl"]["phases"])
+_RL_PHASE_OF = {"generation": "generation", "old log-probs": "no_grad", "ref log-probs": "no_grad",
+                "forward": "training", "backward": "training"}
+
+
+def _print_rl_simulated(plan, sim, mesh) -> None:
+    """The traced RL step beside the closed form, phase by phase."""
+    unit, div = ("GiB", GiB) if plan.peak >= GiB / 4 else ("MiB", 1024**2)
+    tl = sim["timeline"]
+    print(f"\nsimulated RL step (fake tensors, rank 0 of {mesh.world_size}, {sim['seconds']:.1f} s): traced peak "
+          f"{sim['peak'] / div:.3f} {unit} during {sim['phase']} ({tl.peak_label}); at the step's start "
+          f"{sim['start'] / div:.3f} {unit} (weights, reference model, optimizer state)")
+    phases = plan.extra["rl"]["phases"]
+    print(f"  {'phase':<15}{'traced max':>11}{'above start':>12}{'closed form':>12}   ({unit}; closed form: the "
+          f"phase on top of the model state)")
+    for name, ph in sim["phases"].items():
+        cf = phases.get(_RL_PHASE_OF.get(name, ""), {}).get("bytes")
+        cf_s = f"{cf / div:>12.3f}" if cf is not None else f"{'-':>12}"
+        print(f"  {name:<15}{ph['max'] / div:>11.3f}{ph['above_start'] / div:>12.3f}{cf_s}")
+    print("  (above start: training includes the gradients it makes, which the closed form counts in the model "
+          "state)")
+
+
 def _schedule_name(value) -> str:
     """A configuration's schedule spelled the planner's way (``Interleaved1F1B``, ``interleaved-1f1b`` ->
     ``interleaved_1f1b``; the zero-bubble family -> ``zero_bubble``)."""
@@ -151,11 +176,10 @@ def _mesh_and_settings(ns, config):
     if ns.rl is not None:
         if seq_given:
             raise PlanError(f"--seq-len with --rl: TRL's rows are --prompt-len + --completion-len long; drop --seq-len")
-        for flag, on in (("--simulate / --timeline", ns.simulate or ns.timeline), ("--suggest", ns.suggest),
-                         ("--pp", (ns.pp or 1) > 1)):
+        for flag, on in (("--suggest", ns.suggest), ("--pp", (ns.pp or 1) > 1)):
             if on:
-                raise PlanError(f"{flag} with --rl: not planned for RL runs (the fake-tensor step and the layout "
-                                "search know a supervised step; TRL runs no pipeline stages); drop it")
+                raise PlanError(f"{flag} with --rl: not planned for RL runs (the layout search knows a supervised "
+                                "step; TRL runs no pipeline stages); drop it")
     if ns.recompute is None:
         ns.recompute = "full" if ns.rl is not None else "none"  # GRPOConfig / RLOOConfig: gradient_checkpointing
     if not seq_given:
@@ -448,7 +472,13 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                 f"hf-gradfix plan: [{time.perf_counter() - started:.0f} s] {line}", file=sys.stderr, flush=True))
             out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}
             out["simulated"]["timeline"] = sim["timeline"].to_dict()
-            if ns.timeline:
+            if ns.timeline and s.rl is not None:
+                from .rl_simulate import plot_rl_timeline
+
+                plot_rl_timeline(sim["timeline"], ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
+                    f"{ns.model}: one {s.rl.trainer.upper()} optimizer step ({s.rl.forwards} forwards), rank 0 of "
+                    f"{mesh.world_size}, traced under fake tensors; closed form beside it"))
+            elif ns.timeline:
                 import importlib.util
 
                 if importlib.util.find_spec("matplotlib") is None:
@@ -474,7 +504,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out, indent=2, default=str))
         return 0
     print(plan.table())
-    if sim is not None:
+    if sim is not None and s.rl is not None:
+        _print_rl_simulated(plan, sim, mesh)
+    elif sim is not None:
         unit, div = ("GiB", GiB) if plan.peak >= GiB / 4 else ("MiB", 1024**2)
         print(f"\nsimulated step (fake tensors, rank 0 of {mesh.world_size}, {sim['seconds']:.1f} s): traced peak "
               f"{sim['peak'] / div:.3f} {unit} during the {sim['phase']}")

@@ -13,7 +13,9 @@ component's own maximum over the step (categories summed at every instant) and w
 Not traced: context parallelism (torch's ring attention has no sharding rule for the CPU SDPA kernel) and DDP
 buckets (one replica is traced).  Private torch APIs (torch.distributed._tools, the fake process group,
 ``DeviceMesh._concatenate``): tested with torch 2.13.  ``timeline``: the last step sample by sample
-(:class:`hf_gradfix.diagnostics.memory_timeline.MemoryTimeline`, the picture of ``--timeline``).
+(:class:`hf_gradfix.diagnostics.memory_timeline.MemoryTimeline`, the picture of ``--timeline``).  With
+``Settings.rl`` (``--rl grpo|rloo``) the step traced is a TRL GRPO / RLOO optimizer step:
+:func:`hf_gradfix.plan.rl_simulate.simulate_rl`.
 """
 
 from __future__ import annotations
@@ -142,6 +144,13 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     maximum), ``phase`` (forward / backward / optimizer step), ``seconds``.  ``fake=False`` runs the same step
     on real tensors (one process), which is how the fake trace itself is checked.  ``progress``: called with one
     line per phase (model built, each step), e.g. ``print``."""
+    if settings.rl is not None:  # a TRL GRPO / RLOO step: generation, no-grad log-prob forwards, training
+        if not fake:
+            raise PlanError("simulate(fake=False) with Settings.rl: the RL step is traced under fake tensors only; "
+                            "the tests run the real step themselves (tests/test_plan_rl_timeline.py)")
+        from .rl_simulate import simulate_rl
+
+        return simulate_rl(config, mesh, settings, progress=progress)
     say = progress or (lambda line: None)
     import torch
     import torch.distributed as dist
