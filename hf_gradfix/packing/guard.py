@@ -147,11 +147,12 @@ STRUCTURAL_TOL = 0.0
 
 def _structural_leak(model: torch.nn.Module, packed: dict, placement: dict, lengths, run_kwargs: dict,
                      device: torch.device, seed: int) -> tuple[float, int] | None:
-    """The largest dependence of one packed document's outputs on another document's input embeddings, relative to
-    its dependence on its own, and that document's index; None where the model's input embeddings cannot be reached.
+    """The largest dependence of the first and the last packed document's outputs on the other documents' input
+    embeddings, relative to their dependence on their own, and that document's index; None where the model's input
+    embeddings cannot be reached.
 
-    Decided by structure, not by the size of a difference at the current weights: one backward per document of
-    ``<outputs of the document, a fixed random direction>`` to the embedding output (a leaf swapped in by a forward
+    Decided by structure, not by the size of a difference at the current weights: one backward per checked document
+    of ``<outputs of the document, a fixed random direction>`` to the embedding output (a leaf swapped in by a forward
     hook), whose gradient at every other document's positions is exactly zero when nothing connects them."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if emb is None:
@@ -171,7 +172,10 @@ def _structural_leak(model: torch.nn.Module, packed: dict, placement: dict, leng
             inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in packed.items()}
             out = _output_tensor(model(**inputs, **run_kwargs)).float()
             x = leaf[-1]
+            first, last = min(placement), max(placement)  # backward-looking and forward-looking leaks
             for i, (r, off) in placement.items():
+                if i not in (first, last):
+                    continue
                 n = lengths[i]
                 direction = torch.randn(out[r, off:off + n].shape, generator=gen).to(out.device)
                 (g,) = torch.autograd.grad((out[r, off:off + n] * direction).sum(), x, retain_graph=True)
@@ -413,10 +417,23 @@ def check_model_packs_correctly(
     diffs = [float((part(out, placement, i) - separate[i]).abs().max()) for i in range(len(seqs))]  # type: ignore[operator]
     leak = None
     if max(diffs) <= tolerance:  # the values agree at these weights: does any path connect the documents at all?
+        # on a short row of three documents (a structural path shows at any length; two backwards of ~20 tokens):
+        # the last document's outputs against the others' tokens, and the first's (a non-causal path)
+        short_lengths = (6, 9, 5)
+        short = [tokens(n) for n in short_lengths]
+        short_bins = [[0, 1, 2]] if mode == "varlen" else [[0, 1], [2]]
+        short_batch = collator([[{"input_ids": short[i]} for i in b] for b in short_bins])
+        short_batch.pop("labels")
+        short_placement = {}
+        for r, b in enumerate(short_bins):
+            off = 0
+            for i in b:
+                short_placement[i] = (r, off)
+                off += short_lengths[i]
         model.eval()
         try:
             with use_attention_implementation(model, attn_implementation):
-                leak = _structural_leak(model, packed, placement, lengths, extra, device, seed)
+                leak = _structural_leak(model, short_batch, short_placement, short_lengths, extra, device, seed)
         except Exception as e:  # noqa: BLE001 - a model whose forward cannot run with gradients: the value check stands
             details["structural_check_exception"] = repr(e)
         finally:
