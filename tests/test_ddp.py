@@ -7,6 +7,8 @@ one process on the whole window at once. Every case below trains in ONE launch o
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ JOBS = {
     "empty_rank": ("llama_empty_rank", []),
     "eval_llama_bs3": ("llama", ["--eval-bs", "3"]),
     "eval_llama_11_bs2": ("llama_11", ["--eval-bs", "2"]),
+    "moe_global": ("qwen3_moe", ["--patch-config", json.dumps({"loss": {"aux_loss": "global"}, "log_fixes": False})]),
 }
 
 
@@ -89,3 +92,28 @@ def test_ddp_eval_loss_equals_single_process_token_mean(job, ddp):
             total, count = total + float(loss_sum), count + n
     for rank in result["ranks"]:
         assert abs(rank["eval_loss"] - total / count) / (total / count) <= 1e-6, (rank["eval_loss"], total / count)
+
+
+def test_moe_global_router_loss_on_two_processes(ddp):
+    """MoE ``loss.aux_loss: global`` (tests/test_moe.py's reference), 2 processes, the long samples on rank 1: the
+    window's expert frequencies count both ranks' tokens."""
+    from test_moe import TOL, reference
+
+    result = ddp["moe_global"]
+    model = H.build_moe("qwen3_moe")
+    collator = H.RecordingCollator("causal", H.pad_id_of(model))
+    by_idx = {s["idx"]: s for s in result["samples"]}
+    assert len(result["steps"]) == 2
+    for k, step in enumerate(result["steps"]):
+        mbs = [collator.collate([by_idx[i] for i in b]) for b in step["idx_batches"]]
+        assert len(mbs) == 4  # 2 micro-batches on each rank
+        loss, grads = reference(model, result["initial_state"], mbs, "global")
+        assert H.rel_err(step["grads"], grads) <= TOL
+        assert abs(result["logged_losses"][k] - loss) / abs(loss) <= TOL
+        assert step["rank_grad_max_diff"] == 0.0
+        # the control: each rank's own window (its counts alone) is not the objective
+        per_rank = [reference(model, result["initial_state"],
+                              [collator.collate([by_idx[i] for i in b]) for b in rank_batches], "global")[1]
+                    for rank_batches in step["idx_batches_per_rank"]]
+        mean_of_ranks = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in grads}
+        assert H.rel_err(mean_of_ranks, grads) > 100 * TOL
