@@ -441,10 +441,16 @@ def aux_share(trainer: Trainer, state: GradFixState, aux: torch.Tensor, outputs:
     moe = _moe(trainer, state)
     stats = None
     if logits is not None and moe.top_k is not None:
-        stats = routing_stats(logits, moe.top_k, inputs.get("attention_mask"))
-        _record(moe, stats)
-        if not moe.checked and moe.fallback is None:
-            _check_formula(trainer, state, moe, stats, aux)
+        try:  # router logits of a shape this does not read (never a crash: micro needs none of it)
+            stats = routing_stats(logits, moe.top_k, inputs.get("attention_mask"))
+        except Exception as exc:  # noqa: BLE001
+            if conv in ("global", "previous"):
+                _fall_back(moe, f"{type(trainer.model).__name__}'s router logits cannot be read as (rows, experts) "
+                                f"({type(exc).__name__}: {str(exc)[:120]})")
+        if stats is not None:
+            _record(moe, stats)
+            if conv in ("global", "previous") and not moe.checked and moe.fallback is None:
+                _check_formula(trainer, state, moe, stats, aux)
     if conv == "none":
         return aux * 0.0
     if conv == "micro" or moe.fallback is not None or stats is None:
