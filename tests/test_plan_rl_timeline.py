@@ -13,17 +13,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import time
 
 import pytest
 import torch
 
 from hf_gradfix.parallel import ParallelDims
-from hf_gradfix.plan import PlanError, Settings, estimate, load_model_config, plan_main
+from hf_gradfix.plan import PlanError, Settings, load_model_config, plan_main
 from hf_gradfix.plan.rl import RLRun
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("trl")
+
+from test_plan_rl import _Live  # noqa: E402  (the live-storage counter both files measure with)
 
 P, C = 8, 12  # the longest prompt and completion
 MB, GA = 2, 2  # per_device_train_batch_size, gradient_accumulation_steps (= steps_per_generation)
@@ -31,42 +32,6 @@ MB, GA = 2, 2  # per_device_train_batch_size, gradient_accumulation_steps (= ste
 PROMPTS, COMPLETIONS = (8, 4, 8, 4), (12, 4, 12, 4)
 MEAN_P, MEAN_C = sum(PROMPTS) / 4, sum(COMPLETIONS) / 4
 ATTENTION = "rl_timeline_test_causal_sdpa"
-
-
-class _Live:
-    """Bytes of every storage created inside and still alive, after each op; ``peak`` since the last ``mark``."""
-
-    def __init__(self, skip):
-        from torch.multiprocessing.reductions import StorageWeakRef
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        live, state = {}, {"peak": 0}
-        skip = {StorageWeakRef(t.untyped_storage()) for t in skip}
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        w = StorageWeakRef(t.untyped_storage())
-                        if w not in skip and w not in live:
-                            live[w] = t.untyped_storage().nbytes()
-                for w in [w for w in live if w.expired()]:
-                    del live[w]
-                state["peak"] = max(state["peak"], sum(live.values()))
-                return out
-
-        self.mode, self.live, self.state = _Mode(), live, state
-
-    @property
-    def now(self) -> int:
-        return sum(b for w, b in self.live.items() if not w.expired())
-
-    def mark(self) -> int:
-        """Start a new phase; returns what lives now."""
-        self.state["peak"] = self.now
-        return self.state["peak"]
 
 
 def _causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
@@ -81,7 +46,6 @@ def _causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
 def _model(cfg, recompute):
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from trl.trainer.utils import add_fused_lm_head
 
     AttentionInterface.register(ATTENTION, _causal_sdpa)
     AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
@@ -185,7 +149,7 @@ def _measured(cfg, *, packed: bool, beta: float, old: bool, recompute: bool) -> 
         loss.backward()
 
     phases: dict[str, int] = {}
-    live = _Live(weights)
+    live = _Live(weights)  # tests/test_plan_rl.py's storage counter
     with live.mode:
         # a first optimizer step makes the optimizer state
         train({"prompt_ids": torch.randint(3, cfg.vocab_size, (MB, P)), "prompt_mask": torch.ones(MB, P, dtype=torch.long),
@@ -194,7 +158,7 @@ def _measured(cfg, *, packed: bool, beta: float, old: bool, recompute: bool) -> 
                **({"ref_per_token_logps": torch.zeros(MB, C)} if beta else {})})
         opt.step()
         opt.zero_grad()
-        phases["start"] = live.mark()
+        phases["start"] = live.reset_peak()
         prompt_ids = torch.randint(3, cfg.vocab_size, (g_rows, P))
         prompt_mask = torch.ones(g_rows, P, dtype=torch.long)
         with torch.no_grad():
@@ -213,11 +177,11 @@ def _measured(cfg, *, packed: bool, beta: float, old: bool, recompute: bool) -> 
                "completion_mask": completion_mask}
         with torch.no_grad():
             if old:
-                live.mark()
+                live.reset_peak()
                 out["old_per_token_logps"] = logps(policy, ids, attention_mask)[0]
                 phases["old log-probs"] = live.state["peak"]
             if beta:
-                live.mark()
+                live.reset_peak()
                 out["ref_per_token_logps"] = logps(ref, ids, attention_mask)[0]
                 phases["ref log-probs"] = live.state["peak"]
         del ids, attention_mask
@@ -228,11 +192,11 @@ def _measured(cfg, *, packed: bool, beta: float, old: bool, recompute: bool) -> 
         out = {k: v[perm] for k, v in out.items()}
         buffered = [{k: v[i * MB:(i + 1) * MB] for k, v in out.items()} for i in range(GA)]
         del out, perm, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_completion_ids
-        live.mark()
+        live.reset_peak()
         for inputs in buffered:
             train(inputs)
         phases["training"] = live.state["peak"]
-        live.mark()
+        live.reset_peak()
         opt.step()
         opt.zero_grad()
         phases["optimizer"] = live.state["peak"]
