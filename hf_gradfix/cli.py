@@ -73,7 +73,7 @@ def _cmd_config_check(ns: argparse.Namespace) -> int:
         m = resolved.mesh
         print(json.dumps({
             "config": resolved.path, "world_size": resolved.world_size, "distributed_type": resolved.distributed_type,
-            "mesh": {"pp": m.pp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard, "tp": m.tp, "cp": m.cp, "dp": m.dp, "dp_cp": m.dp_cp},
+            "mesh": {"pp": m.pp, "dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard, "tp": m.tp, "cp": m.cp, "dp": m.dp, "dp_cp": m.dp_cp, "ep": m.ep, "efsdp": m.efsdp},
             "mesh_source": resolved.mesh_source, "global_batch_tokens": resolved.global_batch_tokens,
             "hf_gradfix": config_to_dict(resolved.gradfix),
             "deepspeed": None if resolved.deepspeed is None else dataclasses.asdict(resolved.deepspeed),

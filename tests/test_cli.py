@@ -55,7 +55,7 @@ def test_config_check_prints_world_mesh_and_global_batch(tmp_path, capsys):
     assert "16,384 tokens" in out
     assert main(["config", "check", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["mesh"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2, "cp": 1, "dp": 4, "dp_cp": 4}
+    assert data["mesh"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2, "cp": 1, "dp": 4, "dp_cp": 4, "ep": 1, "efsdp": 4}
 
 
 @pytest.mark.parametrize(

@@ -110,6 +110,12 @@ class ResolvedConfig:
                 f"context parallel  cp={self.mesh.cp}: torch ring attention (sdpa, causal only), FSDP2 over dp_shard x cp; "
                 f"sequences padded to a multiple of {2 * self.mesh.cp}, labels shifted and counted before the split"
             ))
+        if self.mesh.ep > 1:
+            out.insert(3, (
+                f"expert parallel   ep={self.mesh.ep}: each MoE layer's experts split over {self.mesh.ep} ranks "
+                f"(transformers' DistributedConfig ep_size, all-to-all token dispatch), FSDP2 over efsdp={self.mesh.efsdp}; "
+                f"expert gradients cover every data rank's tokens once, averaged over the {self.mesh.dp} data ranks"
+            ))
         if self.mesh.pp > 1:
             from ..plan.pipeline import PipelineSpec, bubble_fraction  # one formula for config check and plan
 
@@ -201,7 +207,7 @@ def resolve_config(
         from ..parallel.pipeline import PipelineError, check_combination, check_schedule
 
         mesh = ParallelDims(world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, cp=par.cp,
-                            pp=par.pp, pp_virtual_stages=par.pp_virtual_stages)
+                            pp=par.pp, pp_virtual_stages=par.pp_virtual_stages, ep=par.ep)
         source = f"{SECTION}.parallel"
         fsdp = str(acc.get("distributed_type", "")).upper() == "FSDP" or bool(acc.get("fsdp_config"))
         try:
@@ -209,6 +215,13 @@ def resolve_config(
             check_combination(pp=mesh.pp, tp=mesh.tp, cp=mesh.cp, dp_shard=mesh.dp_shard, packing=gradfix.packing.enabled,
                               optimizer=gradfix.optimizer.name, fsdp_plugin=fsdp)
         except PipelineError as err:
+            raise ConfigError(f"{path}: {SECTION}.{err}") from None
+        from ..parallel.ep import EPError, check_combination as check_ep
+
+        try:
+            check_ep(ep=mesh.ep, pp=mesh.pp, tp=mesh.tp, cp=mesh.cp, packing=gradfix.packing.enabled,
+                     optimizer=gradfix.optimizer.name, fsdp_plugin=fsdp)
+        except EPError as err:
             raise ConfigError(f"{path}: {SECTION}.{err}") from None
         if acc_sizes:
             theirs = {k: acc_sizes.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "cp")}

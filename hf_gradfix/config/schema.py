@@ -313,6 +313,12 @@ class ParallelConfig:
     tp: int = field(default=1, metadata={"min": 1, "max": 2**20, "help": "tensor-parallel degree (ranks that split each layer)"})
     cp: int = field(default=1, metadata={"min": 1, "max": 2**20, "help": "context-parallel degree (ranks that split each sequence; GPU only)"})
     pp: int = field(default=1, metadata={"min": 1, "max": 2**20, "help": "pipeline-parallel degree (ranks that hold different layers; outermost mesh dim)"})
+    ep: int = field(
+        default=1,
+        metadata={"min": 1, "max": 2**20, "help": "expert-parallel degree: ranks each MoE layer's experts are split over "
+                  "(transformers' DistributedConfig ep_size, all-to-all dispatch); borrowed from dp_shard: the experts "
+                  "are FSDP2-sharded over the rest (efsdp = dp_shard x tp / ep)"},
+    )
     pp_schedule: PipelineSchedule = field(
         default="1f1b",
         metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble (the last two need pp_virtual_stages > 1)"},

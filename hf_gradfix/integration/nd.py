@@ -113,7 +113,8 @@ class NDPlan:
 
 def _dims_from_section(section: ParallelConfig, world_size: int) -> ParallelDims:
     return ParallelDims(
-        world_size, dp_replicate=section.dp_replicate, dp_shard=section.dp_shard, tp=section.tp, cp=section.cp
+        world_size, dp_replicate=section.dp_replicate, dp_shard=section.dp_shard, tp=section.tp, cp=section.cp,
+        ep=section.ep,
     )
 
 
@@ -208,6 +209,9 @@ def distributed_config(dims: ParallelDims | ParallelConfig, world_size: int | No
     check_route(dims)
     from transformers.distributed import DistributedConfig
 
+    if dims.ep > 1:  # transformers' own expert parallelism: all-to-all token dispatch, experts FSDP2 over efsdp
+        return DistributedConfig(tp_size=dims.tp, fsdp_size=dims.dp_shard_cp, dp_replicate_size=dims.dp_replicate,
+                                 ep_size=dims.ep, ep_implementation="all_to_all")
     return DistributedConfig(tp_size=dims.tp, fsdp_size=dims.dp_shard_cp, dp_replicate_size=dims.dp_replicate)
 
 
@@ -337,7 +341,7 @@ def _resolve(trainer, section: ParallelConfig) -> tuple[ParallelDims | None, str
         dims, source = _dims_from_section(section, world), "config"
     elif from_model is not None:
         m = from_model
-        dims = ParallelDims(world, dp_replicate=m["dp_replicate"], dp_shard=m["dp_shard"], tp=m["tp"])
+        dims = ParallelDims(world, dp_replicate=m["dp_replicate"], dp_shard=m["dp_shard"], tp=m["tp"], ep=m["ep"])
         source = "model"
     elif from_accelerate is not None and (from_accelerate["tp"] > 1 or from_accelerate["cp"] > 1):
         if from_accelerate["sp"] > 1:
@@ -347,7 +351,7 @@ def _resolve(trainer, section: ParallelConfig) -> tuple[ParallelDims | None, str
         source = "accelerate"
     else:
         return None, ""
-    if from_model is not None and (wrong := _mismatch(dims, from_model, ("dp_replicate", "dp_shard", "tp"))):
+    if from_model is not None and (wrong := _mismatch(dims, from_model, ("dp_replicate", "dp_shard", "tp", "ep"))):
         raise NDParallelError(
             f"hf_gradfix parallel: {dims.describe()} does not match the model's own sharding "
             f"(DistributedConfig; fsdp_size = dp_shard): {'; '.join(wrong)}. Fix: make them agree, or load the "
@@ -363,19 +367,28 @@ def _resolve(trainer, section: ParallelConfig) -> tuple[ParallelDims | None, str
     return dims, source
 
 
-def setup(trainer, section: ParallelConfig) -> NDPlan | None:
+def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer: str = "none") -> NDPlan | None:
     """Validate the degrees and apply the mesh to one trainer (called by ``install``, after ``Trainer.__init__``).
 
     Returns None when nothing is asked for (no ``parallel`` section, no sharded model, no accelerate TP/CP):
-    the launch is left as it is (DDP, or accelerate's FSDP).
+    the launch is left as it is (DDP, or accelerate's FSDP). ``packing`` / ``optimizer``: the rest of the
+    configuration, for the combinations expert parallelism refuses.
     """
     dims, source = _resolve(trainer, section)
     if dims is None:
         _clear_data_mesh(trainer)
         return None
-    dims.check_model(_text_config(trainer.model))
     accelerator = trainer.accelerator
     fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if dims.ep > 1:
+        from ..parallel.ep import EPError, check_combination
+
+        try:
+            check_combination(ep=dims.ep, pp=dims.pp, cp=dims.cp, tp=dims.tp, packing=packing, optimizer=optimizer,
+                              fsdp_plugin=fsdp_plugin is not None)
+        except EPError as err:
+            raise NDParallelError(f"hf_gradfix {err}") from None
+    dims.check_model(_text_config(trainer.model))
     if dims.cp > 1:
         _check_cp(trainer, dims, fsdp_plugin)
     if dims.tp == 1 and dims.dp_shard_cp == 1:
@@ -415,10 +428,13 @@ def setup(trainer, section: ParallelConfig) -> NDPlan | None:
         trainer.is_distributed_loading_by_transformers = True
         trainer.place_model_on_device = False
     plan = NDPlan(dims=dims, route=route, source=source)
-    if route == "model" and (_model_sizes(trainer.model) or {}).get("ep", 1) > 1:
-        from ..parallel.ep import layout_of
+    if dims.ep > 1:
+        from ..parallel.ep import EPError, check_model
 
-        plan.ep = layout_of(trainer.model)
+        try:  # what transformers built: whole experts per ep rank, all-to-all dispatch, the gradient divide factor
+            plan.ep = check_model(trainer.model)
+        except EPError as err:
+            raise NDParallelError(str(err)) from err
     if route in ("transformers", "model"):
         plan.data_mesh = _set_data_mesh(trainer, dims)
         _no_dispatch(trainer, dims)

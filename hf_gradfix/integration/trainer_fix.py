@@ -1357,7 +1357,7 @@ def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from:
     # size and the model, the model sharded, data loading sharded by data-parallel rank. Before the class swap, and
     # also when the loss fix is off: the mesh is part of the launch, not of the loss.
     if state.pp is None:
-        state.nd = nd_setup(trainer, config.parallel)
+        state.nd = nd_setup(trainer, config.parallel, packing=config.packing.enabled, optimizer=config.optimizer.name)
         if state.nd is not None:
             state.fixes.append(state.nd.line)
     trainer.__dict__[_STATE_ATTR] = state

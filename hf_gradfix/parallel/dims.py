@@ -46,6 +46,10 @@ JOB_DIMS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: config keys transformers' MoE families name their routed expert count by
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 class ParallelDimsError(HfGradfixError, ValueError):
     """Degrees that do not fit the world size or the model; the message names the key, value and fix."""
 
@@ -66,6 +70,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     pp_virtual_stages: int = 1
+    ep: int = 1
     _sizes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +85,8 @@ class ParallelDims:
         v = self.pp_virtual_stages
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ParallelDimsError(f"parallel.pp_virtual_stages={v!r}: must be a positive integer (stages per pp rank)")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise ParallelDimsError(f"parallel.ep={self.ep!r}: must be a positive integer (ranks the experts are split over)")
         rest = [k for k, v in sizes.items() if v == -1]
         if len(rest) > 1:
             raise ParallelDimsError(f"parallel: {rest} are all -1; at most one degree can take the rest of the world")
@@ -109,6 +116,18 @@ class ParallelDims:
         object.__setattr__(self, "cp", sizes["cp"])
         object.__setattr__(self, "tp", sizes["tp"])
         self._sizes.update(sizes)
+        if self.ep > 1:  # transformers' DistributedConfig rules (ep borrows its ranks, it is not a mesh dim of its own)
+            if self.ep % self.tp:
+                raise ParallelDimsError(
+                    f"parallel.ep={self.ep} is not a multiple of tp={self.tp}: expert parallelism spans whole "
+                    f"tensor-parallel groups; use an ep that is a multiple of {self.tp}"
+                )
+            if (self.dp_shard * self.cp * self.tp) % self.ep:
+                raise ParallelDimsError(
+                    f"parallel.ep={self.ep} does not divide dp_shard x cp x tp = {self.dp_shard * self.cp * self.tp}: the "
+                    "expert-parallel ranks are taken from the shard group (efsdp = dp_shard x cp x tp / ep); use an ep that "
+                    f"divides {self.dp_shard * self.cp * self.tp}, or raise dp_shard"
+                )
 
     # -------------------------------------------------------------- sizes by job
     @property
@@ -130,6 +149,11 @@ class ParallelDims:
     def non_data_parallel(self) -> int:
         """Ranks that see the same batch (pp x tp x cp): the divisor of a count all-reduced over the world."""
         return self.pp * self.tp * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks one expert's FSDP2 shard group spans (transformers' ``efsdp_size``: dp_shard x cp x tp / ep)."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def pp_stages(self) -> int:
@@ -222,6 +246,18 @@ class ParallelDims:
                 raise ParallelDimsError(
                     f"parallel.tp={self.tp} does not divide the model's intermediate_size={inter}; use a divisor of it"
                 )
+        if self.ep > 1:
+            experts = next((getattr(config, k) for k in EXPERT_COUNT_KEYS if isinstance(getattr(config, k, None), int)), None)
+            if experts is None:
+                raise ParallelDimsError(
+                    f"parallel.ep={self.ep}: the model ({type(config).__name__}) has no routed experts "
+                    f"(none of {', '.join(EXPERT_COUNT_KEYS)}); expert parallelism splits a mixture of experts: use ep: 1"
+                )
+            if experts % self.ep:
+                raise ParallelDimsError(
+                    f"parallel.ep={self.ep} does not divide the model's {experts} routed experts; every ep rank holds "
+                    f"whole experts: use an ep that divides {experts}"
+                )
         layers = getattr(config, "num_hidden_layers", None)
         if layers is not None and layers < 1:
             raise ParallelDimsError(f"the model has num_hidden_layers={layers}; nothing to shard")
@@ -247,6 +283,8 @@ class ParallelDims:
         pipe = ""
         if self.pp > 1:
             pipe = f", {self.pp_stages} pipeline stages" if self.pp_virtual_stages > 1 else ""
+        if self.ep > 1:
+            pipe += f", expert parallel ep={self.ep} x efsdp={self.efsdp}"
         return f"{self.world_size} process(es): {mesh} (data-parallel {self.dp}, token groups {self.dp_cp}, shard groups {self.dp_shard_cp}{pipe})"
 
     def build_mesh(self, device_type: str = "cpu"):

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import HfGradfixError
 
-__all__ = ["EPError", "EPLayout", "check_model", "expert_modules", "layout_of"]
+__all__ = ["EPError", "EPLayout", "check_combination", "check_model", "expert_modules", "layout_of"]
 
 #: ``ep_implementation`` values that run in training (``auto`` is ``all_to_all`` whenever gradients flow)
 TRAINING_IMPLEMENTATIONS = ("all_to_all", "auto")
@@ -64,6 +64,40 @@ class EPLayout:
         return (f"expert parallel ep={self.ep} (efsdp={self.efsdp}, {self.implementation}) over {self.dp} data "
                 f"rank(s): {len(self.experts)} expert module(s), expert gradients summed over every data rank's "
                 f"tokens and divided by {self.dp}, as the dense ones")
+
+
+def check_combination(*, ep: int, pp: int = 1, cp: int = 1, tp: int = 1, packing: bool = False, optimizer: str = "none",
+                      fsdp_plugin: bool = False, optimizer_key: str = "optimizer.name") -> None:
+    """Refuse, in one line naming both keys, what ``parallel.ep`` does not train exactly (yet).
+
+    >>> check_combination(ep=2, tp=1)
+    >>> check_combination(ep=2, pp=2)
+    Traceback (most recent call last):
+    ...
+    hf_gradfix.parallel.ep.EPError: parallel.ep=2 with parallel.pp=2: transformers refuses expert token dispatch across pipeline stages; use pp: 1 with ep, or ep: 1
+    """
+    if ep <= 1:
+        return
+    if pp > 1:
+        raise EPError(f"parallel.ep={ep} with parallel.pp={pp}: transformers refuses expert token dispatch across pipeline "
+                      "stages; use pp: 1 with ep, or ep: 1")
+    if cp > 1:
+        raise EPError(f"parallel.ep={ep} with parallel.cp={cp}: the routing of a sequence split over cp ranks is not "
+                      "measured exact with expert dispatch yet; use cp: 1 with ep, or ep: 1")
+    if tp > 1:
+        raise EPError(f"parallel.ep={ep} with parallel.tp={tp}: expert parallelism is measured exact over the data-parallel "
+                      "ranks only (tp: 1); use dp_shard / dp_replicate with ep, or ep: 1")
+    if packing:
+        raise EPError(f"parallel.ep={ep} with packing.enabled=true: packed rows under expert dispatch are not measured "
+                      "exact yet; set packing.enabled: false, or ep: 1")
+    if optimizer != "none":
+        raise EPError(f"parallel.ep={ep} with {optimizer_key}={optimizer!r}: the low-rank optimizers project each 2-D "
+                      "weight, the expert weights are 3-D DTensor shards; use a full-rank optimizer (e.g. AdamW) with ep, "
+                      "or ep: 1")
+    if fsdp_plugin:
+        raise EPError(f"parallel.ep={ep} under accelerate's FSDP plugin (distributed_type FSDP / fsdp_config): "
+                      "transformers shards the experts itself (ep) and the rest with FSDP2; launch with distributed_type "
+                      "MULTI_GPU (or MULTI_CPU) and set dp_shard in the hf_gradfix parallel section")
 
 
 def layout_of(model: torch.nn.Module) -> EPLayout | None:
