@@ -13,7 +13,8 @@ on a checkpoint saved by rank 0: 3 whole experts per rank, dense modules FSDP2 o
 unequal tokens per rank and per expert) and records at each ``on_pre_optimizer_step`` the FULL gradient (DTensor
 shards gathered with ``full_tensor()``, expert shards included). Rank r writes ``DIR/<case>/rank{r}.pt``.
 
-Cases: ``patched`` (``hf_gradfix.patch``, ``loss.aux_loss: micro``), ``stock`` (no hf_gradfix), ``unscaled`` (stock,
+Cases: ``patched`` (``hf_gradfix.patch``, ``loss.aux_loss: micro``), ``config_ep`` (the plain model given to the
+Trainer, ``parallel: {dp_shard: 2, ep: 2}`` in the section: hf_gradfix has transformers shard it), ``stock`` (no hf_gradfix), ``unscaled`` (stock,
 the expert modules' gradient divide factor set to 1: what an expert gradient that is not averaged over the data
 ranks gives), ``unscaled_refused`` (the same model under hf_gradfix: must be refused before training).
 """
@@ -94,7 +95,12 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         hf_gradfix.patch({"loss": {"aux_loss": "micro"}, "log_fixes": False})
     if name == "patched_global":  # the window's router loss: the routing pre-pass under expert parallelism
         hf_gradfix.patch({"loss": {"aux_loss": "global"}, "log_fixes": False})
-    model, initial_state = load_ep_model(out, rank, world)
+    if name == "config_ep":  # the hf_gradfix section asks for ep; the Trainer is given the plain model
+        hf_gradfix.patch({"parallel": {"dp_shard": world, "ep": world}, "loss": {"aux_loss": "micro"}, "log_fixes": False})
+        model = harness.build_moe("qwen3_moe", coef=COEF).train()
+        initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:
+        model, initial_state = load_ep_model(out, rank, world)
     if name.startswith("unscaled"):
         from hf_gradfix.parallel.ep import expert_modules
 

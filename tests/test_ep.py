@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.distributed,
                                  reason="this transformers has no DistributedConfig(fsdp_size, ep_size, "
                                         "ep_implementation) expert parallelism (transformers 5.x)")]
 TOL = 1e-5
-CASES = ["patched", "patched_global", "stock", "unscaled", "unscaled_refused"]
+CASES = ["patched", "config_ep", "patched_global", "stock", "unscaled", "unscaled_refused"]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,17 @@ def test_expert_parallel_gradients_are_the_window_objective(ep_runs):
     assert len(rows) == 2
     for row in rows:
         assert max(row["dense"], row["router"], row["experts"], row["loss"]) <= TOL, rows
+        assert row["ranks_differ"] == 0.0
+
+
+def test_parallel_ep_from_the_config_section(ep_runs):
+    """``parallel: {dp_shard: 2, ep: 2}`` with the plain model given to the Trainer: hf_gradfix has transformers shard it
+    by expert (the same DistributedConfig a user passes to from_pretrained) and the window's gradient is exact."""
+    ranks = ep_runs["config_ep"]
+    assert "expert parallel ep=2 (efsdp=1, all_to_all)" in ranks[0]["line"]
+    assert "from the config" in ranks[0]["line"] and ranks[0]["wrapped"].startswith("FSDP")
+    for row in _errors(ranks, ranks[0]):
+        assert max(row["dense"], row["router"], row["experts"], row["loss"]) <= TOL, row
         assert row["ranks_differ"] == 0.0
 
 
