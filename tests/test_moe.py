@@ -231,13 +231,15 @@ def test_bias_balancing_uses_the_windows_counts(checkpointing):
     the trained batches; gradient checkpointing (the router runs again in backward) counts nothing twice."""
     import hf_gradfix
 
+    from hf_gradfix.integration.moe import RouterHealthCallback
+
     rate = 0.01
     hf_gradfix.patch({"loss": {"aux_loss": "bias", "aux_bias_rate": rate}, "log_fixes": False})
     try:
         model = H.build_moe("deepseek_v3")
         samples = H.make_samples("causal", n=8, seed=1)
         record = H.run_trainer(model, samples, "causal", gradient_accumulation_steps=2, per_device_train_batch_size=2,
-                               extra_args={"gradient_checkpointing": checkpointing})
+                               extra_args={"gradient_checkpointing": checkpointing}, callbacks=[RouterHealthCallback()])
     finally:
         hf_gradfix.unpatch()
     cfg = model.config
@@ -250,7 +252,7 @@ def test_bias_balancing_uses_the_windows_counts(checkpointing):
     by_idx = {s["idx"]: s for s in samples}
     bias = [torch.zeros(cfg.n_routed_experts, dtype=torch.float64) for _ in ref_routers]
     per_micro_batch_bias = [b.clone() for b in bias]  # the control: updated from one micro-batch's counts
-    last_counts = None
+    last_counts, window_loads = None, []
     with torch.no_grad():
         for step in record.steps:
             loads = [torch.zeros(cfg.n_routed_experts, dtype=torch.float64) for _ in ref_routers]
@@ -269,6 +271,7 @@ def test_bias_balancing_uses_the_windows_counts(checkpointing):
                 bias[layer] += rate * torch.sign(load.mean() - load)
                 ref_routers[layer].e_score_correction_bias.copy_(bias[layer])
             last_counts = torch.cat(loads)
+            window_loads.append(loads)
     for h in hooks:
         h.remove()
     state = hf_gradfix.state_of(record.trainer).moe
@@ -279,6 +282,13 @@ def test_bias_balancing_uses_the_windows_counts(checkpointing):
         assert torch.allclose(got, want, atol=1e-7), (got, want)
         assert not torch.allclose(got, control, atol=1e-7)
     assert any(b.abs().sum() > 0 for b in bias)
+    # router health on bias routers: each window's selections as recomputed here (logging_steps 1)
+    logs = [h for h in record.trainer.state.log_history if "loss" in h]
+    assert len(logs) == len(window_loads)
+    for log, loads in zip(logs, window_loads):
+        for layer, c in enumerate(loads):
+            assert log[f"router/layer{layer}/max_load"] == pytest.approx(float(c.max() / c.mean()), abs=1e-4)
+            assert log[f"router/layer{layer}/dead"] == float((c == 0).sum())
 
 
 def test_bias_is_refused_on_a_model_without_a_correction_bias():

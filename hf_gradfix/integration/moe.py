@@ -77,6 +77,7 @@ class MoEState:
     bias_seen: int = 0  # micro-batches of this window counted so far
     bias_windows: int = 0  # bias updates applied
     last_bias_counts: torch.Tensor | None = None  # the last window's counts, all ranks, routers concatenated
+    bias_interval: torch.Tensor | None = None  # (routers, experts) selections since the last log, all ranks (health)
     counting: bool = False
     row_mask: Any = None
     health: dict = field(default_factory=dict)
@@ -370,6 +371,9 @@ def _apply_bias_update(trainer: Trainer, state: GradFixState, moe: MoEState) -> 
             bias.add_((rate * torch.sign(load.mean() - load)).to(device=bias.device, dtype=bias.dtype))
     moe.bias_windows += 1
     moe.last_bias_counts = total
+    if len(set(sizes)) == 1:  # router health reads the selections the bias update already summed over the ranks
+        window = total.reshape(len(sizes), sizes[0])
+        moe.bias_interval = window if moe.bias_interval is None else moe.bias_interval + window
 
 
 def _real_batches(window) -> list:
@@ -566,6 +570,14 @@ class RouterHealthCallback(TrainerCallback):
     def _values(trainer: Trainer) -> dict[str, float]:
         state = state_of(trainer)
         moe = getattr(state, "moe", None) if state is not None else None
+        if moe is not None and moe.bias_routers is not None:
+            # aux_loss: bias (same on every rank): the routers' own selections (bias included), already summed over
+            # the ranks by the bias update; no probabilities, so no lb_loss
+            if moe.bias_interval is None:
+                return {}
+            counts, moe.bias_interval = moe.bias_interval, None
+            moe.health = router_health(counts, torch.zeros(counts.shape[-1], dtype=torch.float64), 0.0)
+            return moe.health
         shape = list(moe.local_counts.shape) if moe is not None and moe.local_counts is not None else [0, 0]
         agreed = _agree(trainer, [float(shape[0]), float(shape[1])])  # every rank joins
         if agreed is None or agreed[0] == 0:
@@ -574,7 +586,7 @@ class RouterHealthCallback(TrainerCallback):
                 logger.warning("hf_gradfix: RouterHealthCallback found no router counts to log: it needs the plugin's "
                                "loss fix on this trainer and a model that returns a load-balancing aux_loss with its "
                                "router_logits (config.output_router_logits=True); routers that select with a bias "
-                               "(DeepSeek-V3) are not counted yet.")
+                               "(DeepSeek-V3) are counted under loss.aux_loss: bias.")
             return {}
         layers, experts = int(agreed[0]), int(agreed[1])
         local = torch.zeros(layers * experts + experts + 1, dtype=torch.float64)
