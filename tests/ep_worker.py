@@ -16,7 +16,8 @@ shards gathered with ``full_tensor()``, expert shards included). Rank r writes `
 Cases: ``patched`` (``hf_gradfix.patch``, ``loss.aux_loss: micro``), ``config_ep`` (the plain model given to the
 Trainer, ``parallel: {dp_shard: 2, ep: 2}`` in the section: hf_gradfix has transformers shard it), ``stock`` (no hf_gradfix), ``unscaled`` (stock,
 the expert modules' gradient divide factor set to 1: what an expert gradient that is not averaged over the data
-ranks gives), ``unscaled_refused`` (the same model under hf_gradfix: must be refused before training).
+ranks gives), ``unscaled_refused`` (the same model under hf_gradfix: must be refused before training). ``ep_resume``,
+``config_ep_resume``, ``ep_resume_refused``: checkpoint resume under ep (AdamW lr 1e-2; :func:`run_resume_case`).
 """
 
 from __future__ import annotations
@@ -82,8 +83,101 @@ def load_ep_model(out: Path, rank: int, world: int):
     return model.train(), initial_state
 
 
+def _whole_optimizer(trainer) -> dict:
+    """The AdamW state of every parameter, shards gathered (a collective: same parameter order on every rank)."""
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            out[f"{name}.{key}"] = _full(value).detach().clone().cpu() if torch.is_tensor(value) else value
+    out["lr"] = [g["lr"] for g in optimizer.param_groups]
+    return out
+
+
+def _whole(trainer) -> dict:
+    return {n: _full(p).detach().clone().cpu() for n, p in trainer.model.named_parameters()}
+
+
+def run_resume_case(name: str, out: Path, rank: int, world: int) -> None:
+    """4 AdamW windows straight (checkpoints every 2) vs a fresh model and trainer resumed from checkpoint-2 to 4.
+
+    ``ep_resume``: the model loaded with ``from_pretrained(distributed_config=...)`` (route "model"), plus the control:
+    the same resume with the optimizer state left unloaded (the scheduler loaded). ``config_ep_resume``: the plain
+    model sharded by hf_gradfix from ``parallel: {dp_shard: 2, ep: 2}``. ``ep_resume_refused``: a run without ep
+    (``parallel: {dp_shard: 2}``) given ep_resume's checkpoint must refuse it in one line.
+    """
+    import transformers
+
+    import hf_gradfix
+
+    config = {"loss": {"aux_loss": "micro"}, "log_fixes": False}
+    if name != "ep_resume":
+        config["parallel"] = {"dp_shard": world, "ep": world} if name == "config_ep_resume" else {"dp_shard": world}
+    hf_gradfix.patch(config)
+
+    def model():
+        if name == "ep_resume":
+            return load_ep_model(out, rank, world)[0]
+        return harness.build_moe("qwen3_moe", coef=COEF).train()
+
+    samples = harness.arrange_for_ranks(harness.make_samples("causal", n=N_SAMPLES, seed=0), world, 2)
+    collator = harness.RecordingCollator("causal", harness.pad_id_of(harness.build_moe("qwen3_moe", coef=COEF)))
+    refused = name.endswith("_refused")
+    args = transformers.TrainingArguments(
+        output_dir=str(out / name / "trainer"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=4, save_steps=2, save_strategy="no" if refused else "steps", optim="adamw_torch",
+        learning_rate=1e-2, weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="linear", logging_steps=1,
+        report_to="none", use_cpu=True, dataloader_num_workers=0, dataloader_pin_memory=False,
+        remove_unused_columns=False, disable_tqdm=True, seed=0, data_seed=0,
+    )
+
+    def trainer():
+        from transformers.trainer_callback import PrinterCallback
+
+        made = harness._subclass(transformers.Trainer)(
+            model=model(), args=args, train_dataset=harness.ListDataset(samples), data_collator=collator)
+        made.remove_callback(PrinterCallback)
+        return made
+
+    def after(t, step=0) -> list:
+        return [(h["step"], h["loss"], h["grad_norm"]) for h in t.state.log_history if "loss" in h and h["step"] > step]
+
+    payload: dict = dict(case=name, rank=rank, world_size=world)
+    if refused:
+        try:
+            trainer().train(resume_from_checkpoint=str(out / "ep_resume" / "trainer" / "checkpoint-2"))
+        except Exception as err:  # noqa: BLE001 - recorded, checked by the test
+            payload["error"] = f"{type(err).__name__}: {err}"
+            torch.save(payload, out / name / f"rank{rank}.pt")
+            return
+        raise AssertionError(f"{name}: the Trainer resumed from a checkpoint another mesh wrote")
+    straight = trainer()
+    straight.train()
+    payload.update(straight=_whole(straight), straight_optimizer=_whole_optimizer(straight), straight_log=after(straight, 2),
+                   files=sorted(os.listdir(out / name / "trainer" / "checkpoint-2")))
+    checkpoint = str(out / name / "trainer" / "checkpoint-2")
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=checkpoint)
+    payload.update(resumed=_whole(resumed), resumed_optimizer=_whole_optimizer(resumed), resumed_log=after(resumed, 2))
+    if name == "ep_resume":  # the control: the same resume without the optimizer state (scheduler loaded)
+        control = trainer()
+
+        def scheduler_only(path, *a, **k):
+            control.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
+
+        control._load_optimizer_and_scheduler = scheduler_only
+        control.train(resume_from_checkpoint=checkpoint)
+        payload.update(control=_whole(control), control_log=after(control, 2))
+    if rank != 0:  # rank 0 holds the record the test reads (every rank joined the gathers)
+        payload = {k: v for k, v in payload.items() if not isinstance(v, dict)}
+    torch.save(payload, out / name / f"rank{rank}.pt")
+
+
 def run_case(name: str, out: Path, rank: int, world: int) -> None:
     import time
+
+    if "resume" in name:
+        return run_resume_case(name, out, rank, world)
 
     import transformers
 

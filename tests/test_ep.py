@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.distributed,
                                  reason="this transformers has no DistributedConfig(fsdp_size, ep_size, "
                                         "ep_implementation) expert parallelism (transformers 5.x)")]
 TOL = 1e-5
-CASES = ["patched", "config_ep", "patched_global", "stock", "unscaled", "unscaled_refused"]
+CASES = ["patched", "config_ep", "patched_global", "stock", "unscaled", "unscaled_refused",
+         "ep_resume", "config_ep_resume", "ep_resume_refused"]  # ep_resume_refused reads ep_resume's checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,58 @@ def test_expert_gradients_not_averaged_over_data_ranks_are_refused(ep_runs):
     refused = ep_runs["unscaled_refused"]
     for r in refused:
         assert "divides its gradient by [1.0]" in r["error"] and "2 data-parallel ranks" in r["error"], r["error"]
+
+
+@pytest.mark.parametrize("case", ["ep_resume", "config_ep_resume"])
+def test_checkpoint_resume_under_expert_parallelism_is_bit_identical(ep_runs, case):
+    """4 AdamW windows (linear schedule, 2 epochs of the 16 samples) straight vs 2 + torch distributed checkpoint +
+    a fresh model and trainer resumed + 2: the whole weights (shards gathered), the whole optimizer state and the
+    logged losses after the resume are identical, on both routes (model loaded with distributed_config, and
+    parallel.ep from the section)."""
+    r = ep_runs[case][0]
+    assert {"expert_parallel", "expert_parallel_mesh.json", "scheduler.pt", "model.safetensors"} <= set(r["files"])
+    assert "optimizer.pt" not in r["files"]  # no one rank's shards under positional keys
+    assert r["straight"].keys() == r["resumed"].keys() and len(r["straight"]) > 0
+    assert all(torch.equal(r["straight"][n], r["resumed"][n]) for n in r["straight"])
+    experts = [n for n in r["straight_optimizer"] if ".mlp.experts." in n and n.endswith("exp_avg")]
+    assert experts and r["straight_optimizer"].keys() == r["resumed_optimizer"].keys()
+    for key, value in r["straight_optimizer"].items():
+        other = r["resumed_optimizer"][key]
+        assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
+    assert len(r["straight_log"]) == 2 and r["straight_log"] == r["resumed_log"]
+    initial = H.build_moe("qwen3_moe").state_dict()
+    assert all(not torch.equal(r["straight"][n], initial[n]) for n in r["straight"] if ".mlp.experts." in n)  # trained
+
+
+def test_resume_without_the_optimizer_state_differs(ep_runs):
+    """The control: the same resume with the AdamW moments left unloaded (the scheduler loaded) ends elsewhere, so the
+    equality above is the optimizer state's doing."""
+    r = ep_runs["ep_resume"][0]
+    assert any(not torch.equal(r["straight"][n], r["control"][n]) for n in r["straight"])
+    assert r["control_log"] != r["straight_log"]
+
+
+def test_ep_checkpoint_on_another_mesh_is_one_line(ep_runs, tmp_path):
+    """A run without ep (parallel: {dp_shard: 2}) given the ep run's checkpoint refuses it on every rank, naming both
+    meshes and the fix; so does an ep run given a checkpoint whose mesh file names other degrees, or none."""
+    for r in ep_runs["ep_resume_refused"]:
+        line = r["error"]
+        assert "\n" not in line and "CheckpointError" in line, line
+        assert "expert-parallel run (world 2, dp_replicate 1, dp_shard 2, tp 1, ep 2, efsdp 1)" in line, line
+        assert "no expert parallelism" in line and "resume with the same world size" in line, line
+    from hf_gradfix.integration import checkpoint as ckpt
+    from hf_gradfix.integration.nd import NDParallelError
+
+    ours = dict(world=2, dp_replicate=1, dp_shard=2, tp=1, ep=2, efsdp=1)
+    with pytest.raises(NDParallelError, match="has no expert_parallel_mesh.json and expert_parallel/ .*not written by an "
+                                              "expert-parallel run"):
+        ckpt.load(None, str(tmp_path), ckpt.EXPERT_PARALLEL, ours, optimizer=False, error=NDParallelError)
+    (tmp_path / ckpt.EXPERT_PARALLEL.directory).mkdir()
+    (tmp_path / ckpt.EXPERT_PARALLEL.mesh_file).write_text(__import__("json").dumps({**ours, "ep": 1, "efsdp": 2}))
+    with pytest.raises(NDParallelError) as err:
+        ckpt.load(None, str(tmp_path), ckpt.EXPERT_PARALLEL, ours, optimizer=False, error=NDParallelError)
+    line = str(err.value)
+    assert "\n" not in line and "ep 1, efsdp 2), this run is expert-parallel (world 2" in line and "ep 2, efsdp 1)" in line
 
 
 def test_check_model_refuses_what_is_not_measured():

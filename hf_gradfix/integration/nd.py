@@ -418,10 +418,11 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
             )
         args = trainer.args
         saves = str(getattr(args, "save_strategy", "no")).split(".")[-1].lower() != "no"
-        if saves and not getattr(args, "save_only_model", False):
+        if saves and not getattr(args, "save_only_model", False) and dims.ep == 1:  # ep: checkpoint.py writes it
             raise NDParallelError(
-                "hf_gradfix parallel: a model sharded by transformers' DistributedConfig cannot checkpoint its "
-                "optimizer state for resuming (transformers' own rule). Fix: save_only_model=True or save_strategy='no'."
+                f"hf_gradfix parallel: {dims.describe()}: a model sharded by transformers' DistributedConfig cannot "
+                "checkpoint its optimizer state for resuming (transformers' own rule; hf_gradfix resumes pp and ep "
+                "runs only). Fix: save_only_model=True or save_strategy='no'."
             )
         _shard_with_transformers(trainer.model, dims)
         # what Trainer.__init__ sets for a model sharded at load time: accelerate must not wrap or move it

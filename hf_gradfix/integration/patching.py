@@ -3,7 +3,9 @@
 Exactly one function is replaced: ``transformers.Trainer.__init__``, wrapped so that every trainer
 built afterwards (any subclass, e.g. TRL's ``SFTTrainer``) is fixed by :func:`trainer_fix.install`.
 The replacement is version-checked (:mod:`.versions`), idempotent (a second ``patch()`` only updates
-the configuration) and reversible (``unpatch()`` puts the original function object back).  When
+the configuration) and reversible (``unpatch()`` puts the original function object back). Around the original
+``__init__`` it lets a model expert-parallel at load time pass transformers' ``save_only_model`` check (hf_gradfix
+writes that model's resumable checkpoints, :mod:`.checkpoint`): the arguments are changed for ``__init__`` only.  When
 ``unpatch()`` cannot restore (another library wrapped ``Trainer.__init__`` after us), it raises
 :class:`~hf_gradfix.errors.PatchError` and the bookkeeping stays true: ``is_patched()`` is still True
 (our wrapper is still called) and a second ``patch()`` does not wrap again.
@@ -82,7 +84,15 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
 
         @functools.wraps(original_init)
         def __init__(self, *args, **kwargs):
-            original_init(self, *args, **kwargs)
+            from .checkpoint import init_allows_ep_checkpoints
+
+            try:
+                bound = _init_signature(original_init).bind_partial(self, *args, **kwargs).arguments
+            except TypeError:  # transformers raises its own error for these arguments
+                bound = {}
+            # an expert-parallel model sharded at load time: hf_gradfix writes its resumable checkpoints (checkpoint.py)
+            with init_allows_ep_checkpoints(bound.get("model"), bound.get("args")):
+                original_init(self, *args, **kwargs)
             # Only the outermost __init__ call installs (a subclass's __init__ may run more code after
             # super().__init__; install only swaps the class and attaches state, so order does not matter). A
             # GradFixCallback given to the constructor installed first, with patch()'s settings combined into its own.
@@ -102,6 +112,13 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
         _active.append(_ActivePatch(Trainer, "__init__", original_init, __init__))
     _warn_if_trainers_exist(Trainer)
     return resolved
+
+
+@functools.lru_cache(maxsize=4)
+def _init_signature(init):
+    import inspect
+
+    return inspect.signature(init)
 
 
 def _warn_if_trainers_exist(trainer_cls: type) -> None:

@@ -43,6 +43,7 @@ from ..parallel.pipeline import (
     tied_embeddings,
     window_loss_fn,
 )
+from .checkpoint import PIPELINE  # the checkpoint layout pp and ep share
 from .versions import transformers_major
 
 logger = logging.getLogger("hf_gradfix")
@@ -493,11 +494,12 @@ def eval_batch(trainer, plan: PipelinePlan, batch, real_rows: int | None) -> tup
 # Checkpoints
 # ----------------------------------------------------------------------------------------------------------------
 
-CHECKPOINT_DIR = "pipeline"  # torch distributed checkpoint of every stage (model and optimizer), one per save
-MESH_FILE = "pipeline_mesh.json"
+CHECKPOINT_DIR = PIPELINE.directory  # torch distributed checkpoint of every stage (model and optimizer), one per save
+MESH_FILE = PIPELINE.mesh_file
 
 
-def _mesh(plan: PipelinePlan) -> dict:
+def checkpoint_mesh(plan: PipelinePlan) -> dict:
+    """The degrees and schedule a pipeline checkpoint is tied to (another would reorder data and stages)."""
     d = plan.dims
     return dict(world=d.world_size, pp=d.pp, pp_virtual_stages=d.pp_virtual_stages, dp_replicate=d.dp_replicate,
                 dp_shard=d.dp_shard, tp=d.tp, schedule=plan.schedule)
@@ -522,44 +524,13 @@ def full_state_dict(trainer, plan: PipelinePlan) -> dict | None:
     return merged
 
 
-def _torch_optimizer(trainer):
-    """The torch optimizer under accelerate's wrapper (its ``step`` is skipped while accumulating, and torch's
-    state-dict helpers may step it once with zero gradients to allocate the state they load into)."""
-    optimizer = trainer.optimizer
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def _flat():
-    """Optimizer state keyed per parameter name, hyper-parameters included (``param_groups.<name>.lr``): the
-    stages hold different parameters, and a nested ``param_groups`` list would be one rank's, deduplicated by DCP
-    (the other stages then load a group without its ``lr`` and ``betas``). torchtitan saves pipelines the same way."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
 def save_stage(trainer, plan: PipelinePlan, output_dir: str) -> None:
-    """Write every stage's weights and optimizer state as one torch distributed checkpoint (a collective).
+    """Write every stage's weights and optimizer state as one torch distributed checkpoint (a collective; see
+    :mod:`.checkpoint`): FSDP2 and tensor-parallel shards are DTensors that DCP saves shard by shard, replicas over
+    dp_replicate are written once. Rank 0 also writes the mesh that wrote it."""
+    from .checkpoint import save
 
-    Keys are the model's own parameter names (the stages keep the global names), so the checkpoint is one
-    model's, whatever the split: FSDP2 and tensor-parallel shards are DTensors that DCP saves shard by shard,
-    replicas over dp_replicate are written once. Rank 0 also writes the mesh that wrote it.
-    """
-    import json
-    import os
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    os.makedirs(output_dir, exist_ok=True)
-    state = {"model": get_model_state_dict(trainer.model)}
-    if trainer.optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(trainer.model, _torch_optimizer(trainer), options=_flat())
-    dcp.save(state, checkpoint_id=os.path.join(output_dir, CHECKPOINT_DIR))
-    if dist.get_rank() == 0:
-        with open(os.path.join(output_dir, MESH_FILE), "w") as f:
-            json.dump(_mesh(plan), f)
+    save(trainer, output_dir, PIPELINE, checkpoint_mesh(plan))
 
 
 def load_stage(trainer, plan: PipelinePlan, checkpoint: str, *, optimizer: bool) -> None:
@@ -568,44 +539,9 @@ def load_stage(trainer, plan: PipelinePlan, checkpoint: str, *, optimizer: bool)
     Refuses a checkpoint another mesh wrote: its data order and schedule would differ, so the run would not
     continue bit for bit.
     """
-    import json
-    import os
+    from .checkpoint import load
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    path = os.path.join(checkpoint, MESH_FILE)
-    if not os.path.isfile(path) or not os.path.isdir(os.path.join(checkpoint, CHECKPOINT_DIR)):
-        raise PipelineError(
-            f"hf_gradfix parallel.pp={plan.dims.pp}: resume_from_checkpoint={checkpoint!r} has no {MESH_FILE} and "
-            f"{CHECKPOINT_DIR}/ (it was not written by a pipelined run); resume from a checkpoint this mesh wrote"
-        )
-    with open(path) as f:
-        written = json.load(f)
-    if written != _mesh(plan):
-        theirs = ", ".join(f"{k} {v}" for k, v in written.items())
-        ours = ", ".join(f"{k} {v}" for k, v in _mesh(plan).items())
-        raise PipelineError(
-            f"hf_gradfix parallel: resume_from_checkpoint={checkpoint!r} was written by ({theirs}), this run is "
-            f"({ours}); resume with the same mesh and schedule"
-        )
-    checkpoint_id = os.path.join(checkpoint, CHECKPOINT_DIR)
-    if optimizer:
-        if trainer.optimizer is None:
-            return
-        torch_optimizer = _torch_optimizer(trainer)
-        state = {"optimizer": get_optimizer_state_dict(trainer.model, torch_optimizer, options=_flat())}
-        dcp.load(state, checkpoint_id=checkpoint_id)
-        set_optimizer_state_dict(trainer.model, torch_optimizer, state["optimizer"], options=_flat())
-    else:
-        state = {"model": get_model_state_dict(trainer.model)}
-        dcp.load(state, checkpoint_id=checkpoint_id)
-        set_model_state_dict(trainer.model, state["model"])
+    load(trainer, checkpoint, PIPELINE, checkpoint_mesh(plan), optimizer=optimizer, error=PipelineError)
 
 
 def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor:

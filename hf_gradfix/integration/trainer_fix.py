@@ -588,38 +588,44 @@ class _GradFixTop:
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        state = state_of(self)
-        if state is None or state.pp is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        from .pipeline import save_stage
+        from .checkpoint import sharded
 
-        save_stage(self, state.pp, output_dir)  # each rank: its stage's weights and optimizer state
+        writer = sharded(state_of(self))
+        if writer is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # pipeline / expert parallelism: every rank's weights and optimizer shards as one distributed checkpoint
+        writer.save(self, output_dir)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        state = state_of(self)
-        if state is None or state.pp is None:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from .pipeline import load_stage
+        from .checkpoint import refuse_foreign, sharded
 
-        load_stage(self, state.pp, resume_from_checkpoint, optimizer=False)
+        state = state_of(self)
+        writer = sharded(state)
+        if writer is None:
+            nd = state.nd if state is not None else None
+            this_run = f"{nd.dims.describe()}, no expert parallelism" if nd is not None else "without pp or ep"
+            refuse_foreign(resume_from_checkpoint, this_run)  # a sharded run's checkpoint has no optimizer.pt
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        writer.load(self, resume_from_checkpoint, optimizer=False)
 
     def _load_optimizer_and_scheduler(self, checkpoint, *args, **kwargs):
+        from .checkpoint import sharded
+
         state = state_of(self)
-        if state is not None and state.pp is not None:
+        writer = sharded(state)
+        if writer is not None:
             if checkpoint is None:
                 return None
-            from .pipeline import load_stage
-
-            load_stage(self, state.pp, checkpoint, optimizer=True)
+            writer.load(self, checkpoint, optimizer=True)
             path = os.path.join(checkpoint, "scheduler.pt")
             if os.path.isfile(path) and self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
-            return None
-        # per process, on resume, before the dataloader is iterated: the packed stream continues from its state
-        super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
-        state = state_of(self)
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+        # per process, on resume, before the dataloader is iterated: the packed stream continues from its state,
+        # the previous window's router counts too (both saved with the RNG state, whatever writes the optimizer)
         if state is not None and state.config.packing.enabled:
             from .packing_trainer import load_stream_state
 
@@ -1364,7 +1370,9 @@ def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from:
     wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
     # a lowrank_grads optimizer given to the constructor: its hooks' lifetime follows train() (the fixed class's)
     given_lowrank = lowrank_optimizer_of(trainer) is not None
-    if config.loss.enabled or config.packing.enabled or wants_optimizer or given_lowrank or state.pp is not None:
+    # pp and ep need the fixed class whatever the loss setting: it writes and resumes their sharded checkpoints
+    sharded = state.pp is not None or (state.nd is not None and state.nd.ep is not None)
+    if config.loss.enabled or config.packing.enabled or wants_optimizer or given_lowrank or sharded:
         _keep_instance_ga_flag(trainer)
         snapshot_methods(trainer, _TOP_OVERRIDES)
         trainer.__class__ = fixed_class_for(type(trainer))
