@@ -67,8 +67,9 @@ def _recorder():
     return FullGradRecorder()
 
 
-def load_ep_model(out: Path, rank: int, world: int):
-    """The tiny Qwen3-MoE, saved by rank 0 and loaded by every rank with transformers' expert parallelism."""
+def load_ep_model(out: Path, rank: int, world: int, config=None):
+    """The tiny Qwen3-MoE, saved by rank 0 and loaded by every rank with transformers' expert parallelism
+    (``config``: a ``DistributedConfig``; default ep = fsdp = world)."""
     import transformers as tf
     from transformers.distributed import DistributedConfig
 
@@ -78,7 +79,8 @@ def load_ep_model(out: Path, rank: int, world: int):
     if rank == 0 and not (path / "config.json").exists():
         model.save_pretrained(path)
     torch.distributed.barrier()
-    config = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
+    if config is None:
+        config = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
     model = tf.Qwen3MoeForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
     return model.train(), initial_state
 

@@ -12,6 +12,12 @@ the short samples and rank 1 the long ones (unequal token counts per rank), and 
 ``on_pre_optimizer_step`` the FULL gradient (DTensor shards gathered with ``full_tensor()``), the idx of the
 micro-batches each rank consumed, its losses and its mesh coordinates. Rank r writes ``DIR/<scenario>/rank{r}.pt``.
 Scenarios whose name ends in ``_refused`` expect the Trainer to refuse the setup and record the message.
+
+The ``ep*`` scenarios (transformers 5.x only: the test leaves them out where DistributedConfig has no ep) train
+tests/ep_worker.py's tiny Qwen3-MoE (6 experts, top-2, router aux coef 0.5) with expert parallelism on the 4
+processes instead: bs 2, GA 2, 32 samples, 4 data ranks (short samples on rank 0, long ones on rank 3). The plain
+model is given to the Trainer and hf_gradfix shards it from the ``parallel`` section; ``*_stock`` loads it with
+transformers' DistributedConfig itself and trains without hf_gradfix.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ for _p in (str(_TESTS), str(_TESTS.parent)):
 
 import torch  # noqa: E402
 
+import ep_worker  # noqa: E402
 import harness  # noqa: E402
 import multiproc  # noqa: E402
 
 N_SAMPLES = 12
+MOE_SAMPLES, MOE_BATCH = 32, 2  # 2 windows of 4 data ranks x bs 2 x GA 2
 LLAMA = harness.TINY_GQA_LLAMA
 
 # name -> (hf_gradfix config, options). "yaml": write the config to a YAML file and patch() with its path.
@@ -48,6 +56,14 @@ SCENARIOS: dict[str, tuple[dict, dict]] = {
     # the guard: accelerate's data mesh removed after setup, so the loader shards over all 4 processes and the
     # two ranks of a TP group get different batches; the first window must be refused (on every rank, no hang)
     "tp_data_differs_refused": ({"parallel": {"dp_shard": 2, "tp": 2}}, {"break_tp_data": True}),
+    # expert parallelism over 4 data ranks: ep 2 x efsdp 2 (each expert FSDP2-sharded over 2 ranks) and ep 2 x
+    # dp_replicate 2 (HSDP; "file": patch() with the shipped config, whose section is this dict, aux_loss micro by default)
+    "ep2_efsdp2_micro": ({"parallel": {"dp_shard": 4, "ep": 2}, "loss": {"aux_loss": "micro"}}, {"moe": True}),
+    "ep2_efsdp2_global": ({"parallel": {"dp_shard": 4, "ep": 2}, "loss": {"aux_loss": "global"}}, {"moe": True}),
+    "ep2_rep2_micro": ({"parallel": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}}, {"moe": True, "file": "configs/cpu_ep4.yaml"}),
+    "ep2_rep2_global": ({"parallel": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, "loss": {"aux_loss": "global"}}, {"moe": True}),
+    # the control: no hf_gradfix, the model loaded with DistributedConfig(fsdp_size=4, ep_size=2) by the user
+    "ep2_efsdp2_stock": ({"parallel": {"dp_shard": 4, "ep": 2}}, {"moe": True, "stock": True}),
 }
 
 
@@ -71,9 +87,9 @@ def dp_size(config: dict, world: int) -> int:
         return 1
 
 
-def scenario_samples(config: dict, world: int, seed: int = 0) -> list[dict]:
-    samples = harness.make_samples("causal", n=N_SAMPLES, seed=seed)
-    return harness.arrange_for_ranks(samples, dp_size(config, world), 1)
+def scenario_samples(config: dict, world: int, seed: int = 0, *, n: int = N_SAMPLES, batch: int = 1) -> list[dict]:
+    samples = harness.make_samples("causal", n=n, seed=seed)
+    return harness.arrange_for_ranks(samples, dp_size(config, world), batch)
 
 
 class StreamDataset(torch.utils.data.IterableDataset):
@@ -122,11 +138,15 @@ def _make_callback():
 
 
 def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
+    import time
+
     import transformers
 
     import hf_gradfix
 
+    start = time.perf_counter()
     config, opts = SCENARIOS[name]
+    moe, stock = bool(opts.get("moe")), bool(opts.get("stock"))
     source = None if opts.get("from_env") else config  # from_env: patch() reads $HF_GRADFIX_CONFIG (hf-gradfix launch)
     if opts.get("yaml"):
         import yaml
@@ -136,18 +156,27 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
             path.write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "hf_gradfix": config}))
         torch.distributed.barrier()
         source = str(path)
-    hf_gradfix.patch(source)
-    model = build_model()
-    initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    samples = scenario_samples(config, world)
-    collator = harness.RecordingCollator("causal", harness.PAD_ID)
+    if opts.get("file"):
+        source = str(harness.REPO_ROOT / opts["file"])
+    if stock:  # the user shards the model at load time; no hf_gradfix
+        from hf_gradfix.integration.nd import distributed_config
+        from hf_gradfix.parallel import ParallelDims
+
+        model, initial_state = ep_worker.load_ep_model(out, rank, world, distributed_config(ParallelDims(world, **config["parallel"])))
+    else:
+        hf_gradfix.patch(source)
+        model = harness.build_moe("qwen3_moe", coef=ep_worker.COEF).train() if moe else build_model()
+        initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    n, batch = (MOE_SAMPLES, MOE_BATCH) if moe else (N_SAMPLES, 1)
+    samples = scenario_samples(config, world, n=n, batch=batch)
+    collator = harness.RecordingCollator("causal", harness.pad_id_of(model) if moe else harness.PAD_ID)
     recorder = _make_callback()
     recorder.collator = collator
     extra = dict(average_tokens_across_devices=False) if opts.get("avg_false") else {}
     iterable = bool(opts.get("iterable"))
     args = transformers.TrainingArguments(
         output_dir=str(out / name / f"trainer_rank{rank}"),
-        per_device_train_batch_size=1,
+        per_device_train_batch_size=batch,
         gradient_accumulation_steps=2,
         num_train_epochs=1,
         max_steps=N_SAMPLES // (2 * dp_size(config, world)) if iterable else -1,
@@ -200,22 +229,26 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
         trainer.args.per_device_eval_batch_size = 2
         metrics = trainer.evaluate(eval_dataset=harness.ListDataset(samples[: N_SAMPLES - 1]))
         payload.update(eval_loss=metrics["eval_loss"], eval_targets=metrics.get("eval_loss_targets"))
-    state = hf_gradfix.state_of(trainer)
-    plan = state.nd
     payload.update(
         steps=recorder.steps,
         logged_losses=[float(h["loss"]) for h in trainer.state.log_history if "loss" in h],
         grad_norms=[float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h],
-        route=plan.route,
-        line=plan.line,
-        dims=dict(dp_replicate=plan.dims.dp_replicate, dp_shard=plan.dims.dp_shard, tp=plan.dims.tp, cp=plan.dims.cp),
-        coords=plan.dims.coords(rank),
-        data_rank=plan.dims.data_rank(rank),
         model_class=type(trainer.model).__name__,
         dtensor_params=sum(1 for p in trainer.model.parameters() if type(p.data).__name__ == "DTensor"),
-        dataloader=type(trainer.get_train_dataloader()).__name__,
-        fixes=list(state.fixes),
+        seconds=time.perf_counter() - start,
     )
+    state = hf_gradfix.state_of(trainer)
+    plan = state.nd if state is not None else None
+    if plan is not None:  # None: the stock control
+        payload.update(
+            route=plan.route,
+            line=plan.line,
+            dims=dict(dp_replicate=plan.dims.dp_replicate, dp_shard=plan.dims.dp_shard, tp=plan.dims.tp, cp=plan.dims.cp),
+            coords=plan.dims.coords(rank),
+            data_rank=plan.dims.data_rank(rank),
+            dataloader=type(trainer.get_train_dataloader()).__name__,
+            fixes=list(state.fixes),
+        )
     if rank == 0:
         payload["samples"] = samples
         payload["initial_state"] = initial_state

@@ -1,9 +1,15 @@
 """ND-parallel meshes (dp_replicate x dp_shard x tp) with the plugin: exact against the single-process full batch.
 
-The distributed tests share ONE launch of 4 processes (gloo, CPU; ~60 s on 2 cores) that runs every scenario of
+The distributed tests share ONE launch of 4 processes (gloo, CPU; ~100 s on 2 shared cores;
+the MoE scenarios below add ~30 s of CPU time, +20 %) that runs every scenario of
 ``tests/nd_worker.py`` in sequence. Window k of the ground truth is the union of the k-th windows of the
 data-parallel ranks (one rank per TP group: its TP partners must have consumed the same micro-batches), run in one
 process with plain PyTorch (``harness.ground_truth``: each sample alone, CE sum / total targets, one backward).
+
+The same launch trains the tiny Qwen3-MoE of tests/ep_worker.py with expert parallelism on the 4 processes
+(transformers 5.x only): ep 2 x efsdp 2 (``dp_shard: 4``) and ep 2 x dp_replicate 2 (HSDP, configs/cpu_ep4.yaml), each
+with ``aux_loss: micro`` and ``global``, against tests/test_moe.py's float64 reference through tests/test_ep.py's
+per-group comparison, and stock's router term beside them (the control).
 
 The other tests (no processes) check the refusals of :func:`hf_gradfix.integration.nd.setup` on a stand-in trainer,
 and the clear error on transformers 4.57 (no ``DistributedConfig``) in the ``.venv-tf457`` environment.
@@ -23,12 +29,18 @@ import torch
 import harness as H
 from multiproc import launch_cases
 import nd_worker as W
+from test_ep import TOL as EP_TOL, _all_to_all_expert_parallelism, _errors as ep_errors
 
 GRAD_TOL = 1e-5  # relative, fp32
 LOSS_TOL = 1e-5
 EXACT = ["shard2_tp2", "shard2_tp2_avg_false", "rep2_shard2", "rep2_tp2", "shard2_tp2_iterable"]
 REFUSED = ["tp4_refused", "world_mismatch_refused", "tp_data_differs_refused"]
-ALL = EXACT + ["shard2_tp2_avg_false_stock"] + REFUSED  # the guard scenario last: it aborts a training run
+HAS_EP = _all_to_all_expert_parallelism()  # transformers 5.x: DistributedConfig(fsdp_size, ep_size, ep_implementation)
+EP = ["ep2_efsdp2_micro", "ep2_efsdp2_global", "ep2_rep2_micro", "ep2_rep2_global"]
+EP_STOCK = "ep2_efsdp2_stock"
+ALL = EXACT + ["shard2_tp2_avg_false_stock"] + (EP + [EP_STOCK] if HAS_EP else []) + REFUSED  # the guard scenario
+# last: it aborts a training run
+needs_ep = pytest.mark.skipif(not HAS_EP, reason="this transformers has no DistributedConfig ep (transformers 5.x)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,6 +157,55 @@ def test_mesh_layout_and_coordinates(nd_runs):
     assert [r["data_rank"] for r in nd_runs["rep2_tp2"]] == [0, 0, 1, 1]
     assert nd_runs["rep2_tp2"][0]["dims"] == dict(dp_replicate=2, dp_shard=1, tp=2, cp=1)
     assert any("ND mesh" in f and "dp_shard=2 x tp=2" in f for f in shard_tp[0]["fixes"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Expert parallelism on 4 processes (the MoE scenarios of the same launch)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def ep_convention(scenario: str) -> str:
+    return W.SCENARIOS[scenario][0].get("loss", {}).get("aux_loss", "micro")
+
+
+@pytest.mark.distributed
+@needs_ep
+@pytest.mark.parametrize("scenario", EP)
+def test_expert_parallel_on_four_processes_is_the_window_objective(nd_runs, scenario):
+    """Every group (dense, router ``mlp.gate``, experts ``mlp.experts``) and the logged loss equal the float64
+    reference of the window (the micro-batches of all 4 data ranks) under the scenario's router-loss convention."""
+    ranks = nd_runs[scenario]
+    efsdp = 2 if scenario.startswith("ep2_efsdp2") else 1
+    assert f"expert parallel ep=2 (efsdp={efsdp}, all_to_all) over 4 data rank(s)" in ranks[0]["line"]
+    assert ranks[0]["route"] == "transformers" and ranks[0]["model_class"].startswith("FSDP")
+    assert [r["data_rank"] for r in ranks] == [0, 1, 2, 3]
+    by_idx = {s["idx"]: s for s in ranks[0]["samples"]}
+    rows = ep_errors(ranks, ranks[0], ep_convention(scenario))
+    assert len(rows) == 2
+    for k, row in enumerate(rows):
+        assert max(row["dense"], row["router"], row["experts"], row["loss"]) <= EP_TOL, (scenario, row)
+        assert row["ranks_differ"] == 0.0, (scenario, row)
+        counts = [sum(H.sample_loss_count(by_idx[i], "causal") for b in r["steps"][k]["idx_batches"] for i in b) for r in ranks]
+        assert max(counts) >= 2 * min(counts), f"token counts per data rank should be unequal: {counts}"
+    if ep_convention(scenario) == "global":  # the control: the micro-batch-mean reference is far
+        assert all(row["router"] > 1e-2 for row in ep_errors(ranks, ranks[0], "micro")), scenario
+
+
+@needs_ep
+def test_expert_parallel_hsdp_scenario_is_the_shipped_config():
+    import yaml
+
+    config, opts = W.SCENARIOS["ep2_rep2_micro"]
+    assert yaml.safe_load((H.REPO_ROOT / opts["file"]).read_text())["hf_gradfix"] == config
+
+
+@pytest.mark.distributed
+@needs_ep
+def test_stock_router_loss_is_off_under_four_process_expert_parallelism(nd_runs):
+    """The control: stock transformers (the model loaded with DistributedConfig(fsdp_size=4, ep_size=2)) multiplies
+    the router term by GA x world (transformers#48690): its router gradient fails the micro reference."""
+    rows = ep_errors(nd_runs[EP_STOCK], nd_runs[EP_STOCK][0], "micro")
+    assert all(row["router"] > 1.0 for row in rows), rows
 
 
 # ----------------------------------------------------------------------------------------------------------------

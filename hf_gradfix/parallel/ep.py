@@ -7,15 +7,15 @@ expert mesh ``(pp, dp_replicate, efsdp, ep)`` over the same ranks, ``efsdp = fsd
 ``Shard(0)`` on ``ep``), reached by two all-to-alls (``AllToAllEP``); dense modules are FSDP2-sharded over ``fsdp``,
 expert modules over ``efsdp`` (HSDP with ``dp_replicate``).
 
-Why the gradient is the window's objective (measured on 2 and 4 gloo processes against a float64 one-process
-reference, tests/test_ep.py): a token of data rank r reaches its expert through the all-to-all, so rank r's loss
-term back-propagates into the expert owner's gradient. After the window the expert gradient on its owner is the sum
-over every data rank of d(loss_r)/dW (each token once), and the efsdp reduction adds the other copies; transformers
-then divides by ``dp_size = dp_replicate * fsdp`` (``set_gradient_divide_factor`` on every expert module), the same
-mean over data ranks FSDP2 takes for the dense parameters. With hf_gradfix's per-rank loss ``sum_r * dp / N``
-(N: the window's target count over all data ranks) both are ``d(sum / N)``. Stock transformers is exact for the
-token loss too (``average_tokens_across_devices``); its router aux term is ``GA x dp`` times too large (#48690),
-which hf_gradfix's ``loss.aux_loss`` conventions fix as they do without ep.
+Why the gradient is the window's objective (measured on 2 and 4 gloo processes against a float64 one-process reference,
+tests/test_ep.py and the 4-process launch of tests/test_nd_parallel.py): a token of data rank r reaches its expert
+through the all-to-all, so rank r's loss term back-propagates into the expert owner's gradient. After the window the
+expert gradient on its owner is the sum over every data rank of d(loss_r)/dW (each token once), and the efsdp reduction
+adds the other copies; transformers then divides by ``dp_size = dp_replicate * fsdp`` (``set_gradient_divide_factor`` on
+every expert module), the same mean over data ranks FSDP2 takes for the dense parameters. With hf_gradfix's per-rank
+loss ``sum_r * dp / N`` (N: the window's target count over all data ranks) both are ``d(sum / N)``. Stock transformers
+is exact for the token loss too (``average_tokens_across_devices``); its router aux term is ``GA x dp`` times too large
+(#48690), which hf_gradfix's ``loss.aux_loss`` conventions fix as they do without ep.
 
 What is checked here, on the model, before training (:func:`check_model`): the divide factor of every expert module
 (a transformers version that divides by ``efsdp`` instead, or not at all, would leave the expert gradients ``ep``
