@@ -147,7 +147,7 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
     iterable = bool(opts.get("iterable"))
     args = transformers.TrainingArguments(
         output_dir=str(out / name / f"trainer_rank{rank}"),
-        per_device_train_batch_size=1,
+        per_device_train_batch_size=opts.get("batch", 1),
         gradient_accumulation_steps=2,
         num_train_epochs=1,
         max_steps=N_SAMPLES // (2 * dp_size(config, world)) if iterable else -1,
@@ -215,6 +215,7 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
         dtensor_params=sum(1 for p in trainer.model.parameters() if type(p.data).__name__ == "DTensor"),
         dataloader=type(trainer.get_train_dataloader()).__name__,
         fixes=list(state.fixes),
+        moe_cp=(state.moe.cp_checked, state.moe.cp_fallback) if getattr(state, "moe", None) is not None else None,
     )
     if rank == 0:
         payload["samples"] = samples
