@@ -14,6 +14,8 @@ Run (normally through ``test_context_parallel.py``)::
   SGD lr 0, bs 1, GA 2, 12 samples of 3-41 tokens with a masked prompt (unequal targets per shard and per data
   rank), the full gradient recorded at every optimizer step. Names ending in ``_control_*`` break one rule of the
   CP batch preparation on purpose (labels shifted after the split; no global position_ids) and must be off.
+* ``moe_cp2``: the same with a tiny sdpa Qwen3-MoE (router loss ``micro``, coef 0.5), padded micro-batches of 2;
+  ``moe_cp2_control_shard_mean`` trains the router loss as before the fix (each shard's own aux_loss, averaged).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ CP_SCENARIOS: dict[str, tuple[dict, dict]] = {
     "shard2_cp2": ({"parallel": {"dp_shard": 2, "cp": 2}}, {"eval": True}),
     "cp2_tp2": ({"parallel": {"dp_shard": 1, "cp": 2, "tp": 2}}, {}),
     "rep2_cp2": ({"parallel": {"dp_replicate": 2, "dp_shard": 1, "cp": 2}}, {}),
+    # MoE router loss `micro` under cp (issue 36): a tiny sdpa Qwen3-MoE, padded micro-batches of 2, GA 2; the
+    # control trains the old per-shard mean (each cp rank's own aux_loss, pads counted) and must be off
+    "moe_cp2": ({"parallel": {"dp_shard": 1, "cp": 2}, "loss": {"aux_loss": "micro"}}, {"moe": True, "batch": 2}),
+    "moe_cp2_control_shard_mean": ({"parallel": {"dp_shard": 1, "cp": 2}, "loss": {"aux_loss": "micro"}},
+                                   {"moe": True, "batch": 2, "control": "shard_mean"}),
 }
 
 
@@ -145,7 +152,7 @@ def packed_case(name: str, out: Path, rank: int, world: int) -> None:
         hf_gradfix.unpatch()
 
 
-def _cp_samples(config: dict, world: int, seed: int = 0) -> list[dict]:
+def _cp_samples(config: dict, world: int, seed: int = 0, **_sizes) -> list[dict]:  # the cp scenarios' own sizes
     samples = harness.make_samples("causal", n=nd_worker.N_SAMPLES, seed=seed, prompt_mask_frac=PROMPT_MASK)
     return harness.arrange_for_ranks(samples, nd_worker.dp_size(config, world), 1)
 
@@ -154,6 +161,11 @@ def _break(control: str) -> None:
     """Negative controls: the CP batch preparation with one rule broken (what users get wrong)."""
     from hf_gradfix.parallel import context
 
+    if control == "shard_mean":  # the router loss as before the fix: the mean of each cp shard's own aux_loss
+        from hf_gradfix.integration import moe
+
+        moe._cp_micro_share = lambda *a, **k: None
+        return
     original = context.prepare_batch
 
     def broken(inputs, cp, pad_token_id=0):
@@ -237,8 +249,11 @@ def main(argv=None) -> None:
     nd_worker.scenario_samples = _cp_samples
     from hf_gradfix.parallel import context
 
+    from hf_gradfix.integration import moe
+
     original_prepare = context.prepare_batch
     original_build = nd_worker.build_model
+    original_share = moe._cp_micro_share
     import hf_gradfix
 
     def run_one(name: str) -> None:
@@ -258,13 +273,17 @@ def main(argv=None) -> None:
             if "control" in opts:
                 _break(opts["control"])
             attn = opts.get("attn", "sdpa")
-            nd_worker.build_model = lambda seed=0, attn=attn: original_build(seed, attn)
+            if opts.get("moe"):
+                nd_worker.build_model = lambda seed=0: harness.build_moe("qwen3_moe")  # sdpa, 6 experts top-2
+            else:
+                nd_worker.build_model = lambda seed=0, attn=attn: original_build(seed, attn)
             nd_worker.run_scenario(name, out, rank, world)
 
     def cleanup(name: str) -> None:
         hf_gradfix.unpatch()
         context.prepare_batch = original_prepare
         nd_worker.build_model = original_build
+        moe._cp_micro_share = original_share
 
     multiproc.run_cases(a.scenarios.split(","), out, rank, run_one, cleanup=cleanup)
 

@@ -168,6 +168,7 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
         model = harness.build_moe("qwen3_moe", coef=ep_worker.COEF).train() if moe else build_model()
         initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     n, batch = (MOE_SAMPLES, MOE_BATCH) if moe else (N_SAMPLES, 1)
+    batch = opts.get("batch", batch)
     samples = scenario_samples(config, world, n=n, batch=batch)
     collator = harness.RecordingCollator("causal", harness.pad_id_of(model) if moe else harness.PAD_ID)
     recorder = _make_callback()
@@ -248,6 +249,7 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
             data_rank=plan.dims.data_rank(rank),
             dataloader=type(trainer.get_train_dataloader()).__name__,
             fixes=list(state.fixes),
+            moe_cp=(state.moe.cp_checked, state.moe.cp_fallback) if getattr(state, "moe", None) is not None else None,
         )
     if rank == 0:
         payload["samples"] = samples

@@ -2,7 +2,8 @@
 
 Two launches (gloo, CPU): 2 processes (``hf-gradfix launch --config_file configs/cpu_cp.yaml``) run the attention unit check (torch's own ``context_parallel`` with the CPU
 SDPA kernel registered vs. one process on the full sequence, fp32 / fp64 / GQA, and the registration's absence
-must raise torch's error) plus the cp 2 Trainer scenarios (exact, two negative controls, a refusal); 4 processes
+must raise torch's error) plus the cp 2 Trainer scenarios (exact, two negative controls, a refusal; a Qwen3-MoE
+with the router loss ``micro`` against test_moe's float64 reference, and its per-shard-mean control); 4 processes
 run dp_shard 2 x cp 2, cp 2 x tp 2 and dp_replicate 2 x cp 2. Ground truth: ``harness.ground_truth`` (plain
 PyTorch, one process, each sample alone and unsplit, CE sum / total targets, one backward) over the union of the
 data-parallel ranks' windows, as in ``test_nd_parallel.py``.
@@ -27,8 +28,9 @@ CPU_CP_CONFIG = H.REPO_ROOT / "configs" / "cpu_cp.yaml"
 PACKED_TWO = ["packed_cp2", "packed_cp2_control_mask_after_split", "packed_cp2_control_positions_local",
               "packed_cp2_control_positions_not_restarted"]
 PACKED_FOUR = ["packed_shard2_cp2", "packed_cp2_tp2"]
+MOE_TWO = ["moe_cp2", "moe_cp2_control_shard_mean"]
 TWO = ["attention", "verify", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", *PACKED_TWO,
-       "cp2_eager_refused", "cp2_data_differs_refused"]  # the guard last: it aborts a training run
+       *MOE_TWO, "cp2_eager_refused", "cp2_data_differs_refused"]  # the guard last: it aborts a training run
 RING_FOUR = ["shard2_cp2", "cp2_tp2", "rep2_cp2"]
 FOUR = [*RING_FOUR, *PACKED_FOUR]
 
@@ -161,6 +163,63 @@ def test_cp_refuses_non_sdpa_attention_and_cp_ranks_with_different_batches(two):
     assert "attn_implementation='eager'" in errors.pop()
     guard = {r["error"] for r in two["cp2_data_differs_refused"]}
     assert len(guard) == 1 and "context-parallel ranks [0, 1] received different batches" in guard.pop()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE router loss `micro` under cp 2 (issue 36): the micro-batch's load-balancing loss, counted over its shards
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _moe_compare(ranks: list[dict]) -> list[dict]:
+    """Each optimizer step's full gradient on every cp rank and the logged loss vs test_moe's float64 reference on
+    one process: the FULL (unsplit) padded micro-batches the step trained, CE token mean + coef * the mean over
+    micro-batches of each micro-batch's Switch loss (padding rows dropped)."""
+    import test_moe as TM
+
+    r0 = ranks[0]
+    model = H.build_moe("qwen3_moe")
+    by_idx = {s["idx"]: s for s in r0["samples"]}
+    collator = H.RecordingCollator("causal", H.pad_id_of(model))  # the worker's collator for a MoE model
+    groups = {"router": lambda n: ".mlp.gate." in n, "experts": lambda n: ".mlp.experts." in n,
+              "dense": lambda n: ".mlp.gate." not in n and ".mlp.experts." not in n}
+    rows = []
+    for k, step in enumerate(r0["steps"]):
+        assert all(r["steps"][k]["idx_batches"] == step["idx_batches"] for r in ranks)  # cp ranks: the same batches
+        mbs = [collator.collate([by_idx[i] for i in b]) for b in step["idx_batches"]]
+        loss, grads = TM.reference(model, r0["initial_state"], mbs, "micro")
+        row = dict(step=k, rel_err=max(H.rel_err(r["steps"][k]["grads"], grads) for r in ranks),
+                   loss_rel_err=abs(r0["logged_losses"][k] - loss) / abs(loss),
+                   lengths=[tuple(mb["attention_mask"].sum(1).tolist()) for mb in mbs])
+        for g, keep in groups.items():
+            ref = {n: v for n, v in grads.items() if keep(n)}
+            row[g] = max(H.rel_err({n: r["steps"][k]["grads"][n] for n in ref}, ref) for r in ranks)
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.distributed
+def test_moe_micro_under_cp_is_each_micro_batch_loss(two):
+    """Qwen3-MoE (sdpa), cp 2, padded micro-batches of 2, GA 2: router, experts and dense gradients and the logged
+    loss equal the reference on the full sequences; the padding (the batch's and the pad cp adds) is never counted."""
+    ranks = two["moe_cp2"]
+    assert ranks[0]["model_class"].startswith("FSDP") and ranks[0]["dims"]["cp"] == 2
+    assert all(r["moe_cp"] == (True, False) for r in ranks), [r["moe_cp"] for r in ranks]  # checked, no fallback
+    rows = _moe_compare(ranks)
+    assert len(rows) >= 2
+    lengths = [n for row in rows for mb in row["lengths"] for n in mb]
+    assert any(n % 4 for n in lengths)  # cp pads the sequence (to a multiple of 2 x cp)
+    assert any(len(set(mb)) > 1 for row in rows for mb in row["lengths"])  # padding inside micro-batches
+    for row in rows:
+        for key in ("rel_err", "router", "experts", "dense", "loss_rel_err"):
+            assert row[key] <= GRAD_TOL, row
+
+
+@pytest.mark.distributed
+def test_moe_micro_under_cp_control_per_shard_mean_fails(two):
+    """The router loss as before the fix (each cp rank's own aux_loss on its shard, pads counted, averaged): off."""
+    rows = _moe_compare(two["moe_cp2_control_shard_mean"])
+    assert max(row["router"] for row in rows) > 100 * GRAD_TOL, rows
+    assert max(row["loss_rel_err"] for row in rows) > LOSS_TOL, rows
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -475,6 +534,9 @@ def test_packed_layout_shifts_labels_on_the_full_row_and_never_across_documents(
     # documents padded to 4: [5 6 7 pad | 8 9 pad pad]; the target 8 after 7 crosses a boundary: dropped
     assert layout.padded["shift_labels"].tolist() == [[6, 7, -100, -100, 9, -100, -100, -100]]
     assert layout.padded["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert layout.real.tolist() == [[1, 1, 1, 0, 1, 1, 0, 0]]  # what the MoE router loss counts (no pad)
+    assert torch.equal(torch.cat([layout.shard_real(0), layout.shard_real(1)], 1),
+                       torch.gather(layout.real, 1, layout.indices))
     assert torch.equal(torch.cat([layout.shard("input_ids", 0), layout.shard("input_ids", 1)], 1),
                        layout.permuted("input_ids"))
 

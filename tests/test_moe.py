@@ -369,3 +369,43 @@ def test_verify_holds_a_moe_run_to_its_declared_router_convention(convention, tm
         assert report.exact, (step.verdict, step.grad_rel_err, step.candidates)
         other = "router_global" if convention == "micro" else "router_micro"
         assert step.candidates[other] > 1e-3, step.candidates  # held to its own convention, not the other one
+
+
+def test_micro_under_cp_counts_the_micro_batch_over_its_shards_and_falls_back_once(monkeypatch):
+    """``micro`` under cp without processes: the cp all-reduce replaced by one that doubles (two cp ranks holding
+    the same shard). The share is rebuilt from the shard's router logits with the padding rows masked; a model whose
+    aux_loss is not the Switch loss of its logits trains the per-shard mean instead, with one warning and no more
+    all-reduces. The 2-process exactness run is tests/test_context_parallel.py::test_moe_micro_under_cp_*."""
+    from types import SimpleNamespace
+
+    from hf_gradfix.integration import moe as M
+    from hf_gradfix.loss.moe import load_balancing
+
+    torch.manual_seed(0)
+    logits = tuple(torch.randn(8, 4, requires_grad=True) for _ in range(2))  # 2 layers, 8 rows, 4 experts
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0])  # the last 2 rows: padding (the batch's, or the pad cp added)
+    groups, warnings = [], []
+
+    def all_reduce(t, group=None):
+        groups.append(group)
+        t.mul_(2)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(M.logger, "warning", lambda *a, **k: warnings.append(a[0] % a[1:]))
+    plan = SimpleNamespace(dims=SimpleNamespace(cp=2), cp_mesh=SimpleNamespace(get_group=lambda: "cp"))
+    trainer = SimpleNamespace(model=torch.nn.Linear(1, 1), args=SimpleNamespace(device=torch.device("cpu")))
+    state = SimpleNamespace(aux_coef=COEF)
+    own = COEF * load_balancing(logits, 4, 2)  # what the model returns on its shard: no mask under cp
+    moe = M.MoEState(top_k=2)
+    share = M._cp_micro_share(trainer, state, moe, plan, own, logits, mask, micro_batches=2)
+    # two equal shards: C and N double, the micro-batch's loss is the shard's masked loss; this rank's part of
+    # coef * LB * cp / GA is half of it
+    want = COEF * load_balancing(logits, 4, 2, mask) * 2 / 2 / 2
+    assert torch.allclose(share, want, rtol=1e-6) and share.requires_grad
+    assert not torch.allclose(share, own * 2 / 2 / 2, rtol=1e-3)  # not the unmasked shard loss
+    assert groups == ["cp"] and moe.cp_checked and not moe.cp_fallback and not warnings
+    moe = M.MoEState(top_k=2)
+    assert M._cp_micro_share(trainer, state, moe, plan, own * 1.1, logits, mask, micro_batches=2) is None
+    assert M._cp_micro_share(trainer, state, moe, plan, own, logits, mask, micro_batches=2) is None
+    assert moe.cp_fallback and len(groups) == 2 and len(warnings) == 1  # every cp rank joined the flag, once
+    assert "parallel.cp > 1" in warnings[0] and "not the Switch load-balancing loss" in warnings[0]

@@ -3,7 +3,9 @@
 ``loss.aux_loss`` picks the convention (docs/moe.md):
 
 - ``micro`` (alias ``micro_batch_mean``, the default): what transformers and TRL intend, the mean over micro-batches
-  and data ranks of each micro-batch's load-balancing loss, without stock's x GA x world scaling;
+  and data ranks of each micro-batch's load-balancing loss, without stock's x GA x world scaling; under context
+  parallelism the counts of one micro-batch are summed over its cp shards (padding masked) before the loss is formed
+  (:func:`_cp_micro_share`); tp ranks hold the same tokens, whose counts are already the micro-batch's;
 - ``global``: the load-balancing loss of the whole optimizer window, expert frequencies counted over every routed
   token of every micro-batch on every rank (Qiu et al. 2025). Exact: before the window's first micro-batch trains,
   a routing pre-pass (one no-grad forward per micro-batch, under a forked RNG so that dropout draws what training
@@ -80,6 +82,8 @@ class MoEState:
     bias_interval: torch.Tensor | None = None  # (routers, experts) selections since the last log, all ranks (health)
     counting: bool = False
     row_mask: Any = None
+    cp_checked: bool = False  # micro under cp: the model's aux_loss was compared with the rebuilt loss (all cp ranks)
+    cp_fallback: bool = False  # micro under cp trains the per-shard mean (one warning)
     health: dict = field(default_factory=dict)
 
 
@@ -444,9 +448,15 @@ def aux_share(trainer: Trainer, state: GradFixState, aux: torch.Tensor, outputs:
     logits = _router_logits(outputs)
     moe = _moe(trainer, state)
     stats = None
+    cp_plan = _cp_plan(state)
+    row_mask = inputs.get("attention_mask") if cp_plan is None else _cp_row_mask(cp_plan, logits)
+    if conv == "micro" and cp_plan is not None:
+        share = _cp_micro_share(trainer, state, moe, cp_plan, aux, logits, row_mask, micro_batches)
+        if share is not None:
+            return share
     if logits is not None and moe.top_k is not None:
         try:  # router logits of a shape this does not read (never a crash: micro needs none of it)
-            stats = routing_stats(logits, moe.top_k, inputs.get("attention_mask"))
+            stats = routing_stats(logits, moe.top_k, row_mask)
         except Exception as exc:  # noqa: BLE001
             if conv in ("global", "previous"):
                 _fall_back(moe, f"{type(trainer.model).__name__}'s router logits cannot be read as (rows, experts) "
@@ -472,6 +482,74 @@ def aux_share(trainer: Trainer, state: GradFixState, aux: torch.Tensor, outputs:
         return mean_term_share(aux, micro_batches)
     freq = moe.prev_freq.to(device=stats.prob_sum.device, dtype=stats.prob_sum.dtype)
     return coef * experts * (freq * stats.prob_sum).sum() / moe.window_rows * _dp_world(trainer)
+
+
+def _cp_plan(state: GradFixState):
+    """The ND plan when the sequences are split over cp > 1 ranks, else None."""
+    plan = getattr(state, "nd", None)
+    if plan is None or getattr(plan, "cp_mesh", None) is None or plan.dims.cp <= 1:
+        return None
+    return plan
+
+
+def _cp_row_mask(plan, logits):
+    """This rank's real tokens under cp (the original padding and the pad cp added are 0), flat, or None where it
+    does not match the router logits' rows (then the micro-batch cannot be counted over its shards)."""
+    mask = getattr(plan, "cp_row_mask", None)
+    if not torch.is_tensor(mask) or logits is None or any(t.dim() != 2 or t.shape[0] != mask.numel() for t in logits):
+        return None
+    return mask.reshape(-1)
+
+
+def _cp_micro_share(trainer: Trainer, state: GradFixState, moe: MoEState, plan, aux: torch.Tensor, logits, row_mask,
+                    micro_batches: int):
+    """``micro`` under context parallelism: the load-balancing loss of the WHOLE micro-batch, not the mean of its
+    shards' losses. Each cp rank holds a shard of every sequence and its model's ``aux_loss`` counts that shard alone
+    (and the pads: under cp the model gets no attention mask). Rebuilt from the shard's router logits with the real
+    tokens only: the counts ``C`` (summed over layers) and rows ``N`` are all-reduced over the cp group, so that
+    ``LB = sum over the cp ranks of E * sum_e C_e * Q_e(rank) / N**2``; each rank returns
+    ``coef * window_share(Q_rank, C, N, E) * cp / micro_batches``, and FSDP2's average over dp x cp ranks gives the
+    mean over micro-batches and data ranks of each micro-batch's loss. One all-reduce per micro-batch (experts + 2
+    numbers). None: the old per-shard mean (the model's aux term is not the Switch loss of its logits, one warning)."""
+    if moe.cp_fallback:
+        return None
+    if logits is None or moe.top_k is None or row_mask is None or not state.aux_coef:
+        why = ("returned no router_logits with its aux_loss" if logits is None else
+               "has no config.num_experts_per_tok" if moe.top_k is None else
+               "returned router logits that are not one (tokens, experts) row per token of the shard")
+        _cp_fall_back(moe, f"{type(trainer.model).__name__} {why}")
+        return None
+    import torch.distributed as dist
+
+    stats = routing_stats(logits, moe.top_k, row_mask)
+    experts = stats.prob_sum.numel()
+    bad = 0.0
+    if not moe.cp_checked:  # the model's own aux_loss on the shard (no mask under cp) vs the Switch loss rebuilt
+        unmasked = routing_stats([t.detach() for t in logits], moe.top_k, None)
+        rebuilt = float(window_share(unmasked.prob_sum, unmasked.counts.sum(0), unmasked.rows, experts))
+        own = float(aux.detach()) / state.aux_coef
+        bad = float(abs(rebuilt - own) > _REL_TOL * max(abs(own), 1e-12) + 1e-9)
+        moe.cp_checked = True
+    local = torch.zeros(experts + 2, dtype=torch.float64, device=trainer.args.device)
+    local[:experts] = stats.counts.sum(0).to(local.device)
+    local[experts] = stats.rows
+    local[experts + 1] = bad
+    dist.all_reduce(local, group=plan.cp_mesh.get_group())  # every cp rank, every training micro-batch
+    total = local.cpu()
+    if total[experts + 1] > 0:  # on any cp rank: every rank of the group falls back together
+        _cp_fall_back(moe, f"{type(trainer.model).__name__}'s aux_loss is not the Switch load-balancing loss of its "
+                           f"router logits (softmax, top-{moe.top_k}) on some cp rank")
+        return None
+    _record(moe, stats)
+    share = window_share(stats.prob_sum, total[:experts], float(total[experts]), experts)
+    return state.aux_coef * share * plan.dims.cp / micro_batches
+
+
+def _cp_fall_back(moe: MoEState, reason: str) -> None:
+    if not moe.cp_fallback:
+        moe.cp_fallback = True
+        logger.warning("hf_gradfix: loss.aux_loss='micro' with parallel.cp > 1: %s; the router loss is the mean of "
+                       "each cp shard's own aux_loss (padding counted), not the micro-batch's.", reason)
 
 
 def _check_formula(trainer: Trainer, state: GradFixState, moe: MoEState, stats, aux: torch.Tensor) -> None:

@@ -81,6 +81,9 @@ class NDPlan:
     packed_cp_batches: int = 0  # packed batches split over the cp ranks (document-masked attention)
     packed_cp_calls: list = field(default_factory=lambda: [0])  # attention calls those batches made
     ep: Any = None  # hf_gradfix.parallel.ep.EPLayout of a model sharded by expert at load time
+    # cp > 1, training: [batch, seq/cp] 1 = a real token of this rank's shard, 0 = the original padding or the pad cp
+    # added (split with the tokens inside the cp block); the MoE router loss counts rows by it (integration/moe.py)
+    cp_row_mask: Any = None
 
     @property
     def line(self) -> str:
@@ -589,13 +592,27 @@ def _cp_inputs_hook(trainer, plan: NDPlan):
         inputs = trainer._prepare_inputs(inputs)
         try:
             if is_packed(inputs):  # documents split over the cp ranks, the document mask built on the full rows
-                return _packed_cp_inputs(inputs, pad)
+                return _packed_cp_inputs(inputs, pad, model.training)
             prepared, buffers, seq_dims = prepare_batch(inputs, cp, pad)
         except ContextParallelError as err:
             raise NDParallelError(str(err)) from err
+        plan.cp_row_mask = None
+        if model.training:  # split with the tokens: the real tokens of this rank's shard (the model gets no mask)
+            plan.cp_row_mask = _real_tokens(inputs, prepared["input_ids"])
+            buffers, seq_dims = [*buffers, plan.cp_row_mask], [*seq_dims, 1]
         return partial(context_parallel_block, plan.cp_mesh, buffers, seq_dims, float64=float64), prepared
 
-    def _packed_cp_inputs(inputs, pad):
+    def _real_tokens(inputs, padded_ids):
+        """[batch, padded length] int64: the batch's 2-D attention mask (right padding, checked by prepare_batch) or
+        ones, then zeros over the pad cp added."""
+        rows, length = inputs["input_ids"].shape
+        mask = inputs.get("attention_mask")
+        real = mask.to(torch.int64) if torch.is_tensor(mask) and mask.dim() == 2 else torch.ones(
+            rows, length, dtype=torch.int64, device=padded_ids.device)
+        real = real.to(padded_ids.device)
+        return torch.nn.functional.pad(real, (0, padded_ids.shape[1] - length), value=0).contiguous()
+
+    def _packed_cp_inputs(inputs, pad, training):
         layout = PackedLayout.build(inputs, cp, pad)
         rank = plan.cp_mesh.get_local_rank()
         prepared = {k: layout.shard(k, rank) for k in layout.padded}
@@ -610,6 +627,9 @@ def _cp_inputs_hook(trainer, plan: NDPlan):
                 )
             prepared[key] = value
         plan.packed_cp_batches += 1
+        # packed rows: every token of a document is real, the pads that make each document a multiple of 2 x cp
+        # and the row's tail are not
+        plan.cp_row_mask = layout.shard_real(rank) if training else None
         return partial(packed_attention_block, layout.mask(rank), plan.cp_mesh.get_group(), plan.packed_cp_calls), prepared
 
     return _prepare_context_parallel_inputs

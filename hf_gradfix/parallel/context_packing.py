@@ -115,6 +115,7 @@ class PackedLayout:
     padded: dict[str, torch.Tensor]  # full padded rows (original order): input_ids, labels, shift_labels, position_ids
     doc: torch.Tensor  # [B, L] document id of each padded token
     indices: torch.Tensor  # [B, L] load-balance permutation (torch's per-document head-tail)
+    real: torch.Tensor | None = None  # [B, L] int64: 1 = a token of a document, 0 = a pad the layout added
 
     @classmethod
     def build(cls, inputs: Mapping[str, Any], cp: int, pad_token_id: int = 0) -> "PackedLayout":
@@ -169,6 +170,7 @@ class PackedLayout:
         fill = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX}
         out = {k: torch.empty(rows, total, dtype=v.dtype, device=v.device) for k, v in source.items()}
         new_doc = torch.empty(rows, total, dtype=torch.long, device=ids.device)
+        real = torch.zeros(rows, total, dtype=torch.long, device=ids.device)
         doc_lengths: list[list[int]] = []
         for b in range(rows):
             at, lengths = 0, []
@@ -181,6 +183,7 @@ class PackedLayout:
                     else:
                         out[key][b, at + n:at + padded] = fill[key]
                 new_doc[b, at:at + padded] = d
+                real[b, at:at + n] = 1
                 at += padded
                 lengths.append(padded)
             if at < total:  # the row's tail: one more document of pads (its own, so no real token sees it)
@@ -191,7 +194,7 @@ class PackedLayout:
                 lengths.append(tail)
             doc_lengths.append(lengths)
         indices = load_balance_indices(doc_lengths, cp, ids.device)
-        return cls(cp=cp, length=total, doc_lengths=doc_lengths, padded=out, doc=new_doc, indices=indices)
+        return cls(cp=cp, length=total, doc_lengths=doc_lengths, padded=out, doc=new_doc, indices=indices, real=real)
 
     def local_positions(self, rank: int) -> torch.Tensor:
         """[B, L/cp] the original (padded-row) index of each token rank ``rank`` holds."""
@@ -201,6 +204,10 @@ class PackedLayout:
     def shard(self, batch_key: str, rank: int) -> torch.Tensor:
         """Rank ``rank``'s slice of the permuted padded row of ``batch_key``."""
         return torch.gather(self.padded[batch_key], 1, self.local_positions(rank).to(self.padded[batch_key].device))
+
+    def shard_real(self, rank: int) -> torch.Tensor:
+        """[B, L/cp] int64: which tokens of rank ``rank``'s slice are document tokens (1) or the layout's pads (0)."""
+        return torch.gather(self.real, 1, self.local_positions(rank).to(self.real.device))
 
     def permuted(self, batch_key: str) -> torch.Tensor:
         """The whole permuted padded row of ``batch_key`` (every rank's slice, in rank order)."""
