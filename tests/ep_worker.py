@@ -47,6 +47,38 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _local_sizes(model) -> dict:
+    """This rank's share of the sharded model, routed experts (``.mlp.experts.``) apart from the rest: elements of
+    ``p.to_local()`` / ``p.grad.to_local()``, FSDP2's padded shard sizes, and the bytes of the storages (a gradient
+    storage is the reduce-scatter output of an FSDP2 unit, counted once). For tests/test_ep.py's planner check."""
+    from torch.distributed.tensor import DTensor
+
+    keys = ("param_numel", "param_storage_bytes", "fsdp_padded_numel", "grad_numel", "grad_storage_bytes")
+    out = {k: {"experts": 0, "dense": 0} for k in keys}
+    seen: set = set()
+    group_of = {id(p): "experts" if ".mlp.experts." in n else "dense" for n, p in model.named_parameters()}
+    states = {}  # FSDP2's own record of each shard's padded size (FSDPParam); one state may serve several modules
+    for module in model.modules():
+        if hasattr(module, "_get_fsdp_state"):
+            states.setdefault(id(module._get_fsdp_state()), module._get_fsdp_state())
+    for state in states.values():
+        for g in state._fsdp_param_groups:
+            for fp in g.fsdp_params:
+                out["fsdp_padded_numel"][group_of[id(fp.sharded_param)]] += fp.padded_sharded_param_size.numel()
+    for name, p in model.named_parameters():
+        group = group_of[id(p)]
+        for kind, t in (("param", p), ("grad", p.grad)):
+            if t is None:
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t
+            out[f"{kind}_numel"][group] += local.numel()
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                out[f"{kind}_storage_bytes"][group] += storage.nbytes()
+    return out
+
+
 def _recorder():
     from transformers import TrainerCallback
 
@@ -56,6 +88,8 @@ def _recorder():
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             tr = self.trainer
+            if not self.steps:  # the first window's gradients, before any optimizer step
+                self.local_sizes = _local_sizes(tr.model)
             n = tr._hgf_consumed
             batches, self._seen = self.collator.batches[self._seen : n], n
             grads = {}
@@ -240,6 +274,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         wrapped=type(trainer.model_wrapped).__name__,
         seconds=time.perf_counter() - start,
         hf_gradfix_file=hf_gradfix.__file__,
+        local_sizes=getattr(recorder, "local_sizes", None),
     )
     if rank == 0:
         payload.update(samples=samples, initial_state=initial_state)

@@ -187,3 +187,40 @@ def test_check_model_refuses_what_is_not_measured():
         model.config = SimpleNamespace(distributed_config=SimpleNamespace(**{**dc, **change}))
         with pytest.raises(EPError, match=needle):
             check_model(model)
+
+
+def test_planner_per_rank_shards_equal_the_expert_parallel_split(ep_runs):
+    """``hf-gradfix plan`` under ep=2 (dp_shard 2, efsdp 1) against the shards transformers made on the 2 gloo processes
+    (``patched`` case, recorded at the first optimizer step): per rank, the elements of ``p.to_local()`` and of its
+    gradient, routed experts and the rest apart, equal the planner's; FSDP2's padded shard sizes (the 97-row embedding
+    and head are 49 + 48 rows, both stored as 49) equal its ``parameters``, and the gradients' storages (FSDP2's
+    reduce-scatter outputs) its ``gradients``, to the byte. (Not compared: the parameters' storages. On CPU, loading an
+    fp32 checkpoint into fp32 leaves each dense shard a view of the whole loaded tensor, which FSDP2 keeps where the
+    shard is already its padded size: a loading artefact of same-device, same-dtype reads, not FSDP2's footprint.)
+    The control: the dense-only estimate (the planner before ep: every parameter / dp_shard, unpadded) is not the
+    measurement. (With tp = 1 an expert tensor has num_experts / dp_shard experts per rank either way; what the dense
+    estimate misses here is the padding, and in the comm buffers the layer units, which gather only this rank's experts.)"""
+    from hf_gradfix.parallel import ParallelDims
+    from hf_gradfix.plan import Settings, estimate, param_table
+
+    config = H.build_moe("qwen3_moe").config
+    params = param_table(config)
+    assert [p.name for p in params if p.expert] == [f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
+                                                      for w in ("gate_up_proj", "down_proj")]
+    plan = estimate(config, ParallelDims(2, dp_shard=2, ep=2), Settings(dtype="fp32", seq_len=16), params=params)
+    info, buffers = plan.extra["ep"], params.buffer_bytes
+    measured = []
+    for r in ep_runs["patched"]:
+        got, mine = r["local_sizes"], info["per_rank"][r["rank"]]
+        local = {"experts": mine["expert_local"], "dense": mine["dense_local"]}
+        padded = {"experts": mine["expert_padded"], "dense": mine["dense_padded"]}
+        assert got["param_numel"] == local and got["grad_numel"] == local, (r["rank"], got, mine)
+        assert got["fsdp_padded_numel"] == padded, (r["rank"], got, mine)
+        assert got["grad_storage_bytes"] == {k: 4 * v for k, v in padded.items()}, (r["rank"], got, mine)
+        assert 4 * sum(got["fsdp_padded_numel"].values()) == plan.components["parameters"] - buffers
+        assert sum(got["grad_storage_bytes"].values()) == plan.components["gradients"]
+        measured.append((4 * sum(got["param_numel"].values()), sum(got["grad_storage_bytes"].values())))
+    assert measured[0][0] != measured[1][0]  # rank 1 holds 48 rows of the embedding and of the head, rank 0 49
+    dense_only = estimate(config, ParallelDims(2, dp_shard=2), Settings(dtype="fp32", seq_len=16), params=params)
+    old_p, old_g = dense_only.components["parameters"] - buffers, dense_only.components["gradients"]
+    assert all(old_p not in (local_b, grads_b) and old_g != grads_b for local_b, grads_b in measured), (old_p, measured)

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100\n"
         "  hf-gradfix plan --model tiny-llama --num-gpus 8 --gpu-memory 80GiB --suggest\n"
         "  hf-gradfix plan --model llama-3.1-8b --num-gpus 8 --pp 4 --pp-schedule 1f1b --grad-accum 8 --gpu h100\n"
+        "  hf-gradfix plan --model configs/plan_qwen3_30b_a3b.json --num-gpus 8 --ep 4 --seq-len 4096 --gpu h100\n"
         "  hf-gradfix plan --model llama-3.1-8b --num-gpus 8 --rl grpo --prompt-len 512 --completion-len 2048 --micro-batch 4 "
         "--grad-accum 4 --beta 0.04 --gpu h100\n"
         "  hf-gradfix plan --model tiny-qwen2 --rl grpo --prompt-len 64 --completion-len 128 --micro-batch 2 "
@@ -76,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp-virtual-stages", type=int,
                     help="model chunks per pipeline rank for interleaved_1f1b / zero_bubble, 1 .. 2**20 (default: the "
                          "--config's parallel.pp_virtual_stages, else 1)")
+    ap.add_argument("--ep", type=int,
+                    help="expert parallelism, 1 .. 2**20 (default: the --config's parallel.ep, else 1): a mixture of "
+                         "experts' routed experts split as num_experts / ep whole experts per rank, each FSDP2-sharded over "
+                         "efsdp = dp_shard / ep, the dense parameters FSDP2 over dp_shard as transformers' DistributedConfig "
+                         "(ep_size, all_to_all) lays them out, plus one MoE layer's all-to-all dispatch + combine buffers "
+                         "(tokens x top_k x hidden each, balanced routing assumed); refused as config check refuses it "
+                         "(pp, cp, tp, packing, GaLore / APOLLO, DeepSpeed)")
     ap.add_argument("--packing", action="store_true",
                     help="packed rows (the plugin's packer; implied by a --config with packing.enabled): with cp > 1 "
                          "SDPA with a dense document mask and a K/V all-gather over the cp ranks")
@@ -215,6 +223,15 @@ def _mesh_and_settings(ns, config):
         rc = resolve_config(ns.config, num_processes=num_processes, micro_batch=ns.micro_batch, seq_len=ns.seq_len,
                             grad_accum=ns.grad_accum, model_config=config)
         mesh = rc.mesh
+        # parallel.ep (resolve_config has checked the file's own); --ep on a file without it: the same checks
+        ep_cfg = int(getattr(par, "ep", 1) or 1)
+        if ns.ep is not None and ep_cfg > 1 and ns.ep != ep_cfg:
+            raise PlanError(f"--ep {ns.ep}: {ns.config} sets parallel.ep={ep_cfg}; keep one of them")
+        if ns.ep is not None and ns.ep != getattr(mesh, "ep", 1):
+            fsdp_plugin = (str(cf.accelerate.get("distributed_type", "")).upper() == "FSDP"
+                           or bool(cf.accelerate.get("fsdp_config")))
+            _check_ep_flags(ns, ns.ep, mesh, pp, packing, rc.gradfix.optimizer.name, fsdp_plugin)
+            mesh = _with_ep(mesh, ns.ep, config)
         o = rc.gradfix.optimizer
         if o.name != "none":
             opt_name = o.name
@@ -237,6 +254,12 @@ def _mesh_and_settings(ns, config):
         # DeepSpeed partitions over every process (a replica each); accelerate's default stage is 2
         mesh = ParallelDims(n, dp_replicate=n, dp_shard=1) if deepspeed else ParallelDims(n)
         zero = 2 if deepspeed and zero is None else zero
+        if (ns.ep or 1) > 1:
+            if deepspeed:
+                raise PlanError(f"--ep {ns.ep} with --deepspeed: transformers shards the experts (ep) and the rest with "
+                                "FSDP2 itself; drop --deepspeed, or --ep")
+            _check_ep_flags(ns, ns.ep, mesh, pp, packing, "none", False)
+            mesh = _with_ep(mesh, ns.ep, config)
         mesh.check_model(config)
     s = Settings(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum, dtype=ns.dtype,
                  grad_fp32=ns.grad_fp32, optimizer=ns.optimizer or opt_name,
@@ -247,6 +270,11 @@ def _mesh_and_settings(ns, config):
                  offload_optimizer=offload, deepspeed=deepspeed,
                  pp=1 if getattr(mesh, "pp", 1) > 1 else pp, pp_schedule=schedule, pp_virtual_stages=virtual,
                  packing=packing, rl=_rl_run(ns, rl_packed))
+    if getattr(mesh, "ep", 1) > 1:
+        for flag, on in (("--suggest", ns.suggest), ("--simulate / --timeline", ns.simulate or ns.timeline)):
+            if on:
+                raise PlanError(f"{flag} with parallel.ep={mesh.ep}: not planned under expert parallelism (the layout "
+                                "search and the fake-tensor step know no expert sharding); drop it, or use ep: 1")
     if s.rl is not None:
         s.seq_len = s.rl.seq_len
         gen = ns.micro_batch * mesh.world_size * (s.rl.steps_per_generation or ns.grad_accum)
@@ -255,6 +283,30 @@ def _mesh_and_settings(ns, config):
                             f"{ns.micro_batch} x {mesh.world_size} processes x steps per generation "
                             f"{s.rl.steps_per_generation or ns.grad_accum} = {gen}) must be a multiple of it (TRL's rule)")
     return mesh, s
+
+
+def _with_ep(mesh, ep: int, config):
+    """``mesh`` with expert parallelism ``ep`` (ParallelDims checks that ep divides the shard group, check_model that
+    it divides the model's routed experts)."""
+    from ..parallel import ParallelDims
+
+    dims = ParallelDims(mesh.world_size, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
+                        pp=mesh.pp, pp_virtual_stages=mesh.pp_virtual_stages, ep=ep)
+    dims.check_model(config)
+    return dims
+
+
+def _check_ep_flags(ns, ep: int, mesh, pp: int, packing: bool, config_optimizer: str, fsdp_plugin: bool) -> None:
+    """``--ep`` against the other choices, in :func:`hf_gradfix.parallel.ep.check_combination`'s words (config check's
+    line) and the planner's own for what only the planner has (--suggest, --simulate)."""
+    from ..parallel.ep import check_combination
+
+    if ns.optimizer is not None:
+        opt, key = (ns.optimizer if ns.optimizer.startswith(("galore", "apollo")) else "none"), "--optimizer"
+    else:
+        opt, key = config_optimizer, "optimizer.name"
+    check_combination(ep=ep, pp=max(pp, getattr(mesh, "pp", 1)), cp=mesh.cp, tp=mesh.tp, packing=packing,
+                      optimizer=opt, fsdp_plugin=fsdp_plugin, optimizer_key=key)
 
 
 _RL_ONLY = ("prompt_len", "completion_len", "num_generations", "steps_per_generation", "beta", "rl_forwards",
@@ -413,7 +465,7 @@ def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memor
 _FLAG_BOUNDS = {
     "--num-gpus": ("num_gpus", 2**20), "--seq-len": ("seq_len", 2**24), "--micro-batch": ("micro_batch", 2**20),
     "--grad-accum": ("grad_accum", 2**20), "--rank": ("rank", 65536), "--update-proj-gap": ("update_proj_gap", 2**31 - 1),
-    "--pp": ("pp", 2**20), "--pp-virtual-stages": ("pp_virtual_stages", 2**20),
+    "--pp": ("pp", 2**20), "--pp-virtual-stages": ("pp_virtual_stages", 2**20), "--ep": ("ep", 2**20),
     "--prompt-len": ("prompt_len", 2**24), "--completion-len": ("completion_len", 2**24),
     "--num-generations": ("num_generations", 2**24), "--steps-per-generation": ("steps_per_generation", 2**20),
 }

@@ -221,6 +221,7 @@ class ParamInfo:
     # "output" (after them: final norm, output head, the last pipeline stage)
     place: str | None = None
     tied: bool = False  # the input embedding is also the output head (both end stages hold it under pp)
+    expert: bool = False  # routed experts (the config's ep plan, experts.py): sharded by expert under parallel.ep
 
     @property
     def numel(self) -> int:
@@ -253,6 +254,7 @@ def param_table(config, *, targets=None, exclude=(), min_size: int = 0, model=No
     from ..optim.groups import select_targets
 
     from .activations import decoder_layers
+    from .experts import expert_patterns, is_expert_param, moe_shape
 
     model = model if model is not None else build_meta_model(config)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -269,6 +271,8 @@ def param_table(config, *, targets=None, exclude=(), min_size: int = 0, model=No
     out_ids = {id(p) for p in out.parameters()} if out is not None else set()
     rows = ParamTable()
     seen_layer = False
+    moe = moe_shape(config)
+    ep_patterns = expert_patterns(config) if moe is not None else []
     for n, p in named:
         proj = n in projected and p.dim() == 2 and min(p.shape) >= min_size
         layer = layer_of.get(id(p))
@@ -276,7 +280,8 @@ def param_table(config, *, targets=None, exclude=(), min_size: int = 0, model=No
         # registration order places the rest: before the blocks (embeddings) or after them (norm, head)
         place = None if layer is not None else ("output" if seen_layer or id(p) in out_ids and id(p) not in tied_ids
                                                 else "input")
-        rows.append(ParamInfo(n, tuple(p.shape), _tp_style(n, plan), proj, layer, place, id(p) in tied_ids))
+        expert = moe is not None and is_expert_param(n, tuple(p.shape), ep_patterns, moe[0])
+        rows.append(ParamInfo(n, tuple(p.shape), _tp_style(n, plan), proj, layer, place, id(p) in tied_ids, expert))
     # buffers (rotary tables, GPT-2's causal-mask buffer on transformers 4.x): replicated on every rank
     rows.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     return rows
@@ -419,7 +424,8 @@ class Plan:
             else f"model       {self.model}: {self.n_params / 1e6:.3f} M parameters",
             f"mesh        world {m['world_size']}: {'pp=%d ' % m['pp'] if m.get('pp', 1) > 1 else ''}"
             f"dp_replicate={m['dp_replicate']} dp_shard={m['dp_shard']} "
-            f"cp={m['cp']} tp={m['tp']} (ZeRO-{self.extra['zero']} over {self.extra['shard_degree']})",
+            f"cp={m['cp']} tp={m['tp']}" + (f" ep={m['ep']} (efsdp={m['efsdp']})" if m.get("ep", 1) > 1 else "")
+            + f" (ZeRO-{self.extra['zero']} over {self.extra['shard_degree']})",
             f"batch       micro-batch {self.settings['micro_batch']} x seq {self.settings['seq_len']} x grad-accum "
             f"{self.settings['grad_accum']} x dp {m['dp_replicate'] * m['dp_shard']} = {self.global_batch_tokens:,} tokens/step",
             f"precision   {self.settings['dtype']}{' + fp32 grad accumulation' if self.settings['grad_fp32'] else ''}, "
@@ -636,6 +642,9 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     else:
         d_eff = d if d > 1 else mesh.dp_replicate  # ZeRO-1/2 without FSDP: over the data-parallel group
     tp = mesh.tp
+    ep = int(getattr(mesh, "ep", 1) or 1)
+    if ep > 1:
+        _check_ep(mesh, settings, pp)
     from ..optim import projection as proj
     from ..optim.memory import adamw_state_elements, eight_bit_moment_bytes, galore_state_elements
 
@@ -666,10 +675,11 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
             shape[1] = math.ceil(shape[1] / tp); sharded.add(1)
         numel = math.prod(shape)
         local_elems += numel
+        gathered = numel / ep if p.expert else numel  # an FSDP2 unit gathers this rank's num_experts / ep experts
         if p.layer is not None:
-            layer_elems[p.layer] = layer_elems.get(p.layer, 0.0) + numel
+            layer_elems[p.layer] = layer_elems.get(p.layer, 0.0) + gathered
         else:
-            root_local += numel
+            root_local += gathered
         low_rank = p.projected and opt.startswith(("galore", "apollo"))
         if low_rank and zero >= 3 and d_eff > 1 and 1 in sharded:
             raise PlanError(
@@ -712,6 +722,14 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     params_b = local_elems * wb / (d_eff if zero >= 3 else 1) + getattr(params, "buffer_bytes", 0)
     master_b = local_elems * mb / (d_eff if zero >= 1 else 1)
     grads_b = local_elems * gb / (d_eff if zero >= 2 else 1)
+    ep_info = None
+    if ep > 1:  # experts by expert over ep, then FSDP2 over efsdp; the rest FSDP2 over dp_shard; padded shards
+        ep_info = _ep_shares(config, mesh, params, momb=momb, optimizer=opt)
+        padded = ep_info["expert_padded"] + ep_info["dense_padded"]
+        params_b = padded * wb + getattr(params, "buffer_bytes", 0)
+        master_b = padded * mb
+        grads_b = padded * gb
+        opt_bytes = ep_info["optimizer_bytes"]
     refreshing = 0
     if settings.lowrank_grads and projected_sizes:
         # staggered refreshes: ceil(K / gap) matrices refresh per step and keep their full gradient (the largest,
@@ -876,6 +894,17 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         comm, comm_txt = 0.0, "one process per replica: no collectives"
     if tp > 1:
         comm_txt += "; TP all-reduces write the layer outputs (counted in activations)"
+    if ep_info is not None:
+        # AllToAllEP: per MoE layer the (token, expert) pairs go to their experts' ranks and the outputs come back;
+        # one layer's exchange is in flight at a time (backward runs the reverse exchanges of the same sizes)
+        a2a = 2 * tokens * ep_info["top_k"] * ep_info["hidden_size"] * eb
+        comm += a2a
+        ep_info["all_to_all_bytes"] = a2a
+        comm_txt += (f" (a layer unit: its dense part + this rank's {ep_info['num_experts']}/{ep} experts gathered over "
+                     f"efsdp={mesh.efsdp}); EP all-to-all of one MoE layer: dispatch + combine, each {int(tokens):,} "
+                     f"tokens x top_k {ep_info['top_k']} x hidden {ep_info['hidden_size']} x {eb} B (assumes balanced "
+                     f"routing: a rank receives tokens x top_k rows; a skewed router sends up to ep={ep} times more to "
+                     f"one rank)")
     if cp_flex:
         # backward of one layer: the gradients of the gathered full-sequence K and V (every query head) before
         # the all-reduce that hands each rank its own slice
@@ -941,6 +970,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         "comm_buffers": comm_txt,
         "fragmentation": f"{100 * settings.fragmentation:.0f} % allocator/fragmentation margin",
     }
+    if ep_info is not None:
+        _ep_explain(explain, ep_info, mesh, wb=wb, gb=gb, mb=mb, momb=momb, opt=opt)
     gbt = settings.micro_batch * settings.seq_len * settings.grad_accum * mesh.dp
     if rl is not None:
         peak_phase = {"generation": "generation", "no_grad": "the no-grad log-prob forwards",
@@ -968,7 +999,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     return Plan(
         model=model_name, n_params=n_total,
         mesh={"world_size": world or mesh.world_size, "pp": pp, "dp_replicate": mesh.dp_replicate,
-              "dp_shard": mesh.dp_shard, "cp": mesh.cp, "tp": mesh.tp},
+              "dp_shard": mesh.dp_shard, "cp": mesh.cp, "tp": mesh.tp,
+              **({"ep": ep, "efsdp": mesh.efsdp} if ep > 1 else {})},
         settings=asdict(settings), components=comp, explain=explain, peak=subtotal + frag,
         global_batch_tokens=gbt, activations_no_recompute=act_none, activations_full_recompute=act_full,
         playbook_activations=pb_act, gpu_memory=gpu_memory,
@@ -977,8 +1009,76 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                "layer0_saved_tensors": [{"op": w, "shape": list(sh), "dtype": dt, "bytes": b}
                                         for w, sh, dt, b in (tr.layer0 if tr is not None else [])],
                "stage": stage_info, "document_mask_bytes": mask_b, "padded_seq_len": seq_len,
+               **({"ep": ep_info} if ep_info is not None else {}),
                **({"rl": rl_info, "fused_head": rl_head} if rl is not None else {})},
     )
+
+
+def _check_ep(mesh, settings: Settings, pp: int) -> None:
+    """Refuse what ``parallel.ep`` does not plan, with :func:`hf_gradfix.parallel.ep.check_combination`'s line (the one
+    ``config check`` prints) where it has one."""
+    from ..parallel.ep import check_combination
+
+    ep, opt = mesh.ep, settings.optimizer
+    check_combination(ep=ep, pp=pp, cp=mesh.cp, tp=mesh.tp, packing=settings.packing,
+                      optimizer=opt if opt.startswith(("galore", "apollo")) else "none", optimizer_key="--optimizer")
+    if settings.deepspeed:
+        raise PlanError(f"parallel.ep={ep} with DeepSpeed: transformers shards the experts (ep) and the rest with FSDP2 "
+                        "itself; plan without --deepspeed / a DeepSpeed --config, or with ep: 1")
+    if settings.zero not in (None, 3):
+        raise PlanError(f"--zero {settings.zero} with parallel.ep={ep}: transformers' expert parallelism shards every "
+                        "parameter with FSDP2 (ZeRO-3: dense over dp_shard, experts over efsdp); drop --zero, or use ep: 1")
+    if settings.rl is not None:
+        raise PlanError(f"--rl with parallel.ep={ep}: TRL runs under expert parallelism are not planned; use ep: 1")
+
+
+def _ep_shares(config, mesh, params, *, momb: int, optimizer: str) -> dict:
+    """Per-rank elements of the routed experts and of the rest under ``mesh.ep`` (experts.py), and the optimizer state
+    of the fullest rank (rank 0: FSDP2's first chunks are the full ones), built on the unpadded local shards."""
+    from ..optim.memory import eight_bit_moment_bytes
+    from .experts import _text, ep_rank_split, fsdp2_rows, moe_shape
+
+    ep, efsdp, fsdp = mesh.ep, mesh.efsdp, mesh.dp_shard_cp
+    experts = [p for p in params if p.expert]
+    if not experts:
+        raise PlanError(f"parallel.ep={ep}: none of the model's parameters is a routed-expert tensor (the config has no "
+                        "'grouped_gemm' entry in base_model_ep_plan, and no (num_experts, ...) tensor under an experts "
+                        "module); transformers cannot shard it by expert: use ep: 1")
+    n_experts, top_k = moe_shape(config)
+    listed = range(fsdp) if fsdp <= 64 else (0, fsdp - 1)
+    per_rank = {r: ep_rank_split(params, ep=ep, efsdp=efsdp, fsdp=fsdp, rank=r) for r in listed}
+    opt_b = 0.0
+    for p in params:  # rank 0: ep index 0, efsdp index 0, fsdp index 0
+        shape = tuple(p.shape) or (1,)
+        rows = fsdp2_rows(fsdp2_rows(shape[0], ep, 0)[0], efsdp, 0)[0] if p.expert else fsdp2_rows(shape[0], fsdp, 0)[0]
+        n = rows * math.prod(shape[1:])
+        if optimizer == "sgd":
+            continue
+        # AdamW's moments are zeros_like(the DTensor parameter): its unpadded local shard; + the fp32 step
+        opt_b += (eight_bit_moment_bytes(n) if optimizer.endswith("8bit") else 2 * n * momb) + 4
+    return {"ep": ep, "efsdp": efsdp, "fsdp": fsdp, "num_experts": n_experts, "top_k": top_k,
+            "hidden_size": _text(config).hidden_size, "moe_layers": len({p.layer for p in experts}),
+            "expert_params": sum(p.numel for p in experts),
+            "dense_params": sum(p.numel for p in params if not p.expert),
+            "expert_padded": per_rank[0]["expert_padded"], "dense_padded": per_rank[0]["dense_padded"],
+            "per_rank": per_rank, "optimizer_bytes": opt_b}
+
+
+def _ep_explain(explain: dict, info: dict, mesh, *, wb: int, gb: int, mb: int, momb: int, opt: str) -> None:
+    """The parameters / master / gradients / optimizer lines of a plan under expert parallelism."""
+    ep, efsdp, fsdp = info["ep"], info["efsdp"], info["fsdp"]
+    padded = info["expert_padded"] + info["dense_padded"]
+    shards = (f"{info['expert_params']:,} routed-expert params as {info['num_experts']}/{ep} whole experts per rank"
+              + (f", FSDP2 over efsdp={efsdp}" if efsdp > 1 else " (efsdp=1: not split further)")
+              + f"; {info['dense_params']:,} dense params FSDP2 over {fsdp}")
+    explain["parameters"] = (f"{wb} B x FSDP2's padded shards, {padded:,} elements per rank: {shards}"
+                             + (", replicated over dp_replicate" if mesh.dp_replicate > 1 else ""))
+    explain["gradients"] = f"{gb} B x the same padded shards (FSDP2's reduce-scatter output)"
+    if mb:
+        explain["master_weights"] = f"fp32 master copy 4 B x the same padded shards"
+    explain["optimizer_state"] = ("SGD without momentum: no state" if opt == "sgd" else
+                                  f"{opt}: 2 moments x {1 if opt.endswith('8bit') else momb} B/param of rank 0's "
+                                  "unpadded shards (the fullest rank; experts and dense as above)")
 
 
 def _layer_span(layers: list[int]) -> str:
