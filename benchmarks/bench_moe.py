@@ -38,8 +38,9 @@ def build_model(args):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
+    moe_intermediate = getattr(args, "moe_intermediate", None) or args.hidden // 2  # bench_ep.py sets it
     cfg = Qwen3MoeConfig(vocab_size=259, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         moe_intermediate_size=args.hidden // 2, num_hidden_layers=args.layers, num_attention_heads=4,
+                         moe_intermediate_size=moe_intermediate, num_hidden_layers=args.layers, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=args.hidden // 4, num_experts=args.experts,
                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True,
                          router_aux_loss_coef=args.coef, max_position_embeddings=512, tie_word_embeddings=False)
