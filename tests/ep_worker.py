@@ -225,9 +225,13 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         hf_gradfix.patch({"loss": {"aux_loss": "micro"}, "log_fixes": False})
     if name == "patched_global":  # the window's router loss: the routing pre-pass under expert parallelism
         hf_gradfix.patch({"loss": {"aux_loss": "global"}, "log_fixes": False})
-    if name == "config_ep":  # the hf_gradfix section asks for ep; the Trainer is given the plain model
-        hf_gradfix.patch({"parallel": {"dp_shard": world, "ep": world}, "loss": {"aux_loss": "micro"}, "log_fixes": False})
-        model = harness.build_moe("qwen3_moe", coef=COEF).train()
+    family, convention = "qwen3_moe", "micro"
+    if name.startswith("family_"):  # family_<family>_<convention>: another MoE family with an ep plan, config route
+        family, convention = name[len("family_"):].rsplit("_", 1)
+    if name == "config_ep" or name.startswith("family_"):  # the section asks for ep; the Trainer gets the plain model
+        hf_gradfix.patch({"parallel": {"dp_shard": world, "ep": world}, "loss": {"aux_loss": convention},
+                          "log_fixes": False})
+        model = harness.build_moe(family, coef=COEF).train()
         initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
         model, initial_state = load_ep_model(out, rank, world)

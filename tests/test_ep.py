@@ -34,8 +34,9 @@ pytestmark = [pytest.mark.distributed,
                                  reason="this transformers has no DistributedConfig(fsdp_size, ep_size, "
                                         "ep_implementation) expert parallelism (transformers 5.x)")]
 TOL = 1e-5
+FAMILIES = [f"family_{f}_{c}" for f in ("mixtral", "olmoe") for c in ("micro", "global")]
 CASES = ["patched", "config_ep", "patched_global", "stock", "unscaled", "unscaled_refused",
-         "ep_resume", "config_ep_resume", "ep_resume_refused"]  # ep_resume_refused reads ep_resume's checkpoint
+         "ep_resume", "config_ep_resume", "ep_resume_refused", *FAMILIES]  # ep_resume_refused reads ep_resume's checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,9 @@ def _group(name: str) -> str:
     return "experts" if ".mlp.experts." in name else ("router" if ".mlp.gate." in name else "dense")
 
 
-def _errors(ranks: list[dict], reference_from: dict, convention: str = "micro") -> list[dict]:
+def _errors(ranks: list[dict], reference_from: dict, convention: str = "micro", family: str = "qwen3_moe") -> list[dict]:
     """Per window: the relative gradient error of each group and of the logged loss, vs the float64 reference."""
-    model = H.build_moe("qwen3_moe")
+    model = H.build_moe(family)
     collator = H.RecordingCollator("causal", H.pad_id_of(model))
     by_idx = {s["idx"]: s for s in reference_from["samples"]}
     rows = []
@@ -90,6 +91,20 @@ def test_parallel_ep_from_the_config_section(ep_runs):
     for row in _errors(ranks, ranks[0]):
         assert max(row["dense"], row["router"], row["experts"], row["loss"]) <= TOL, row
         assert row["ranks_differ"] == 0.0
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_other_moe_families_under_expert_parallelism(ep_runs, case):
+    """Mixtral (4 experts) and OLMoE (6) with their own ep plans, ``parallel: {dp_shard: 2, ep: 2}``, each convention:
+    every group equals the float64 reference of that convention; ``global`` is far from the ``micro`` reference."""
+    family, convention = case[len("family_"):].rsplit("_", 1)
+    ranks = ep_runs[case]
+    assert "expert parallel ep=2 (efsdp=1, all_to_all)" in ranks[0]["line"]
+    for row in _errors(ranks, ranks[0], convention, family):
+        assert max(row["dense"], row["router"], row["experts"], row["loss"]) <= TOL, (case, row)
+        assert row["ranks_differ"] == 0.0
+    if convention == "global":
+        assert all(row["router"] > 1e-2 for row in _errors(ranks, ranks[0], "micro", family)), case
 
 
 def test_global_router_loss_under_expert_parallelism(ep_runs):
