@@ -321,6 +321,30 @@ def test_setup_refuses_with_a_clear_error(kwargs, trainer_kw, needle):
     assert needle in str(err.value)
 
 
+def test_tp_with_accumulation_refused_where_transformers_all_reduces_accumulated_gradients():
+    """Qwen3's q_norm / k_norm ('replicated_with_grad_allreduce'): transformers all-reduces the accumulated gradient
+    after every micro-batch, so GA > 1 under tp counts the first micro-batches tp times (measured 1.4-1.5x on
+    Qwen3-MoE, tp 2 x dp_shard 2, GA 2); refused in one line. GA 1, or a plan without that style (Llama), is left be."""
+    import transformers as tf
+
+    from hf_gradfix.integration import nd
+
+    cfg = tf.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8)
+    assert "replicated_with_grad_allreduce" in cfg.base_model_tp_plan.values()  # the style this guards against
+    trainer = fake_trainer(tf.Qwen3ForCausalLM(cfg))
+    trainer.args.gradient_accumulation_steps = 2
+    with pytest.raises(nd.NDParallelError) as err:
+        nd.setup(trainer, section(dp_shard=2, tp=2))
+    msg = str(err.value)
+    assert "gradient_accumulation_steps=2" in msg and "layers.*.self_attn.q_norm" in msg and "\n" not in msg
+    trainer.args.gradient_accumulation_steps = 1
+    nd._check_partial_grad_allreduce(trainer, nd.ParallelDims(4, dp_shard=2, tp=2))  # GA 1: one all-reduce, exact
+    llama = fake_trainer()
+    llama.args.gradient_accumulation_steps = 2
+    nd._check_partial_grad_allreduce(llama, nd.ParallelDims(4, dp_shard=2, tp=2))  # no such style in Llama's plan
+
+
 def test_setup_refuses_a_non_transformers_model_and_a_mismatching_accelerate_config():
     from accelerate import ParallelismConfig
 

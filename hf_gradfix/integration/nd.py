@@ -392,6 +392,7 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
         except EPError as err:
             raise NDParallelError(f"hf_gradfix {err}") from None
     dims.check_model(_text_config(trainer.model))
+    _check_partial_grad_allreduce(trainer, dims)
     if dims.cp > 1:
         _check_cp(trainer, dims, fsdp_plugin)
     if dims.tp == 1 and dims.dp_shard_cp == 1:
@@ -453,6 +454,33 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
     if accelerator.is_main_process:
         logger.info("hf_gradfix: %s", plan.line)
     return plan
+
+
+#: transformers' tensor-parallel style whose gradient all-reduce runs on the *accumulated* gradient (see below)
+_PARTIAL_GRAD_STYLE = "replicated_with_grad_allreduce"
+
+
+def _check_partial_grad_allreduce(trainer, dims: ParallelDims) -> None:
+    """Refuse tp > 1 with gradient accumulation on a model whose tp plan uses ``replicated_with_grad_allreduce``.
+
+    That style (transformers 5.x ``ReplicatedWithGradAllReduce``, e.g. Qwen3 / Qwen3-MoE's per-head ``q_norm`` /
+    ``k_norm``, whose gradient each tp rank holds for its own heads only) all-reduces ``param.grad`` in a
+    ``register_post_accumulate_grad_hook``: after every micro-batch, on the gradient accumulated so far, so the
+    window's earlier micro-batches are summed tp times again (measured under tp 2 x dp_shard 2, GA 2, Qwen3-MoE:
+    the q_norm / k_norm gradients 1.4-1.5x the float64 reference, every other parameter exact; stock does the same)."""
+    accumulation = int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1)
+    if dims.tp <= 1 or accumulation <= 1:
+        return
+    plan = getattr(_text_config(trainer.model), "base_model_tp_plan", None) or {}
+    partial = sorted(name for name, style in plan.items() if style == _PARTIAL_GRAD_STYLE)
+    if partial:
+        raise NDParallelError(
+            f"hf_gradfix parallel: tp={dims.tp} with gradient_accumulation_steps={accumulation} on "
+            f"{type(trainer.model).__name__}: transformers' tensor-parallel style {_PARTIAL_GRAD_STYLE!r} "
+            f"({', '.join(partial)}) all-reduces the accumulated gradient after every micro-batch, so a window's "
+            "earlier micro-batches count tp times (stock transformers too). Fix: gradient_accumulation_steps=1 with tp "
+            "(raise the micro-batch instead), or tp: 1."
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
