@@ -30,7 +30,7 @@ phase() { echo "== [test +$((SECONDS - start))s] $* =="; }
 TF457_TESTS=(tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py
     tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py
     tests/test_packing_attention.py tests/test_packing_guard.py tests/test_packing_validate.py
-    tests/test_packing_stream.py tests/test_optim_trainer.py tests/test_nd_parallel.py tests/test_token_window.py
+    tests/test_packing_stream.py tests/test_optim_trainer.py tests/test_nd_parallel.py
     tests/test_noise_scale.py tests/test_plan.py tests/test_memory_timeline.py tests/test_ecosystem.py
     tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py tests/test_lock.py
     tests/test_pipeline.py tests/test_stock_parity.py tests/test_trainer_matrix.py tests/test_moe.py)
@@ -73,7 +73,7 @@ locked)
     # phase's output is kept in a log and printed when it ends.
     scratch=$(mktemp -d)
     log457="$scratch/tf457.log"
-    phase "2/3 + 3/3 side by side: transformers 4.57.x (loss, ecosystem, packing, optimizer-integration, ND, TokenWindow, noise-scale tests; output at the end) and transformers 5.x (full suite; a dot per test)"
+    phase "2/3 + 3/3 side by side: transformers 4.57.x (loss, ecosystem, packing, optimizer-integration, ND, noise-scale tests; output at the end) and transformers 5.x (full suite; a dot per test)"
     status457=0
     ( HF_DATASETS_CACHE="$scratch/datasets-457" TORCHINDUCTOR_CACHE_DIR="$scratch/inductor-457" \
         "$TF457_VENV/bin/python" -m pytest -q -p no:cacheprovider -rfE "${TF457_TESTS[@]}" -k "not trl" "${pytest_args[@]}" \

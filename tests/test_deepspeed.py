@@ -37,7 +37,12 @@ GUARDS = [
     "z2_nonfinite_error_ours", "z2_clip_mismatch_ours", "z2_clip_mismatch_stock", "z2_galore_refused_ours",
 ]
 MEMORY = ["z1_mem_ours", "z2_mem_ours", "z3_mem_ours", "z2_memoffload_ours"]
-CASES = [f"z{s}_{m}_{mode}" for s, m in PAIRS for mode in ("stock", "ours")] + GUARDS + MEMORY
+# stock beside ours for the plain Llama at every stage (the eval table) and, where stock is wrong, at the first stage
+# of each model case (the control that the test has teeth); elsewhere stock's run added no check that ours <= TOL
+# does not already make (CI time)
+STOCK_RUN = {(s, m) for s, m in PAIRS if m == "llama"} | {next(p for p in PAIRS if p[1] == m) for m in STOCK_WRONG}
+CASES = [f"z{s}_{m}_{mode}" for s, m in PAIRS for mode in (("stock", "ours") if (s, m) in STOCK_RUN else ("ours",))]
+CASES += GUARDS + MEMORY
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +102,22 @@ def eval_ground_truth(ranks: list[dict]) -> float:
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage,model_case", PAIRS, ids=[f"z{s}_{m}" for s, m in PAIRS])
 def test_zero_exact_with_patch_never_worse_than_stock(ds_runs, stage, model_case):
-    ours, stock = ds_runs[f"z{stage}_{model_case}_ours"], ds_runs[f"z{stage}_{model_case}_stock"]
-    for ranks in (ours, stock):
+    ours, stock = ds_runs[f"z{stage}_{model_case}_ours"], ds_runs.get(f"z{stage}_{model_case}_stock")
+    for ranks in (ours, stock or ours):
         assert ranks[0]["engine"] == "DeepSpeedEngine" and ranks[0]["zero_stage"] == stage
     if model_case == "sft":
         assert ours[0]["trainer_class"] == "SFTTrainer"
-    rows_ours, rows_stock = compare(ours), compare(stock)
+    rows_ours = compare(ours)
     assert len(rows_ours) >= 2
     # very unequal targets per rank in every window (the shortest samples on rank 0)
     assert all(r["targets"][1] > r["targets"][0] for r in rows_ours), rows_ours
-    err_ours, err_stock = worst(rows_ours), worst(rows_stock)
+    err_ours = worst(rows_ours)
+    if stock is None:  # stock exact by construction here (not run): ours must be exact
+        assert err_ours <= TOL, rows_ours
+        assert all(r["loss_rel_err"] <= TOL for r in rows_ours if r.get("loss_rel_err") is not None), rows_ours
+        return
+    rows_stock = compare(stock)
+    err_stock = worst(rows_stock)
     if os.environ.get("HGF_DS_TABLE"):
         print(f"\n| ZeRO-{stage} | {model_case} | {err_stock:.2e} | {err_ours:.2e} | "
               f"{max(r['loss_rel_err'] for r in rows_stock if r.get('loss_rel_err') is not None):.1e} | "

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.distributed,
                                  reason="this transformers has no DistributedConfig(fsdp_size, ep_size, "
                                         "ep_implementation) expert parallelism (transformers 5.x)")]
 TOL = 1e-5
-FAMILIES = [f"family_{f}_{c}" for f in ("mixtral", "olmoe") for c in ("micro", "global")]
+FAMILIES = ["family_mixtral_micro", "family_mixtral_global", "family_olmoe_micro"]  # global: Qwen3-MoE, Mixtral
 CASES = ["patched", "config_ep", "patched_global", "stock", "unscaled", "unscaled_refused",
          "ep_resume", "config_ep_resume", "ep_resume_refused", *FAMILIES]  # ep_resume_refused reads ep_resume's checkpoint
 
