@@ -298,7 +298,8 @@ def task_of(arch_or_model) -> str:
 
 def build_moe(family: str, coef: float = 0.5):
     """A tiny random-init MoE causal LM with a load-balancing aux loss (``output_router_logits=True``, ``coef``):
-    ``qwen3_moe`` (6 experts), ``mixtral`` (4), ``olmoe`` (6); top-2, 2 layers, every layer sparse, seed 0.
+    ``qwen3_moe`` (6 experts; ``qwen3_moe_kv2``: 2 KV heads, for tp 2), ``mixtral`` (4), ``olmoe`` (6); top-2, 2
+    layers, every layer sparse, seed 0.
     ``deepseek_v3``: 8 routed experts in 2 groups (1 chosen), a shared expert, a correction bias, no aux loss."""
     import transformers as tf
 
@@ -306,7 +307,9 @@ def build_moe(family: str, coef: float = 0.5):
                   num_key_value_heads=1, max_position_embeddings=128, output_router_logits=True,
                   router_aux_loss_coef=coef, num_experts_per_tok=2, tie_word_embeddings=False)
     torch.manual_seed(0)
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen3_moe_kv2"):  # kv2: 2 KV heads, for tensor parallelism 2
+        if family == "qwen3_moe_kv2":
+            common["num_key_value_heads"] = 2
         cfg = tf.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=6, decoder_sparse_step=1,
                                 mlp_only_layers=[], norm_topk_prob=True, head_dim=16)
         return tf.Qwen3MoeForCausalLM(cfg)

@@ -62,6 +62,13 @@ SCENARIOS: dict[str, tuple[dict, dict]] = {
     "ep2_efsdp2_global": ({"parallel": {"dp_shard": 4, "ep": 2}, "loss": {"aux_loss": "global"}}, {"moe": True}),
     "ep2_rep2_micro": ({"parallel": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}}, {"moe": True, "file": "configs/cpu_ep4.yaml"}),
     "ep2_rep2_global": ({"parallel": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, "loss": {"aux_loss": "global"}}, {"moe": True}),
+    # ep 2 x tp 2 x dp_shard 2 (efsdp 2) on the Qwen3-MoE with 2 KV heads: q_norm / k_norm are tp
+    # 'replicated_with_grad_allreduce', whose accumulated-gradient all-reduce hf_gradfix corrects (patching.py);
+    # "_unfixed": the same run with transformers' own all-reduce put back (the control: q_norm / k_norm off)
+    "ep2_tp2_micro": ({"parallel": {"dp_shard": 2, "tp": 2, "ep": 2}, "loss": {"aux_loss": "micro"}}, {"moe": "qwen3_moe_kv2", "n": 16}),
+    "ep2_tp2_global": ({"parallel": {"dp_shard": 2, "tp": 2, "ep": 2}, "loss": {"aux_loss": "global"}}, {"moe": "qwen3_moe_kv2", "n": 16}),
+    "ep2_tp2_unfixed": ({"parallel": {"dp_shard": 2, "tp": 2, "ep": 2}, "loss": {"aux_loss": "micro"}},
+                        {"moe": "qwen3_moe_kv2", "unfix": True, "n": 16}),
     # the control: no hf_gradfix, the model loaded with DistributedConfig(fsdp_size=4, ep_size=2) by the user
     "ep2_efsdp2_stock": ({"parallel": {"dp_shard": 4, "ep": 2}}, {"moe": True, "stock": True}),
 }
@@ -165,9 +172,10 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
         model, initial_state = ep_worker.load_ep_model(out, rank, world, distributed_config(ParallelDims(world, **config["parallel"])))
     else:
         hf_gradfix.patch(source)
-        model = harness.build_moe("qwen3_moe", coef=ep_worker.COEF).train() if moe else build_model()
+        family = opts["moe"] if isinstance(opts.get("moe"), str) else "qwen3_moe"
+        model = harness.build_moe(family, coef=ep_worker.COEF).train() if moe else build_model()
         initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    n, batch = (MOE_SAMPLES, MOE_BATCH) if moe else (N_SAMPLES, 1)
+    n, batch = (opts.get("n", MOE_SAMPLES), MOE_BATCH) if moe else (N_SAMPLES, 1)  # n 16 under tp: 2 windows
     batch = opts.get("batch", batch)
     samples = scenario_samples(config, world, n=n, batch=batch)
     collator = harness.RecordingCollator("causal", harness.pad_id_of(model) if moe else harness.PAD_ID)
@@ -214,6 +222,10 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
+    if opts.get("unfix"):
+        from hf_gradfix.integration.patching import restore_partial_grad_allreduce
+
+        payload["restored"] = restore_partial_grad_allreduce(trainer.model)
     if opts.get("break_tp_data"):
         trainer.accelerator.state.device_mesh = None
     try:
@@ -249,6 +261,7 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
             data_rank=plan.dims.data_rank(rank),
             dataloader=type(trainer.get_train_dataloader()).__name__,
             fixes=list(state.fixes),
+            partial_grad_fixed=list(plan.partial_grad_fixed),
             moe_cp=(state.moe.cp_checked, state.moe.cp_fallback) if getattr(state, "moe", None) is not None else None,
         )
     if rank == 0:

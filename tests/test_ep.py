@@ -66,6 +66,11 @@ def _errors(ranks: list[dict], reference_from: dict, convention: str = "micro", 
             a = torch.cat([got[n].double().flatten() for n in names])
             b = torch.cat([ref[n].flatten() for n in names])
             row[group] = float((a - b).norm() / b.norm())
+        qk = [n for n in ref if n.endswith(("q_norm.weight", "k_norm.weight"))]  # tp 'replicated_with_grad_allreduce'
+        if qk:
+            a = torch.cat([got[n].double().flatten() for n in qk])
+            b = torch.cat([ref[n].flatten() for n in qk])
+            row["qk_norm"] = float((a - b).norm() / b.norm())
         rows.append(row)
     return rows
 
@@ -197,7 +202,7 @@ def test_check_model_refuses_what_is_not_measured():
     with pytest.raises(EPError, match="no expert parallelism"):
         check_model(model)
     dc = dict(ep_size=2, efsdp_size=1, fsdp_size=2, dp_replicate_size=1, tp_size=1, pp_size=1, ep_implementation="all_to_all")
-    for change, needle in ((dict(tp_size=2), "tp_size=2"), (dict(ep_implementation="all_reduce"), "all_reduce"),
+    for change, needle in ((dict(pp_size=2), "pp_size=2"), (dict(ep_implementation="all_reduce"), "all_reduce"),
                            ({}, "no module")):
         model.config = SimpleNamespace(distributed_config=SimpleNamespace(**{**dc, **change}))
         with pytest.raises(EPError, match=needle):

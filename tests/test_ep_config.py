@@ -44,7 +44,6 @@ def test_shipped_ep_configs_resolve_and_say_what_runs(name, world, dp, ep, efsdp
 @pytest.mark.parametrize("nproc, section, needle", [
     (4, {"parallel": {"dp_shard": 2, "pp": 2, "ep": 2}}, "parallel.ep=2 with parallel.pp=2"),
     (4, {"parallel": {"dp_shard": 2, "cp": 2, "ep": 2}}, "parallel.ep=2 with parallel.cp=2"),
-    (4, {"parallel": {"dp_shard": 2, "tp": 2, "ep": 2}}, "parallel.ep=2 with parallel.tp=2"),
     (2, {"parallel": {"ep": 2}, "packing": {"enabled": True}}, "parallel.ep=2 with packing.enabled=true"),
     (2, {"parallel": {"ep": 2}, "optimizer": {"name": "galore_adamw"}}, "parallel.ep=2 with optimizer.name='galore_adamw'"),
     (2, {"parallel": {"ep": 3}}, "parallel.ep=3 does not divide dp_shard x cp x tp = 2"),

@@ -36,9 +36,11 @@ LOSS_TOL = 1e-5
 EXACT = ["shard2_tp2", "shard2_tp2_avg_false", "rep2_shard2", "rep2_tp2", "shard2_tp2_iterable"]
 REFUSED = ["tp4_refused", "world_mismatch_refused", "tp_data_differs_refused"]
 HAS_EP = _all_to_all_expert_parallelism()  # transformers 5.x: DistributedConfig(fsdp_size, ep_size, ep_implementation)
-EP = ["ep2_efsdp2_micro", "ep2_efsdp2_global", "ep2_rep2_micro"]  # (rep2 global measured once: 3.4e-7; CI time)
+EP = ["ep2_efsdp2_micro", "ep2_efsdp2_global", "ep2_rep2_micro",  # (rep2 global measured once: 3.4e-7; CI time)
+      "ep2_tp2_micro", "ep2_tp2_global"]
+EP_TP_UNFIXED = "ep2_tp2_unfixed"
 EP_STOCK = "ep2_efsdp2_stock"
-ALL = EXACT + ["shard2_tp2_avg_false_stock"] + (EP + [EP_STOCK] if HAS_EP else []) + REFUSED  # the guard scenario
+ALL = EXACT + ["shard2_tp2_avg_false_stock"] + (EP + [EP_STOCK, EP_TP_UNFIXED] if HAS_EP else []) + REFUSED  # the guard scenario
 # last: it aborts a training run
 needs_ep = pytest.mark.skipif(not HAS_EP, reason="this transformers has no DistributedConfig ep (transformers 5.x)")
 
@@ -175,20 +177,37 @@ def test_expert_parallel_on_four_processes_is_the_window_objective(nd_runs, scen
     """Every group (dense, router ``mlp.gate``, experts ``mlp.experts``) and the logged loss equal the float64
     reference of the window (the micro-batches of all 4 data ranks) under the scenario's router-loss convention."""
     ranks = nd_runs[scenario]
-    efsdp = 2 if scenario.startswith("ep2_efsdp2") else 1
-    assert f"expert parallel ep=2 (efsdp={efsdp}, all_to_all) over 4 data rank(s)" in ranks[0]["line"]
+    tp = 2 if "_tp2" in scenario else 1  # ep 2 x tp 2 x dp_shard 2: 2 data ranks, each a tp group of 2
+    efsdp = 2 if scenario.startswith(("ep2_efsdp2", "ep2_tp2")) else 1
+    assert f"expert parallel ep=2 (efsdp={efsdp}, all_to_all) over {4 // tp} data rank(s)" in ranks[0]["line"]
     assert ranks[0]["route"] == "transformers" and ranks[0]["model_class"].startswith("FSDP")
-    assert [r["data_rank"] for r in ranks] == [0, 1, 2, 3]
+    assert [r["data_rank"] for r in ranks] == [r // tp for r in range(4)]
+    family = W.SCENARIOS[scenario][1]["moe"] if tp > 1 else "qwen3_moe"
+    if tp > 1:  # the q_norm / k_norm all-reduce made exact under GA 2 (the control below: without it)
+        assert len(ranks[0]["partial_grad_fixed"]) == 4, ranks[0]["partial_grad_fixed"]
     by_idx = {s["idx"]: s for s in ranks[0]["samples"]}
-    rows = ep_errors(ranks, ranks[0], ep_convention(scenario))
+    rows = ep_errors(ranks, ranks[0], ep_convention(scenario), family=family)
     assert len(rows) == 2
     for k, row in enumerate(rows):
-        assert max(row["dense"], row["router"], row["experts"], row["loss"]) <= EP_TOL, (scenario, row)
+        assert max(row["dense"], row["router"], row["experts"], row["loss"], row["qk_norm"]) <= EP_TOL, (scenario, row)
         assert row["ranks_differ"] == 0.0, (scenario, row)
         counts = [sum(H.sample_loss_count(by_idx[i], "causal") for b in r["steps"][k]["idx_batches"] for i in b) for r in ranks]
         assert max(counts) >= 2 * min(counts), f"token counts per data rank should be unequal: {counts}"
     if ep_convention(scenario) == "global":  # the control: the micro-batch-mean reference is far
-        assert all(row["router"] > 1e-2 for row in ep_errors(ranks, ranks[0], "micro")), scenario
+        assert all(row["router"] > 1e-2 for row in ep_errors(ranks, ranks[0], "micro", family=family)), scenario
+
+
+@pytest.mark.distributed
+@needs_ep
+def test_tp_gradient_all_reduce_without_the_fix_counts_earlier_micro_batches_again(nd_runs):
+    """The control for ep 2 x tp 2 x dp_shard 2: the same run with transformers' own ``replicated_with_grad_allreduce``
+    put back (it all-reduces the accumulated gradient after each of the GA 2 micro-batches): q_norm / k_norm fail the
+    float64 reference, every other group is still exact (the fix changes those weights only)."""
+    ranks = nd_runs[EP_TP_UNFIXED]
+    assert ranks[0]["restored"] == 4
+    for row in ep_errors(ranks, ranks[0], "micro", family="qwen3_moe_kv2"):
+        assert row["qk_norm"] > 1e-2, row
+        assert max(row["router"], row["experts"], row["loss"]) <= EP_TOL, row
 
 
 @needs_ep
@@ -322,28 +341,42 @@ def test_setup_refuses_with_a_clear_error(kwargs, trainer_kw, needle):
 
 
 @needs_ep  # transformers 5.x: the ND route (4.57 refuses tp outright, and its Qwen3 plan has no such style)
-def test_tp_with_accumulation_refused_where_transformers_all_reduces_accumulated_gradients():
-    """Qwen3's q_norm / k_norm ('replicated_with_grad_allreduce'): transformers all-reduces the accumulated gradient
-    after every micro-batch, so GA > 1 under tp counts the first micro-batches tp times (measured 1.4-1.5x on
-    Qwen3-MoE, tp 2 x dp_shard 2, GA 2); refused in one line. GA 1, or a plan without that style (Llama), is left be."""
-    import transformers as tf
+def test_partial_grad_allreduce_fix_replaces_transformers_forward_idempotently_and_reversibly():
+    """patching.fix_partial_grad_allreduce on transformers' own ReplicatedWithGradAllReduce forward (exactness: the ep x tp
+    scenarios above): the module's forward is replaced once (a second call changes nothing), restore puts transformers'
+    own function object back, and a forward of that name with another closure is a loud PatchError, which nd.setup turns
+    into one line under gradient accumulation."""
+    from transformers.distributed.tensor_parallel import ReplicatedWithGradAllReduce
 
+    from hf_gradfix.errors import PatchError
     from hf_gradfix.integration import nd
+    from hf_gradfix.integration.patching import fix_partial_grad_allreduce, restore_partial_grad_allreduce
 
-    cfg = tf.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8)
-    assert "replicated_with_grad_allreduce" in cfg.base_model_tp_plan.values()  # the style this guards against
-    trainer = fake_trainer(tf.Qwen3ForCausalLM(cfg))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    ReplicatedWithGradAllReduce().install_forward(model[1], SimpleNamespace(get_group=lambda: None))
+    stock = model[1].forward
+    assert fix_partial_grad_allreduce(model) == ["1"]
+    ours = model[1].forward
+    assert ours is not stock and fix_partial_grad_allreduce(model) == ["1"] and model[1].forward is ours
+    with torch.no_grad():
+        model(torch.ones(1, 2))  # the forward still runs the module's own computation
+    assert restore_partial_grad_allreduce(model) == 1 and model[1].forward is stock
+    assert restore_partial_grad_allreduce(model) == 0
+
+    def tp_forward(*args, **kwargs):  # same name, unknown closure: another transformers version
+        return stock(*args, **kwargs)
+
+    tp_forward.__qualname__ = stock.__qualname__
+    model[1].forward = tp_forward
+    with pytest.raises(PatchError, match="structure hf_gradfix does not know"):
+        fix_partial_grad_allreduce(model)
+    trainer = fake_trainer(model)
     trainer.args.gradient_accumulation_steps = 2
     with pytest.raises(nd.NDParallelError) as err:
-        nd.setup(trainer, section(dp_shard=2, tp=2))
-    msg = str(err.value)
-    assert "gradient_accumulation_steps=2" in msg and "layers.*.self_attn.q_norm" in msg and "\n" not in msg
-    trainer.args.gradient_accumulation_steps = 1
-    nd._check_partial_grad_allreduce(trainer, nd.ParallelDims(4, dp_shard=2, tp=2))  # GA 1: one all-reduce, exact
-    llama = fake_trainer()
-    llama.args.gradient_accumulation_steps = 2
-    nd._check_partial_grad_allreduce(llama, nd.ParallelDims(4, dp_shard=2, tp=2))  # no such style in Llama's plan
+        nd._fix_partial_grad_allreduce(trainer, nd.ParallelDims(4, dp_shard=2, tp=2))
+    assert "tp=2 with gradient_accumulation_steps=2" in str(err.value) and "\n" not in str(err.value)
+    trainer.args.gradient_accumulation_steps = 1  # one all-reduce per window: transformers' own is exact, a warning
+    assert nd._fix_partial_grad_allreduce(trainer, nd.ParallelDims(4, dp_shard=2, tp=2)) == []
 
 
 def test_setup_refuses_a_non_transformers_model_and_a_mismatching_accelerate_config():

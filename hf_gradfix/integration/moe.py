@@ -39,7 +39,7 @@ from ..loss.counting import mean_term_share
 from ..loss.moe import routing_stats, window_share
 from .callback import _find_trainer
 from ..errors import GradFixError
-from .state import GradFixState, _dp_world, _nd_dims, state_of
+from .state import GradFixState, _dp_world, _nd_dims, _tp_size, state_of
 from .windows import _IdleMicroBatch
 
 logger = logging.getLogger("hf_gradfix")
@@ -107,17 +107,22 @@ def _router_logits(outputs: Any):
     return None
 
 
-def _reduce(trainer: Trainer, t: torch.Tensor) -> torch.Tensor:
+def _reduce(trainer: Trainer, t: torch.Tensor, *, per_batch: bool = True) -> torch.Tensor:
+    """The sum over every rank; ``per_batch``: of a per-batch quantity (routing counts, rows), which the ranks of a tp
+    group hold in as many identical copies (they run the same batch): the sum divided by tp, each token once."""
     t = t.to(device=trainer.args.device, dtype=torch.float64)
     if trainer.accelerator.num_processes > 1:
         t = trainer.accelerator.reduce(t, reduction="sum")
+        copies = _tp_size(trainer) if per_batch else 1
+        if copies > 1:
+            t = t / copies  # integer counts summed tp times: exact in float64
     return t
 
 
 def _agree(trainer: Trainer, values: list[float]) -> list[float] | None:
     """The values every rank holds, or None where some rank holds others (one all-reduce of sums and squares)."""
     t = torch.tensor([x for v in values for x in (v, v * v)], dtype=torch.float64)
-    total = _reduce(trainer, t).cpu()
+    total = _reduce(trainer, t, per_batch=False).cpu()
     world = trainer.accelerator.num_processes
     out = []
     for i in range(len(values)):
@@ -167,11 +172,12 @@ def _check_composes(trainer: Trainer, state: GradFixState, conv: str) -> None:
     """``global`` / ``previous`` count routing over the data-parallel ranks. Measured exact: DDP, and a model sharded
     by transformers' expert parallelism (FSDP2 over the data ranks, experts by all-to-all; the pre-pass forwards run
     in lockstep as the training forwards do). Not built or not measured: tp / cp (the pre-pass would run outside the
-    sequence sharding), pp, hf_gradfix's own FSDP2 mesh, accelerate's FSDP, DeepSpeed."""
+    sequence sharding), pp, hf_gradfix's own FSDP2 mesh, accelerate's FSDP, DeepSpeed. Under ep, tp is measured
+    (tp 2 x dp_shard 2 x ep 2): the ranks of a tp group run the same batch, counted once (:func:`_reduce`)."""
     dims = _nd_dims(trainer)
     plan = getattr(state, "nd", None)
     expert_parallel = plan is not None and getattr(plan, "ep", None) is not None
-    keys = ("pp", "tp", "cp") if expert_parallel else ("pp", "tp", "cp", "dp_shard")
+    keys = ("pp", "cp") if expert_parallel else ("pp", "tp", "cp", "dp_shard")
     found = [f"parallel.{k}={getattr(dims, k)}" for k in keys if dims is not None and getattr(dims, k, 1) > 1]
     if getattr(trainer, "is_fsdp_enabled", False):
         found.append("accelerate FSDP")

@@ -84,6 +84,8 @@ class NDPlan:
     # cp > 1, training: [batch, seq/cp] 1 = a real token of this rank's shard, 0 = the original padding or the pad cp
     # added (split with the tokens inside the cp block); the MoE router loss counts rows by it (integration/moe.py)
     cp_row_mask: Any = None
+    # modules whose tp gradient all-reduce hf_gradfix made exact under gradient accumulation (patching.py)
+    partial_grad_fixed: list = field(default_factory=list)
 
     @property
     def line(self) -> str:
@@ -392,7 +394,6 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
         except EPError as err:
             raise NDParallelError(f"hf_gradfix {err}") from None
     dims.check_model(_text_config(trainer.model))
-    _check_partial_grad_allreduce(trainer, dims)
     if dims.cp > 1:
         _check_cp(trainer, dims, fsdp_plugin)
     if dims.tp == 1 and dims.dp_shard_cp == 1:
@@ -433,6 +434,8 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
         trainer.is_distributed_loading_by_transformers = True
         trainer.place_model_on_device = False
     plan = NDPlan(dims=dims, route=route, source=source)
+    if dims.tp > 1 and route in ("transformers", "model"):
+        plan.partial_grad_fixed = _fix_partial_grad_allreduce(trainer, dims)
     if dims.ep > 1:
         from ..parallel.ep import EPError, check_model
 
@@ -456,31 +459,25 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
     return plan
 
 
-#: transformers' tensor-parallel style whose gradient all-reduce runs on the *accumulated* gradient (see below)
-_PARTIAL_GRAD_STYLE = "replicated_with_grad_allreduce"
+def _fix_partial_grad_allreduce(trainer, dims: ParallelDims) -> list[str]:
+    """transformers' ``replicated_with_grad_allreduce`` tp style (Qwen3 / Qwen3-MoE ``q_norm`` / ``k_norm``) all-reduces
+    the accumulated gradient after every micro-batch, so under gradient accumulation a window's earlier micro-batches
+    count tp times (measured 1.4-1.5x at tp 2, GA 2; stock too): replaced by an all-reduce of each micro-batch's own
+    gradient (:func:`hf_gradfix.integration.patching.fix_partial_grad_allreduce`). Where transformers' structure is
+    not the known one, GA 1 trains as stock (one all-reduce per window: exact) and GA > 1 is refused in one line."""
+    from ..errors import PatchError
+    from .patching import fix_partial_grad_allreduce
 
-
-def _check_partial_grad_allreduce(trainer, dims: ParallelDims) -> None:
-    """Refuse tp > 1 with gradient accumulation on a model whose tp plan uses ``replicated_with_grad_allreduce``.
-
-    That style (transformers 5.x ``ReplicatedWithGradAllReduce``, e.g. Qwen3 / Qwen3-MoE's per-head ``q_norm`` /
-    ``k_norm``, whose gradient each tp rank holds for its own heads only) all-reduces ``param.grad`` in a
-    ``register_post_accumulate_grad_hook``: after every micro-batch, on the gradient accumulated so far, so the
-    window's earlier micro-batches are summed tp times again (measured under tp 2 x dp_shard 2, GA 2, Qwen3-MoE:
-    the q_norm / k_norm gradients 1.4-1.5x the float64 reference, every other parameter exact; stock does the same)."""
-    accumulation = int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1)
-    if dims.tp <= 1 or accumulation <= 1:
-        return
-    plan = getattr(_text_config(trainer.model), "base_model_tp_plan", None) or {}
-    partial = sorted(name for name, style in plan.items() if style == _PARTIAL_GRAD_STYLE)
-    if partial:
-        raise NDParallelError(
-            f"hf_gradfix parallel: tp={dims.tp} with gradient_accumulation_steps={accumulation} on "
-            f"{type(trainer.model).__name__}: transformers' tensor-parallel style {_PARTIAL_GRAD_STYLE!r} "
-            f"({', '.join(partial)}) all-reduces the accumulated gradient after every micro-batch, so a window's "
-            "earlier micro-batches count tp times (stock transformers too). Fix: gradient_accumulation_steps=1 with tp "
-            "(raise the micro-batch instead), or tp: 1."
-        )
+    try:
+        return fix_partial_grad_allreduce(trainer.model)
+    except PatchError as err:
+        accumulation = int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1)
+        if accumulation > 1:
+            raise NDParallelError(
+                f"hf_gradfix parallel: tp={dims.tp} with gradient_accumulation_steps={accumulation}: {err}"
+            ) from None
+        logger.warning("%s (gradient_accumulation_steps=1: transformers' own all-reduce is exact)", err)
+        return []
 
 
 # ----------------------------------------------------------------------------------------------------------------

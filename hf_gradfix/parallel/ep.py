@@ -20,7 +20,9 @@ is exact for the token loss too (``average_tokens_across_devices``); its router 
 What is checked here, on the model, before training (:func:`check_model`): the divide factor of every expert module
 (a transformers version that divides by ``efsdp`` instead, or not at all, would leave the expert gradients ``ep``
 times too large or too small), the implementation (``all_to_all`` / ``auto``: the ones that move tokens in
-training), and the degrees hf_gradfix has measured (``tp == 1``, ``pp == 1``).
+training), and ``pp == 1``. Under tp the ranks of a tp group share one batch: transformers' ``AllToAllEP`` splits its
+tokens over them before the dispatch (each token routed once) and the divide factor is still ``dp_size`` (measured
+exact at tp 2 x dp_shard 2 x ep 2, tests/test_nd_parallel.py).
 """
 
 from __future__ import annotations
@@ -84,9 +86,6 @@ def check_combination(*, ep: int, pp: int = 1, cp: int = 1, tp: int = 1, packing
     if cp > 1:
         raise EPError(f"parallel.ep={ep} with parallel.cp={cp}: the routing of a sequence split over cp ranks is not "
                       "measured exact with expert dispatch yet; use cp: 1 with ep, or ep: 1")
-    if tp > 1:
-        raise EPError(f"parallel.ep={ep} with parallel.tp={tp}: expert parallelism is measured exact over the data-parallel "
-                      "ranks only (tp: 1); use dp_shard / dp_replicate with ep, or ep: 1")
     if packing:
         raise EPError(f"parallel.ep={ep} with packing.enabled=true: packed rows under expert dispatch are not measured "
                       "exact yet; set packing.enabled: false, or ep: 1")
@@ -143,9 +142,6 @@ def check_model(model: torch.nn.Module) -> EPLayout:
     what = f"hf_gradfix parallel: expert parallelism ep_size={layout.ep}"
     if layout.pp > 1:
         raise EPError(f"{what} with pp_size={layout.pp}: transformers refuses token dispatch with pipeline stages.")
-    if layout.tp > 1:
-        raise EPError(f"{what} with tp_size={layout.tp}: only ep over the data-parallel ranks (tp_size=1) is measured "
-                      "exact so far. Fix: DistributedConfig(fsdp_size=..., ep_size=..., tp_size=1).")
     if layout.implementation not in TRAINING_IMPLEMENTATIONS:
         raise EPError(f"{what}: ep_implementation={layout.implementation!r} does not train on ranks holding "
                       "different batches. Fix: ep_implementation='all_to_all'.")
