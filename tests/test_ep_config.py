@@ -60,6 +60,15 @@ def test_what_ep_does_not_combine_with_is_refused_in_one_line(tmp_path, capsys, 
     assert needle in err and len(err.splitlines()) == 1 and str(library.value).splitlines()[0] in err
 
 
+def test_ep_with_tensor_parallelism_resolves(tmp_path, capsys):
+    """ep x tp composes (measured exact in tests/test_nd_parallel.py): tp 2 x dp_shard 2 x ep 2 on 4 processes."""
+    path = _write(tmp_path, 4, {"parallel": {"dp_shard": 2, "tp": 2, "ep": 2}})
+    r = resolve_config(path)
+    assert (r.mesh.dp, r.mesh.tp, r.mesh.ep, r.mesh.efsdp) == (2, 2, 2, 2)
+    assert main(["config", "check", str(path)]) == 0
+    assert "expert parallel   ep=2" in capsys.readouterr().out
+
+
 def test_ep_under_accelerates_fsdp_plugin_is_refused(tmp_path):
     path = _write(tmp_path, 2, {"parallel": {"ep": 2}}, fsdp_config={"fsdp_version": 2})
     with pytest.raises(ConfigError, match="parallel.ep=2 under accelerate's FSDP plugin"):

@@ -90,16 +90,40 @@ class _AllOnesMaskLlama(transformers.LlamaForCausalLM):
         return super().forward(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
 
 
-def test_guard_refuses_a_model_that_mixes_packed_sequences():
+class _MixingEmbeddingLlama(transformers.LlamaForCausalLM):
+    """Mixes the row before any decoder layer (a running sum over positions added to the embeddings): no decoder-layer
+    child carries the leak, so running children per document cannot help."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model.embed_tokens.register_forward_hook(lambda module, args, out: out + 0.1 * out.cumsum(1))
+
+
+def test_attention_that_mixes_packed_sequences_runs_per_document_and_a_leak_elsewhere_is_refused():
+    """An attention that ignores the packed boundaries (an all-ones attention_mask switches sdpa's packed detection off)
+    is a decoder-layer child that carries one document into the next, found by measurement like a recurrent layer:
+    the Trainer runs it once per document and every window equals the unpacked ground truth. A leak before the decoder
+    layers (the control) cannot be split and is refused before the first step by the guard's line."""
     config = H.build_model("llama", attn_implementation="sdpa").config
     torch.manual_seed(0)
     model = _AllOnesMaskLlama._from_config(config, attn_implementation="sdpa")
+    samples = H.make_samples("causal", n=8, seed=0)
     hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "mode": "rows"}})
     try:
-        with pytest.raises(PackingCheckError, match="_AllOnesMaskLlama cannot .*sequences attend to each other"):
-            _train(model, H.make_samples("causal", n=8, seed=0))
+        trainer, grads = _train(model, samples)
+        line = " ".join(hf_gradfix.state_of(trainer).fixes)
+        assert "documents run one by one through self_attn (LlamaAttention, 2 layer(s))" in line, line
+        torch.manual_seed(0)
+        mixing = _MixingEmbeddingLlama._from_config(config, attn_implementation="sdpa")
+        with pytest.raises(PackingCheckError, match="^_MixingEmbeddingLlama cannot "):
+            _train(mixing, samples)
     finally:
         hf_gradfix.unpatch()
+    windows = _windows(samples, 2)
+    assert len(windows) == len(grads) >= 2
+    for k, (window, g) in enumerate(zip(windows, grads)):
+        _, gt = H.ground_truth(model, [samples[i] for b in window for i in b], "causal")
+        assert H.rel_err(g, gt) <= 1e-5, f"step {k}: {H.rel_err(g, gt):.3e}"
 
 
 def test_bad_packing_config_is_a_clear_error():

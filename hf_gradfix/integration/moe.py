@@ -531,10 +531,8 @@ def _cp_micro_share(trainer: Trainer, state: GradFixState, moe: MoEState, plan, 
     experts = stats.prob_sum.numel()
     bad = 0.0
     if not moe.cp_checked:  # the model's own aux_loss on the shard (no mask under cp) vs the Switch loss rebuilt
-        unmasked = routing_stats([t.detach() for t in logits], moe.top_k, None)
-        rebuilt = float(window_share(unmasked.prob_sum, unmasked.counts.sum(0), unmasked.rows, experts))
-        own = float(aux.detach()) / state.aux_coef
-        bad = float(abs(rebuilt - own) > _REL_TOL * max(abs(own), 1e-12) + 1e-9)
+        own, rebuilt = _own_and_rebuilt(state, routing_stats([t.detach() for t in logits], moe.top_k, None), aux)
+        bad = float(not _same_loss(own, rebuilt))
         moe.cp_checked = True
     local = torch.zeros(experts + 2, dtype=torch.float64, device=trainer.args.device)
     local[:experts] = stats.counts.sum(0).to(local.device)
@@ -558,12 +556,21 @@ def _cp_fall_back(moe: MoEState, reason: str) -> None:
                        "each cp shard's own aux_loss (padding counted), not the micro-batch's.", reason)
 
 
+def _own_and_rebuilt(state: GradFixState, stats, aux: torch.Tensor) -> tuple[float, float]:
+    """The model's own load-balancing loss (its aux term without the coefficient) and the Switch loss rebuilt from
+    the routing statistics of its router logits."""
+    rebuilt = float(window_share(stats.prob_sum.detach(), stats.counts.sum(0), stats.rows, stats.prob_sum.numel()))
+    return float(aux.detach()) / state.aux_coef, rebuilt
+
+
+def _same_loss(own: float, rebuilt: float) -> bool:
+    return abs(rebuilt - own) <= _REL_TOL * max(abs(own), 1e-12) + 1e-9
+
+
 def _check_formula(trainer: Trainer, state: GradFixState, moe: MoEState, stats, aux: torch.Tensor) -> None:
     """Measured once: the model's aux_loss equals the load-balancing loss rebuilt from its own router logits."""
-    experts = stats.prob_sum.numel()
-    rebuilt = float(window_share(stats.prob_sum.detach(), stats.counts.sum(0), stats.rows, experts))
-    own = float(aux.detach()) / state.aux_coef
-    if abs(rebuilt - own) > _REL_TOL * max(abs(own), 1e-12) + 1e-9:
+    own, rebuilt = _own_and_rebuilt(state, stats, aux)
+    if not _same_loss(own, rebuilt):
         _fall_back(moe, f"{type(trainer.model).__name__}'s aux_loss ({own:.6g}) is not the Switch load-balancing loss "
                         f"of its router logits ({rebuilt:.6g}: softmax, top-{moe.top_k}, padding masked)")
         return

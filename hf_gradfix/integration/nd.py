@@ -335,13 +335,8 @@ def _resolve(trainer, section: ParallelConfig) -> tuple[ParallelDims | None, str
             f"hf_gradfix parallel: the model was sharded with pp_size={from_model['pp']}, ep_size={from_model['ep']}; "
             "hf_gradfix's exact loss is tested for dp_replicate x dp_shard x tp (x ep over the data ranks) only."
         )
-    if from_model is not None and from_model["ep"] > 1:
-        from ..parallel.ep import EPError, check_model
-
-        try:  # ep borrows its ranks from fsdp: the data-parallel degrees below stay dp_replicate x fsdp
-            check_model(model)
-        except EPError as err:
-            raise NDParallelError(str(err)) from err
+    # a model sharded by expert at load time: its structure is checked once, in setup (ep.check_model); ep borrows its
+    # ranks from fsdp, so the data-parallel degrees below stay dp_replicate x fsdp
     if requested(section):
         dims, source = _dims_from_section(section, world), "config"
     elif from_model is not None:

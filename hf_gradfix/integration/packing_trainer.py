@@ -176,6 +176,9 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
         attention = select_varlen_attention(trainer.args.device)
         set_attention_implementation(model, attention)
     line = f"packing: {cfg.mode} mode, rows of <= {cfg.token_budget} tokens, attention {attention}"
+    split = _split_stateful_layers(model)
+    if split:
+        line += f", documents run one by one through {split}"
     if not cfg.guard:
         logger.warning(
             "hf_gradfix packing: packing.guard is false, so the model is not checked for letting packed sequences "
@@ -202,6 +205,38 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
         if report.position_ids_start:
             line += f" (positions start at {report.position_ids_start}, as the model's own)"
     return line
+
+
+def _split_stateful_layers(model) -> str:
+    """The decoder-layer children that carry a recurrent state or a convolution window across a packed boundary
+    (measured on a probe row, :func:`hf_gradfix.packing.state_reset.find_sequence_mixers`) run once per document
+    (:func:`~hf_gradfix.packing.state_reset.split_documents`). Returns what was split ("" when nothing carries state)."""
+    from ..packing.collator import PackedCollator
+    from ..packing.state_reset import find_sequence_mixers, split_documents
+
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = int(getattr(embeddings, "num_embeddings", 0) or 0)
+    if vocab < 4:
+        return ""
+    gen = torch.Generator().manual_seed(0)
+    docs = [{"input_ids": torch.randint(1, vocab - 1, (n,), generator=gen).tolist()} for n in (5, 7, 4)]
+    batch = PackedCollator(mode="varlen")(docs)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    probe = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            mixers = find_sequence_mixers(model, probe)
+    finally:
+        model.train(was_training)
+    if not mixers:
+        return ""
+    split_documents(model, mixers)
+    what = ", ".join(m.label for m in mixers)
+    logger.info("hf_gradfix packing: %s carry state across packed documents; each document runs through them alone",
+                what)
+    return what
 
 
 def _prepare_model_for_cp_packing(trainer, cfg: PackingConfig, cp: int, attention: str | None) -> str:

@@ -1,0 +1,298 @@
+"""Documents kept apart in the layers that carry state along the sequence: linear attention, convolution, SSM.
+
+Attention keeps packed documents apart through its mask (restarted ``position_ids`` / ``cu_seq_lens``). A layer that
+carries a recurrent state or a convolution window along the sequence (Gated DeltaNet in Qwen3.5 / Qwen3-Next /
+OLMo-hybrid, LFM2's short convolution, the Mamba mixers of Bamba / Jamba / Falcon-H1 / Nemotron-H / Zamba2 /
+granite-hybrid) does not: in transformers 5.24 the torch fallbacks swallow ``cu_seqlens`` / ``seq_idx`` in
+``**kwargs``, so the state of one document flows into the next (transformers#46093, axolotl#3453).
+
+What this module does, by behaviour rather than by a list of classes:
+
+1. :func:`find_sequence_mixers` runs one packed probe row through the model with a forward pre-hook on every child
+   of its decoder layers (the longest ``ModuleList``), then replays each kind of child (attribute name and type, the
+   first instance) on its recorded inputs with the hidden states as a leaf: a child through which the gradient of one
+   document's outputs reaches another document's positions carries state across the boundary (exactly zero for
+   attention under the document mask, for MLPs and norms; non-zero for a convolution window or a recurrent state at
+   any weight scale).
+2. :func:`split_documents` replaces the forward of every instance of those kinds (on the model instance, reversibly)
+   by a loop that calls the original forward once per document of each packed row, on that document's slice of
+   every per-token input, and concatenates the outputs: the state and the convolution window start from zero at
+   every boundary, whatever kernel runs underneath (torch fallback, fla, causal-conv1d, mamba-ssm). The boundaries are
+   the restarted ``position_ids`` of the model's latest forward (transformers' own rule, ``diff != 1``), read by a
+   forward pre-hook on the model; they stay until the next forward, so the recomputation of gradient checkpointing
+   in backward splits at the same places. A forward with a cache (generation) or without restarts runs unsplit.
+
+Why splitting rather than handing ``cu_seqlens`` to the kernels: the torch fallbacks (what runs on a CPU, and on a
+GPU without the optional kernels) have no argument for it, and a slice per document needs no knowledge of each
+family's internals. The cost is one mixer call per document (measured in ``benchmarks/bench_packing_hybrid.py``).
+
+>>> import torch
+>>> rows = segment_bounds(torch.tensor([[0, 1, 2, 0, 1]]))
+>>> rows
+[[(0, 3), (3, 5)]]
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["SequenceMixer", "DocumentSplit", "find_sequence_mixers", "split_documents", "segment_bounds"]
+
+_ORIGINAL_ATTR = "_hf_gradfix_unsplit_forward"
+_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "cu_seqlens_q", "cu_seqlens_k")
+_MAX_LEN_KEYS = ("max_length_q", "max_length_k", "max_seqlen", "max_seqlen_q", "max_seqlen_k")
+
+
+@dataclass
+class SequenceMixer:
+    """One kind of decoder-layer child that carries state across a packed boundary: its attribute name, type name,
+    the module names of every instance, and the measured leak (the other documents' gradient, relative to the own)."""
+
+    attribute: str
+    type_name: str
+    modules: list[str]
+    leak: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.attribute} ({self.type_name}, {len(self.modules)} layer(s))"
+
+
+def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the ``[start, end)`` of every document: a new one wherever ``diff(position_ids) != 1``."""
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).to("cpu")
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    if pos.shape[1] > 1:
+        starts[:, 1:] = (pos[:, 1:] - pos[:, :-1]) != 1
+    rows = []
+    for r in range(pos.shape[0]):
+        idx = starts[r].nonzero().flatten().tolist() + [pos.shape[1]]
+        rows.append(list(zip(idx[:-1], idx[1:])))
+    return rows
+
+
+def _decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
+    best = None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(
+                any(True for _ in m.parameters()) for m in module):
+            if best is None or len(module) > len(best[1]):
+                best = (name, module)
+    return best
+
+
+def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    h = args[0] if args else kwargs.get("hidden_states")
+    return h if isinstance(h, torch.Tensor) and h.dim() == 3 and h.is_floating_point() else None
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def find_sequence_mixers(model: torch.nn.Module, batch: dict, run_kwargs: dict | None = None, *,
+                         seed: int = 0) -> list[SequenceMixer]:
+    """The kinds of decoder-layer children through which one packed document reaches another (see the module
+    docstring). ``batch``: a packed batch (``input_ids`` + restarted ``position_ids``, several documents per row), run
+    once without gradients; each kind is then replayed with gradients (one backward per kind)."""
+    found = _decoder_layers(model)
+    if found is None:
+        return []
+    layers_name, layers = found
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for i, layer in enumerate(layers):
+        for attr, child in layer.named_children():
+            kinds.setdefault((attr, type(child).__name__), []).append(f"{layers_name}.{i}.{attr}")
+    modules = dict(model.named_modules())
+    recorded: dict[tuple[str, str], tuple[tuple, dict]] = {}
+    handles = []
+
+    def recorder(key):
+        def hook(module, args, kwargs):
+            if key not in recorded and _hidden_of(args, kwargs) is not None:
+                recorded[key] = (args, dict(kwargs))
+        return hook
+
+    for key, names in kinds.items():
+        handles.append(modules[names[0]].register_forward_pre_hook(recorder(key), with_kwargs=True))
+    try:
+        with torch.no_grad():  # no cache: a cache carries the state itself, updated in place (generation's path)
+            model(**batch, **{"use_cache": False, **(run_kwargs or {})})
+    finally:
+        for h in handles:
+            h.remove()
+    bounds = segment_bounds(batch["position_ids"])
+    gen = torch.Generator().manual_seed(seed)
+    mixers = []
+    for key, (args, kwargs) in recorded.items():
+        hidden = _hidden_of(args, kwargs)
+        if hidden is None or tuple(hidden.shape[:2]) != (len(bounds), int(batch["position_ids"].shape[-1])):
+            continue
+        leak = _replay_leak(modules[kinds[key][0]], args, kwargs, hidden, bounds, gen)
+        if leak > 0.0:
+            mixers.append(SequenceMixer(key[0], key[1], kinds[key], leak))
+    return mixers
+
+
+def _replay_leak(module, args, kwargs, hidden, bounds, gen) -> float:
+    x = hidden.detach().clone().requires_grad_(True)
+    if args:
+        args = (x,) + tuple(args[1:])
+    else:
+        kwargs = {**kwargs, "hidden_states": x}
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.enable_grad():
+            out = _first_tensor(module(*args, **kwargs))
+    finally:
+        module.train(was_training)
+    if out is None or not out.requires_grad or tuple(out.shape[:2]) != tuple(x.shape[:2]):
+        return 0.0
+    worst = 0.0
+    for r, row in enumerate(bounds):
+        if len(row) < 2:
+            continue
+        for a, b in (row[0], row[-1]):  # backward- and forward-looking paths
+            direction = torch.randn(out[r, a:b].shape, generator=gen).to(out.device, out.dtype)
+            (g,) = torch.autograd.grad((out[r, a:b] * direction).sum(), x, retain_graph=True, allow_unused=True)
+            if g is None:
+                continue
+            g = g.detach().abs().float()
+            own = float(g[r, a:b].max())
+            g[r, a:b] = 0.0
+            other = float(g.max())
+            worst = max(worst, other / own if own > 0 else (float("inf") if other > 0 else 0.0))
+    return worst
+
+
+@dataclass
+class DocumentSplit:
+    """What :func:`split_documents` changed on one model; :meth:`restore` undoes it. ``calls``: per-document mixer calls
+    made so far (a packed forward with d documents adds d per wrapped module)."""
+
+    model_ref: Any
+    modules: list[str]
+    hook: Any = None
+    bounds: list | None = None
+    calls: int = 0
+    split_forwards: int = 0
+    _wrapped: list = field(default_factory=list)
+
+    def restore(self) -> int:
+        """Put every original forward back and remove the boundary hook. Returns how many modules."""
+        n = 0
+        for module in self._wrapped:
+            original = module.__dict__.get("forward")
+            original = getattr(original, _ORIGINAL_ATTR, None)
+            if original is not None:
+                if original is _CLASS_FORWARD:
+                    del module.forward
+                else:
+                    module.forward = original
+                n += 1
+        self._wrapped.clear()
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        return n
+
+
+_CLASS_FORWARD = object()  # marks a module whose forward was the class's (no instance attribute to put back)
+
+
+def split_documents(model: torch.nn.Module, mixers: list[SequenceMixer]) -> DocumentSplit:
+    """Run every module of ``mixers`` once per packed document (see the module docstring). Idempotent: a module
+    already split is left as it is. Returns the handle whose ``restore()`` undoes it."""
+    existing = getattr(model, "_hf_gradfix_document_split", None)
+    if existing is not None and existing.hook is not None:
+        split = existing
+    else:
+        split = DocumentSplit(model_ref=weakref.ref(model), modules=[])
+
+        def keep_bounds(module, args, kwargs):
+            pos = kwargs.get("position_ids")
+            cache = kwargs.get("past_key_values")
+            if isinstance(pos, torch.Tensor) and pos.dim() == 2 and (cache is None or not kwargs.get("use_cache")):
+                rows = segment_bounds(pos)
+                split.bounds = rows if any(len(r) > 1 for r in rows) else None
+            else:
+                split.bounds = None
+
+        split.hook = model.register_forward_pre_hook(keep_bounds, with_kwargs=True)
+        model._hf_gradfix_document_split = split
+    modules = dict(model.named_modules())
+    for mixer in mixers:
+        for name in mixer.modules:
+            module = modules[name]
+            if getattr(module.__dict__.get("forward"), _ORIGINAL_ATTR, None) is not None:
+                continue
+            module.forward = _split_forward(module, split)
+            split._wrapped.append(module)
+            split.modules.append(name)
+    return split
+
+
+def _split_forward(module: torch.nn.Module, split: DocumentSplit):
+    own = module.__dict__.get("forward")
+    original = own if own is not None else module.forward  # the bound class forward
+
+    def forward(*args, **kwargs):
+        bounds = split.bounds
+        hidden = _hidden_of(args, kwargs)
+        cache = kwargs.get("cache", kwargs.get("cache_params", kwargs.get("past_key_values")))
+        if bounds is None or hidden is None or cache is not None or tuple(hidden.shape[:2]) != (
+                len(bounds), sum(b - a for a, b in bounds[0])):
+            return original(*args, **kwargs)
+        rows_out = []
+        width = hidden.shape[1]
+        for r, row in enumerate(bounds):
+            pieces = []
+            for a, b in row:
+                sub_args = tuple(_slice(v, r, a, b, len(bounds), width) for v in args)
+                sub_kwargs = {k: _slice_kw(k, v, r, a, b, len(bounds), width) for k, v in kwargs.items()}
+                pieces.append(original(*sub_args, **sub_kwargs))
+                split.calls += 1
+            rows_out.append(_cat(pieces, 1))
+        split.split_forwards += 1
+        return _cat(rows_out, 0)
+
+    setattr(forward, _ORIGINAL_ATTR, own if own is not None else _CLASS_FORWARD)
+    return forward
+
+
+def _slice(v: Any, r: int, a: int, b: int, rows: int, width: int) -> Any:
+    if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == rows:
+        if v.dim() == 4 and tuple(v.shape[-2:]) == (width, width):  # a [B, H, T, T] mask
+            return v[r:r + 1, :, a:b, a:b]
+        if v.shape[1] == width:
+            return v[r:r + 1, a:b]
+    if isinstance(v, (tuple, list)):
+        return type(v)(_slice(x, r, a, b, rows, width) for x in v)
+    return v
+
+
+def _slice_kw(key: str, v: Any, r: int, a: int, b: int, rows: int, width: int) -> Any:
+    if key in _VARLEN_KEYS or key in _MAX_LEN_KEYS:
+        return None  # one document per call: nothing to keep apart (the torch fallbacks refuse cu_seqlens outright)
+    if key == "seq_idx" and isinstance(v, torch.Tensor):
+        return torch.zeros_like(_slice(v, r, a, b, rows, width))
+    return _slice(v, r, a, b, rows, width)
+
+
+def _cat(pieces: list, dim: int) -> Any:
+    first = pieces[0]
+    if isinstance(first, torch.Tensor):
+        return first if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_cat([p[i] for p in pieces], dim) if isinstance(first[i], torch.Tensor) else first[i]
+                           for i in range(len(first)))
+    raise TypeError(f"hf_gradfix packing: a split sequence mixer returned {type(first).__name__}, not a tensor")
