@@ -33,7 +33,8 @@ TF457_TESTS=(tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_
     tests/test_packing_stream.py tests/test_optim_trainer.py tests/test_nd_parallel.py
     tests/test_noise_scale.py tests/test_plan.py tests/test_memory_timeline.py tests/test_ecosystem.py
     tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py tests/test_lock.py
-    tests/test_pipeline.py tests/test_stock_parity.py tests/test_trainer_matrix.py tests/test_moe.py)
+    tests/test_pipeline.py tests/test_stock_parity.py tests/test_trainer_matrix.py tests/test_moe.py
+    tests/test_packing_hybrid.py)
 # --quick: pure math, configuration, the packer, the optimizers against their references, the loss fix against the
 # ground truth (harness self-check, TokenWindow), the lock and the layout; no process launches (the distributed
 # marker) and no docs build. Measured in docs/testing.md.

@@ -125,7 +125,14 @@ def find_sequence_mixers(model: torch.nn.Module, batch: dict, run_kwargs: dict |
         handles.append(modules[names[0]].register_forward_pre_hook(recorder(key), with_kwargs=True))
     try:
         with torch.no_grad():  # no cache: a cache carries the state itself, updated in place (generation's path)
-            model(**batch, **{"use_cache": False, **(run_kwargs or {})})
+            try:
+                model(**batch, **{"use_cache": False, **(run_kwargs or {})})
+            except (ValueError, NotImplementedError):
+                # a layer that refuses the varlen keys on this path (Qwen3.5's torch fallback raises on cu_seqlens):
+                # the row again with restarted positions only (attention reads the boundaries from them)
+                recorded.clear()
+                slim = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids")}
+                model(**slim, **{"use_cache": False, **(run_kwargs or {})})
     finally:
         for h in handles:
             h.remove()
