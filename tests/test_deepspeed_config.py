@@ -155,3 +155,75 @@ def test_hf_gradfix_launch_runs_zero3_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result == dict(deepspeed=True, engine="DeepSpeedEngine", stage=3, world=2, use_cpu_env=None, on_nonfinite="skip")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Hostile DeepSpeed settings: each refused in one line naming the key, the value and the fix, library and CLI alike
+# ------------------------------------------------------------------------------------------------------------------
+BAD_YAML = [
+    (dict(zero_stage=4), "deepspeed_config.zero_stage: invalid value 4"),
+    (dict(zero_stage=-1), "deepspeed_config.zero_stage: invalid value -1"),
+    (dict(zero_stage="2"), "deepspeed_config.zero_stage: invalid value '2'"),
+    (dict(zero_stage=2.5), "deepspeed_config.zero_stage: invalid value 2.5"),
+    (dict(zero_stage=True), "deepspeed_config.zero_stage: invalid value True"),
+    (dict(gradient_clipping=-1), "deepspeed_config.gradient_clipping: invalid value -1"),
+    (dict(gradient_clipping=float("nan")), "deepspeed_config.gradient_clipping: invalid value nan"),
+    (dict(gradient_clipping=float("inf")), "deepspeed_config.gradient_clipping: invalid value inf"),
+    (dict(gradient_clipping="1.0"), "deepspeed_config.gradient_clipping: invalid value '1.0'"),
+    (dict(offload_optimizer_device="gpu"), "deepspeed_config.offload_optimizer_device: invalid value 'gpu'"),
+    (dict(offload_optimizer_device="nvme"), "offload_optimizer_device: nvme without deepspeed_config.offload_optimizer_nvme_path"),
+    (dict(zero_stage=2, offload_param_device="cpu"), "deepspeed_config.offload_param_device: 'cpu' with ZeRO-2"),
+    (dict(zero_stage=3, deepspeed_config_file="ds.json"), "deepspeed_config_file with deepspeed_config."),
+]
+
+
+def _one_line(tmp_path, capsys, path, needle):
+    from hf_gradfix.config.schema import ConfigError
+
+    with pytest.raises((DeepSpeedConfigError, ConfigError)) as library:
+        resolve_config(path)
+    assert needle in str(library.value) and "\n" not in str(library.value), str(library.value)
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("settings, needle", BAD_YAML, ids=[n.split(":")[0] + str(i) for i, (_, n) in enumerate(BAD_YAML)])
+def test_bad_deepspeed_yaml_settings_are_one_line(tmp_path, capsys, settings, needle):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    _one_line(tmp_path, capsys, _ds_yaml(tmp_path, **settings), needle)
+
+
+BAD_JSON = [
+    ('{"zero_optimization": {"stage": 1}, "zero_optimization": {"stage": 3}}', "duplicate key(s) ['zero_optimization']"),
+    ('{"zero_optimization": {"stage": 2}, "gradient_clipping": NaN}', "NaN is not a JSON number"),
+    ('{"zero_optimization": {"stage": 5}}', "zero_optimization.stage: invalid value 5"),
+    ('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}}', "zero_optimization.offload_optimizer.device: invalid value 'gpu'"),
+    ('{"zero_optimization": {"stage": 2, "overlap_com": true}}', "zero_optimization.overlap_com"),  # DeepSpeed's own schema: a typo
+    ('{"zero_optimization": {"stage": 2}, "gradient_clipping": -0.5}', "gradient_clipping (DeepSpeed JSON): invalid value -0.5"),
+]
+
+
+@pytest.mark.parametrize("text, needle", BAD_JSON, ids=[str(i) for i in range(len(BAD_JSON))])
+def test_bad_deepspeed_json_is_one_line(tmp_path, capsys, text, needle):
+    (tmp_path / "ds.json").write_text(text)
+    path = _ds_yaml(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["deepspeed_config"] = {"deepspeed_config_file": "ds.json"}
+    path.write_text(yaml.safe_dump(data))
+    if "overlap_com" in text:
+        pytest.importorskip("deepspeed")
+    _one_line(tmp_path, capsys, path, needle)
+
+
+def test_a_deepspeed_json_that_is_not_a_regular_file_or_too_large_is_refused_without_reading_it(tmp_path, capsys):
+    path = _ds_yaml(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["deepspeed_config"] = {"deepspeed_config_file": "/dev/zero"}
+    path.write_text(yaml.safe_dump(data))
+    _one_line(tmp_path, capsys, path, "not a regular file")
+    big = tmp_path / "big.json"
+    big.write_text('{"a": "' + "x" * (5 * 1024 * 1024) + '"}')
+    data["deepspeed_config"] = {"deepspeed_config_file": str(big)}
+    path.write_text(yaml.safe_dump(data))
+    _one_line(tmp_path, capsys, path, "more than 4194304 for a config")

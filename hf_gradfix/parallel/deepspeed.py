@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -91,18 +92,104 @@ def _device(section: Any) -> str:
     return "none"
 
 
+#: a DeepSpeed JSON larger than this is refused before reading (a config is a few KiB; /dev/zero never ends)
+MAX_JSON_BYTES = 4 * 1024 * 1024
+
+
+def _no_duplicates(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise ValueError(f"duplicate key(s) {dup} (JSON keeps the last one silently)")
+    return dict(pairs)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _read_json(path: str, where: str) -> dict:
+    key = "deepspeed_config.deepspeed_config_file"
     try:
+        if not os.path.isfile(path):  # a FIFO or a device would block or never end
+            raise OSError("not a regular file")
+        if os.path.getsize(path) > MAX_JSON_BYTES:
+            raise OSError(f"{os.path.getsize(path)} bytes, more than {MAX_JSON_BYTES} for a config")
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+            data = json.load(fh, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except (OSError, ValueError) as err:
         raise DeepSpeedConfigError(
-            f"{where}: deepspeed_config.deepspeed_config_file {path!r} cannot be read ({type(err).__name__}: {err}); "
-            "give the path of a DeepSpeed JSON config (relative paths are taken from the YAML's folder)"
+            f"{where}: {key} {path!r} cannot be read ({type(err).__name__}: {err}); give the path of a DeepSpeed "
+            "JSON config (relative paths are taken from the YAML's folder)"
         ) from None
     if not isinstance(data, dict):
         raise DeepSpeedConfigError(f"{where}: deepspeed_config_file {path!r} must hold a JSON object")
     return data
+
+
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _check_clipping_value(value: Any, key: str, where: str) -> float | str:
+    """``"auto"`` or a finite number >= 0 (not a string, not a bool)."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise DeepSpeedConfigError(f"{where}: {key}: invalid value {value!r}; it must be a finite number >= 0 or "
+                                   "\"auto\" (follows TrainingArguments.max_grad_norm)")
+    return float(value)
+
+
+def _check_zero(zero: dict, where: str, keys: dict) -> None:
+    """The ``zero_optimization`` section by DeepSpeed's own schema (``DeepSpeedZeroConfig``, when DeepSpeed is
+    installed) and what that schema lets through but DeepSpeed then ignores or coerces: a stage that is not an int
+    (``"2"``, ``true``), nvme offload without its path, parameter offload below ZeRO-3. ``keys``: how the user spelled
+    each setting (the YAML's ``zero_stage`` or the JSON's ``zero_optimization.stage``), for the message."""
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise DeepSpeedConfigError(f"{where}: {keys['stage']}: invalid value {stage!r}; it must be one of the ZeRO "
+                                   "stages 0, 1, 2, 3 (an integer)")
+    for part in ("offload_optimizer", "offload_param"):
+        section = zero.get(part)
+        if not isinstance(section, dict):
+            continue
+        device = section.get("device", "none")
+        if device not in _OFFLOAD_DEVICES:
+            raise DeepSpeedConfigError(f"{where}: {keys[part]}: invalid value {device!r}; it must be one of "
+                                       f"{', '.join(_OFFLOAD_DEVICES)} (DeepSpeed offloads to the CPU or NVMe only)")
+        if device == "nvme" and not section.get("nvme_path"):
+            raise DeepSpeedConfigError(f"{where}: {keys[part]}: nvme without {keys[part + '_path']}; set the NVMe "
+                                       "folder DeepSpeed swaps to, or offload to cpu")
+        if part == "offload_param" and device != "none" and stage != 3:
+            raise DeepSpeedConfigError(f"{where}: {keys[part]}: {device!r} with ZeRO-{stage}: DeepSpeed offloads "
+                                       f"parameters under ZeRO-3 only and ignores it here; set {keys['stage']}: 3 or "
+                                       f"remove {keys[part]}")
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except Exception:  # noqa: BLE001 - DeepSpeed not installed (or not importable here): the checks above stand
+        return
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except Exception as err:  # noqa: BLE001 - pydantic's ValidationError: its first error, in one line
+        errors = getattr(err, "errors", None)
+        first = errors()[0] if callable(errors) else {"loc": (), "msg": str(err).splitlines()[0], "input": None}
+        loc = ".".join(str(x) for x in first.get("loc", ())) or "zero_optimization"
+        raise DeepSpeedConfigError(f"{where}: zero_optimization.{loc}: invalid value {first.get('input')!r}: "
+                                   f"{first.get('msg')} (DeepSpeed's DeepSpeedZeroConfig)") from None
+
+
+#: how each ZeRO setting is spelled in accelerate's YAML and in a DeepSpeed JSON (for the one-line messages)
+_YAML_KEYS = {"stage": "deepspeed_config.zero_stage", "offload_optimizer": "deepspeed_config.offload_optimizer_device",
+              "offload_param": "deepspeed_config.offload_param_device",
+              "offload_optimizer_path": "deepspeed_config.offload_optimizer_nvme_path",
+              "offload_param_path": "deepspeed_config.offload_param_nvme_path"}
+_JSON_KEYS = {"stage": "zero_optimization.stage", "offload_optimizer": "zero_optimization.offload_optimizer.device",
+              "offload_param": "zero_optimization.offload_param.device",
+              "offload_optimizer_path": "zero_optimization.offload_optimizer.nvme_path",
+              "offload_param_path": "zero_optimization.offload_param.nvme_path"}
+#: YAML keys accelerate ignores when a deepspeed_config_file is given (it reads them from the file)
+_YAML_ZERO_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+                   "offload_param_nvme_path", "gradient_clipping", "zero3_save_16bit_model")
 
 
 def deepspeed_settings(acc: dict, yaml_path: str | None = None) -> DeepSpeedSettings | None:
@@ -119,26 +206,44 @@ def deepspeed_settings(acc: dict, yaml_path: str | None = None) -> DeepSpeedSett
         path = str(config_file)
         if yaml_path and not os.path.isabs(path) and not os.path.exists(path):
             path = os.path.join(os.path.dirname(os.path.abspath(yaml_path)), path)
+        both = sorted(k for k in ds if k in _YAML_ZERO_KEYS)
+        if both:  # accelerate takes the file and ignores these
+            raise DeepSpeedConfigError(
+                f"{where}: deepspeed_config.deepspeed_config_file with deepspeed_config.{both[0]}: accelerate uses the "
+                f"JSON file and ignores {', '.join(both)}; set them in the JSON file only")
         data = _read_json(path, where)
         zero = data.get("zero_optimization") or {}
+        if not isinstance(zero, dict):
+            raise DeepSpeedConfigError(f"{where}: zero_optimization in {config_file!r} must be a JSON object")
+        _check_zero(zero, where, _JSON_KEYS)
         stage = zero.get("stage", 0)
-        clipping = data.get("gradient_clipping", DEEPSPEED_DEFAULT_CLIPPING)
+        clipping = _check_clipping_value(data.get("gradient_clipping", DEEPSPEED_DEFAULT_CLIPPING),
+                                         "gradient_clipping (DeepSpeed JSON)", where)
         return DeepSpeedSettings(
-            stage=int(stage) if str(stage).isdigit() else 0,
-            clipping=clipping if clipping == "auto" else float(clipping),
+            stage=stage,
+            clipping=clipping,
             offload_optimizer=_device(zero.get("offload_optimizer")),
             offload_param=_device(zero.get("offload_param")),
             config_file=str(config_file),
         )
     clipping = ds.get("gradient_clipping", "auto")
+    if clipping is not None:
+        clipping = _check_clipping_value(clipping, "deepspeed_config.gradient_clipping", where)
     if clipping != "auto" and clipping is not None and not float(clipping):
         raise DeepSpeedConfigError(
             f"{where}: deepspeed_config.gradient_clipping: {clipping}: accelerate drops a 0 and DeepSpeed then clips at "
             f"its default {DEEPSPEED_DEFAULT_CLIPPING:g} (silent clipping). Fix: remove gradient_clipping from the YAML "
             "(DeepSpeed then follows TrainingArguments.max_grad_norm; set max_grad_norm=0 for no clipping)"
         )
+    zero = {"stage": ds.get("zero_stage", 2) if ds.get("zero_stage") is not None else 2}
+    for part in ("optimizer", "param"):
+        device = ds.get(f"offload_{part}_device")
+        if device is not None:
+            zero[f"offload_{part}"] = {"device": str(device).lower() if isinstance(device, str) else device,
+                                       "nvme_path": ds.get(f"offload_{part}_nvme_path")}
+    _check_zero(zero, where, _YAML_KEYS)
     return DeepSpeedSettings(
-        stage=int(ds.get("zero_stage", 2) if ds.get("zero_stage") is not None else 2),
+        stage=zero["stage"],
         clipping="auto" if clipping in (None, "auto") else float(clipping),
         offload_optimizer=str(ds.get("offload_optimizer_device", "none") or "none").lower(),
         offload_param=str(ds.get("offload_param_device", "none") or "none").lower(),
