@@ -140,6 +140,29 @@ def _check_clipping_value(value: Any, key: str, where: str) -> float | str:
     return float(value)
 
 
+def _deepspeed_zero_schema():
+    """DeepSpeed's ``DeepSpeedZeroConfig``, imported without its import-time banner reaching stdout (``config check
+    --json`` prints JSON there); DeepSpeed's logger is pointed back at the real stdout afterwards."""
+    import contextlib
+    import io
+    import logging
+    import sys
+
+    if "deepspeed.runtime.zero.config" in sys.modules:
+        return sys.modules["deepspeed.runtime.zero.config"].DeepSpeedZeroConfig
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink):
+            from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        for handler in logging.getLogger("DeepSpeed").handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sink:
+                handler.setStream(sys.stdout)
+    return DeepSpeedZeroConfig
+
+
 def _check_zero(zero: dict, where: str, keys: dict) -> None:
     """The ``zero_optimization`` section by DeepSpeed's own schema (``DeepSpeedZeroConfig``, when DeepSpeed is
     installed) and what that schema lets through but DeepSpeed then ignores or coerces: a stage that is not an int
@@ -164,9 +187,8 @@ def _check_zero(zero: dict, where: str, keys: dict) -> None:
             raise DeepSpeedConfigError(f"{where}: {keys[part]}: {device!r} with ZeRO-{stage}: DeepSpeed offloads "
                                        f"parameters under ZeRO-3 only and ignores it here; set {keys['stage']}: 3 or "
                                        f"remove {keys[part]}")
-    try:
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    except Exception:  # noqa: BLE001 - DeepSpeed not installed (or not importable here): the checks above stand
+    DeepSpeedZeroConfig = _deepspeed_zero_schema()
+    if DeepSpeedZeroConfig is None:  # DeepSpeed not installed (or not importable here): the checks above stand
         return
     try:
         DeepSpeedZeroConfig(**zero)
