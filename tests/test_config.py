@@ -440,3 +440,23 @@ def test_imports_no_heavy_dependencies():
     )
     root = pathlib.Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_a_long_list_of_problems_is_capped_with_a_count(tmp_path, capsys):
+    """40,000 unknown keys are not 40,000 lines: the first 20 problems, then how many more (library and CLI)."""
+    import yaml
+
+    from hf_gradfix.cli import main
+    from hf_gradfix.config.loader import MAX_LISTED_PROBLEMS
+    from hf_gradfix.config.resolve import resolve_config
+
+    path = tmp_path / "many.yaml"
+    path.write_text(yaml.safe_dump({"hf_gradfix": {"loss": {f"key{i}": 1 for i in range(500)}}}))
+    with pytest.raises(ConfigError) as err:
+        resolve_config(path)
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"500 problems in {path}:" and len(lines) == 1 + MAX_LISTED_PROBLEMS + 1
+    assert lines[-1].startswith(f"  ... and {500 - MAX_LISTED_PROBLEMS} more problems")
+    assert len(err.value.problems) == 500  # the full list stays on the exception
+    assert main(["config", "check", str(path)]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == len(lines)

@@ -541,8 +541,26 @@ def _build_root(
     if len(rendered) == 1:
         text = rendered[0]
     else:
-        text = f"{len(rendered)} problems in the {SECTION} config:\n" + "\n".join(f"  - {r}" for r in rendered)
+        text = f"{len(rendered)} problems in the {SECTION} config:\n" + _bulleted(rendered)
     raise ConfigError(text, rendered)
+
+
+#: a message lists at most this many problems, then how many more (40,000 unknown keys are not 40,000 lines)
+MAX_LISTED_PROBLEMS = 20
+
+
+def _bulleted(problems: list[str]) -> str:
+    """``  - problem`` lines, the first :data:`MAX_LISTED_PROBLEMS` of them and a count of the rest.
+
+    >>> text = _bulleted([f"k{i}: unknown key" for i in range(22)])
+    >>> len(text.splitlines()), "and 2 more problems" in text
+    (21, True)
+    """
+    shown = [f"  - {p}" for p in problems[:MAX_LISTED_PROBLEMS]]
+    if len(problems) > MAX_LISTED_PROBLEMS:
+        shown.append(f"  ... and {len(problems) - MAX_LISTED_PROBLEMS} more problems (fix these first; the full list "
+                     "is in ConfigError.problems)")
+    return "\n".join(shown)
 
 
 def _line_of(lines: dict[Path, int], path: Path) -> int | None:
@@ -670,7 +688,7 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
             problems.extend(err.problems)
     if problems:
         text = problems[0] if len(problems) == 1 else (
-            f"{len(problems)} problems in {shown}:\n" + "\n".join(f"  - {p}" for p in problems)
+            f"{len(problems)} problems in {shown}:\n" + _bulleted(problems)
         )
         raise ConfigError(_env_note(text, via_env), problems)
     if section is not None and not isinstance(section, Mapping):
