@@ -211,8 +211,11 @@ def _check_data(path: str) -> None:
 
     if not os.path.exists(path):
         raise InvalidArgumentError(f"--data {path}: file not found (resolved to {os.path.abspath(path)})")
-    if os.path.isdir(path):
-        raise InvalidArgumentError(f"--data {path}: is a folder; give a .jsonl of input_ids (and labels) or a text file")
+    from .files import not_a_regular_file
+
+    kind = not_a_regular_file(path)
+    if kind is not None:  # a folder, a FIFO (open() would block), a device (never ends)
+        raise InvalidArgumentError(f"--data {path}: {kind}; give a .jsonl of input_ids (and labels) or a text file")
     try:
         with open(path, encoding="utf-8") as fh:
             if not path.endswith(".jsonl"):

@@ -404,6 +404,10 @@ CLI_ROWS = [  # (id, argv with {tmp}, fragment, seconds, MiB)
     ("verify --data folder", ["verify", "--data", "{tmp}"], "is a folder", 60, 400),
     ("verify --data empty", ["verify", "--data", "{tmp}/empty.jsonl"], "no samples", 60, 400),
     ("verify -m missing module", ["verify", "--", "-m", "no_such_module_xyz"], "module 'no_such_module_xyz' not found", 60, 400),
+    # a named pipe blocked open() until a writer came (config check hung); a device never ends
+    ("config check FIFO", ["config", "check", "{tmp}/fifo.yaml"], "{tmp}/fifo.yaml: is a named pipe (FIFO)", 60, 400),
+    ("config check /dev/zero", ["config", "check", "/dev/zero"], "/dev/zero: is a character device", 60, 400),
+    ("verify --data FIFO", ["verify", "--data", "{tmp}/fifo.jsonl"], "--data {tmp}/fifo.jsonl: is a named pipe (FIFO)", 60, 400),
 ]
 
 
@@ -423,6 +427,8 @@ def test_cli_inputs_are_one_line(tmp_path, capsys, name, argv, fragment, seconds
     (tmp_path / "bad.jsonl").write_text('{"input_ids": [1, 2, 3]}\nnot json\n')
     (tmp_path / "nokey.jsonl").write_text('{"text": "hi"}\n')
     (tmp_path / "empty.jsonl").write_text("\n")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    os.mkfifo(tmp_path / "fifo.jsonl")
     argv = [a.replace(_DIR, tmp) for a in argv]
     import accelerate.commands.launch  # noqa: F401 - imported before the measure: the bound is on the row's own work
     import hf_gradfix.plan.estimate  # noqa: F401

@@ -610,6 +610,11 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
     raw = os.fsdecode(os.fspath(source))
     path = os.path.expanduser(raw)
     shown = raw
+    from ..files import not_a_regular_file
+
+    kind = not_a_regular_file(path)
+    if kind is not None and not os.path.isdir(path):  # a FIFO blocks open() until a writer comes; a device never ends
+        raise _refuse(f"{raw}: {kind}; a configuration file must be a regular YAML file", via_env)
     try:
         with open(path, encoding="utf-8") as fh:
             size = os.fstat(fh.fileno()).st_size

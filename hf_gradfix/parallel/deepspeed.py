@@ -111,8 +111,11 @@ def _no_constant(name: str):
 def _read_json(path: str, where: str) -> dict:
     key = "deepspeed_config.deepspeed_config_file"
     try:
-        if not os.path.isfile(path):  # a FIFO or a device would block or never end
-            raise OSError("not a regular file")
+        from ..files import not_a_regular_file
+
+        kind = not_a_regular_file(path)
+        if kind is not None:  # a FIFO or a device would block or never end
+            raise OSError(f"not a regular file: it {kind}")
         if os.path.getsize(path) > MAX_JSON_BYTES:
             raise OSError(f"{os.path.getsize(path)} bytes, more than {MAX_JSON_BYTES} for a config")
         with open(path, encoding="utf-8") as fh:
