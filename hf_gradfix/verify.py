@@ -219,7 +219,7 @@ class VerifyReport:
     objective: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        return json.dumps({**asdict(self), "nothing_checked": self.nothing_checked()}, indent=2)
 
     def describe(self, name: str, step: StepResult | None = None) -> str:
         if name == "exact" and self.objective:
@@ -228,6 +228,20 @@ class VerifyReport:
         if step is not None and step.detail and name == step.verdict:
             text += f" ({step.detail})"
         return text
+
+    def nothing_checked(self) -> str | None:
+        """Why this report checked nothing (no step compared, or no target in any compared step: every label
+        ``-100``), else None. Such a report is never EXACT: the CLI exits 2.
+
+        >>> VerifyReport(exact=True, tolerance=1e-5, world_size=1, grad_accum=1, packing=False).nothing_checked()
+        'no training step was compared'
+        """
+        if not self.steps:
+            return "no training step was compared"
+        if not any(s.targets > 0 for s in self.steps):
+            return (f"{len(self.steps)} step(s) compared but they hold 0 targets (every label is -100, or no token is "
+                    "a target under the count rule): a gradient of zero equals a ground truth of zero")
+        return None
 
     def lines(self) -> list[str]:
         out = [
@@ -256,7 +270,10 @@ class VerifyReport:
                 out.append("    nearest references: " + ", ".join(f"{k} {v:.1e}" for v, k in near))
         for note in self.notes:
             out.append(f"  note: {note}")
-        if self.exact and any(s.rounding_floor is not None for s in self.steps):
+        nothing = self.nothing_checked()
+        if nothing is not None:
+            out.append(f"NOTHING CHECKED: {nothing}")
+        elif self.exact and any(s.rounding_floor is not None for s in self.steps):
             worst = max((s.grad_rel_err for s in self.steps), default=0.0)
             if self.reference.startswith("float64"):  # a policy-gradient run: the truth in float64, the floor measured
                 out.append(f"EXACT (the run at {self.precision}: gradient within {worst:.1e} of the float64 ground "
@@ -625,13 +642,14 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
             per_mb.append(_MicroBatch(r, acc, total, n, n_other, rows, len(seqs)))
             if offset:
                 given_mb.append((acc_given if acc_given is not None else [torch.zeros_like(a) for a in acc], n_given))
-    N = max(sum(m.count for m in per_mb), 1)
+    counted = sum(m.count for m in per_mb)  # reported as is: 0 targets is "nothing checked", not a pass
+    N = max(counted, 1)
     M = len(per_mb)
     ga = max(1, max(sum(1 for m in per_mb if m.rank == r) for r in range(world)))
     exact = _lin([(1.0 / N, m.grad) for m in per_mb])
     refs: dict[str, list[torch.Tensor]] = {"exact": exact}
     packed = any(s > r for r, s in ((m.rows, m.sequences) for m in per_mb))
-    facts = {"targets": N, "micro_batches": M, "sequences": sum(m.sequences for m in per_mb), "packed": packed,
+    facts = {"targets": counted, "micro_batches": M, "sequences": sum(m.sequences for m in per_mb), "packed": packed,
              "offset": offset}
     nz = [m for m in per_mb if m.count > 0]
     refs["mean_of_means"] = _lin([(1.0 / (len(nz) * m.count), m.grad) for m in nz]) if nz else exact
@@ -1349,11 +1367,11 @@ def _compare(trainer, model, recorded, returned, marks, grads, params_at, traina
                 # same kind, so its error is judged against FLOOR_FACTOR x the floor (never below --tolerance).
                 # The reported loss: against its own floor, the ground-truth loss in the run's layout (forward
                 # rounding only: far below the gradient's); where that layout cannot be compared, the gradient's.
-                summed, summed_loss = summed_like_a_trainer(ctx, window, offset=facts["offset"], N=facts["targets"])
+                summed, summed_loss = summed_like_a_trainer(ctx, window, offset=facts["offset"], N=max(facts["targets"], 1))
                 rel_loss = lambda x: abs(x - loss_exact) / max(abs(loss_exact), 1e-30)  # noqa: E731
                 floor = max(_rel(summed, refs["exact"]), rel_loss(summed_loss))
                 step_tol = loss_tol = max(tolerance, FLOOR_FACTOR * floor)
-                layout = loss_in_the_run_layout(ctx, window, offset=facts["offset"], N=facts["targets"])
+                layout = loss_in_the_run_layout(ctx, window, offset=facts["offset"], N=max(facts["targets"], 1))
                 if layout is not None:
                     loss_floor = max(rel_loss(layout), rel_loss(summed_loss))
                     loss_tol = max(tolerance, FLOOR_FACTOR * loss_floor)
@@ -1412,6 +1430,8 @@ def _compare(trainer, model, recorded, returned, marks, grads, params_at, traina
                 if verdict not in report.broken:
                     report.broken.append(verdict)
     report.notes = notes
+    if report.nothing_checked() is not None:  # never EXACT on nothing: the CLI exits 2 with the reason
+        report.exact = False
     return report
 
 

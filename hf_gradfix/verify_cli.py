@@ -62,6 +62,14 @@ def add_verify_arguments(ver: argparse.ArgumentParser) -> None:
     built.add_argument("--plot-steps", type=int, default=20, help="steps of the --plot-curves runs (default: 20)")
 
 
+class _HardExit(BaseException):
+    """``os._exit(code)`` called by the user's script under verify (raised instead of ending the process unchecked)."""
+
+    def __init__(self, code: int):
+        super().__init__(f"os._exit({code})")
+        self.code = code
+
+
 class _Checked(BaseException):
     """Raised out of the hooked ``Trainer.train`` to stop the user's script once its trainer is checked
     (a BaseException, so that the script's own ``except Exception`` does not swallow it)."""
@@ -263,13 +271,20 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
             progress["phase"] = "compare"
             return result
 
-        raise _Checked(verify_trainer(trainer, steps, tolerance=tolerance, run_train=run))
+        progress["report"] = verify_trainer(trainer, steps, tolerance=tolerance, run_train=run)
+        progress["phase"] = "checked"
+        raise _Checked(progress["report"])
+
+    def hard_exit(code=0):  # os._exit skips every handler: the process would end with the script's code, unchecked
+        raise _HardExit(code)
 
     from .integration.patching import is_patched, unpatch
 
     was_patched = is_patched()
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     redirect = contextlib.redirect_stdout(sys.stderr) if quiet_stdout else contextlib.nullcontext()
+    real_exit = os._exit  # verify's own process, for the script's run only (restored below): see hard_exit
+    os._exit = hard_exit
     try:
         with redirect, trainer_train_hook(on_train):
             if kind == "module":
@@ -283,18 +298,32 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
                 runpy.run_path(target, run_name="__main__")
     except _Checked as done:
         return done.report
+    except _HardExit as ex:
+        if "report" in progress:
+            return progress["report"]
+        raise RuntimeError(f"the script called os._exit({ex.code}) {_phase_words(progress)}: nothing was checked") from None
     except SystemExit as ex:
+        if "report" in progress:  # the check ran; the script caught its stop and exited: the report stands
+            return progress["report"]
         if ex.code not in (None, 0):
             raise RuntimeError(f"the script exited with status {ex.code} {_phase_words(progress)}") from None
     except Exception as err:
+        if "report" in progress:  # the check ran; what the script did after it does not change the report
+            return progress["report"]
         if progress["phase"] == "compare":  # verify's own comparison: its errors are its own
             raise
         raise ScriptFailed(err, _phase_words(progress), progress.get("step")) from err
     finally:
+        os._exit = real_exit
         sys.argv = saved_argv
         sys.path[:] = saved_path
         if is_patched() and not was_patched:  # the script's hf_gradfix.patch() ends with the script
             unpatch()
+    if "report" in progress:  # the script caught verify's stop (a bare except) and went on: the report stands
+        return progress["report"]
+    if progress["phase"] != "before":
+        raise RuntimeError(f"the script left {_phase_words(progress)} before verify could compare (it caught the "
+                           "stop, or returned from train() early): nothing was checked")
     raise RuntimeError("the script finished without calling train() on a transformers.Trainer: nothing to verify")
 
 
@@ -388,8 +417,15 @@ def verify_main(argv: Sequence[str]) -> int:
                   f"({type(err).__name__}: {err}); traceback above", file=sys.stderr)
             return 2
         _print_report(report, ns)
-        return 0 if report.exact else 1
+        return _exit_code(report)
     return _builtin(ns)
+
+
+def _exit_code(report: Any) -> int:
+    """0 EXACT, 1 NOT EXACT, 2 nothing checked (no step, or 0 targets: the report's last line says which)."""
+    if report.nothing_checked() is not None:
+        return 2
+    return 0 if report.exact else 1
 
 
 def _builtin(ns: argparse.Namespace) -> int:
@@ -419,4 +455,4 @@ def _builtin(ns: argparse.Namespace) -> int:
         V.plot_loss_curves(ns.plot_curves, lambda: V.load_model(spec), samples, steps=ns.plot_steps,
                            grad_accum=grad_accum, batch_size=batch_size, config=ns.config)
         print(f"loss curves: {ns.plot_curves}")
-    return 0 if report.exact else 1
+    return _exit_code(report)

@@ -618,6 +618,8 @@ def compare(trainer: Any, model: nn.Module, batches: list[dict], rl_marks: list[
         if ref_model is not model:
             del ref_model
     report.notes = notes
+    if report.nothing_checked() is not None:  # never EXACT on nothing: the CLI exits 2 with the reason
+        report.exact = False
     return report
 
 

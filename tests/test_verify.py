@@ -218,6 +218,31 @@ def test_script_without_trainer_and_bad_arguments(capsys, tmp_path):
     assert "boom" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("leave, code, needle", [
+    ("os_exit_before", 2, "the script called os._exit(0) before its Trainer's train() was called: nothing was checked"),
+    ("exit_in_step", 2, "the script left in step 1 of Trainer.train() under verify before verify could compare"),
+    ("catch_and_exit", 0, "EXACT"),  # the check ran before the script swallowed verify's stop: the report stands
+])
+def test_a_script_that_leaves_early_never_passes_unchecked(capsys, tmp_path, leave, code, needle):
+    """verify never passes with nothing checked: os._exit(0) (which would end the process with 0, unchecked),
+    sys.exit(0) from inside a step, and a script that swallows verify's stop then exits 0 (the report stands)."""
+    got = main(["verify", "--steps", "1", "--", sys.executable, USER, "--leave", leave, "--fixed",
+                "--output_dir", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert got == code, (captured.out[-800:], captured.err[-800:])
+    assert needle in (captured.out if code == 0 else captured.err.strip().splitlines()[-1])
+    assert os._exit.__module__ == "posix" or os._exit.__name__ == "_exit"  # verify put os._exit back
+
+
+def test_data_without_targets_is_nothing_checked(capsys, tmp_path):
+    """--data whose labels are all -100: a zero gradient equals a zero ground truth; that is not EXACT (exit 2)."""
+    data = tmp_path / "masked.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [5, 6, 7, 8, 9], "labels": [-100] * 5}) + "\n" for _ in range(40)))
+    assert main(["verify", "--data", str(data), "--steps", "1"]) == 2
+    out = capsys.readouterr().out
+    assert "(0 targets," in out and out.strip().splitlines()[-1].startswith("NOTHING CHECKED: 1 step(s) compared but")
+
+
 @pytest.mark.parametrize("crash", ["before", "1", "2"])
 def test_a_crashing_script_names_exception_file_line_and_phase(capsys, tmp_path, crash):
     """Issue 25 finding 7 / issue 26 item 6: the script's own traceback (its frames, not verify's runpy machinery),

@@ -91,9 +91,16 @@ def main(argv=None) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16=True: the Trainer runs the forward under bf16 autocast")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--crash", default=None, help="'before': a ValueError before the trainer; N: a RuntimeError in step N")
+    p.add_argument("--leave", default=None, choices=["os_exit_before", "catch_and_exit", "exit_in_step"],
+                   help="os._exit(0) before the trainer; a bare except around train() then sys.exit(0); sys.exit(0) "
+                        "from a callback in step 1")
     a = p.parse_args(argv)
     if a.crash == "before":
         raise ValueError("planted crash before the trainer")
+    if a.leave == "os_exit_before":
+        import os
+
+        os._exit(0)
 
     if a.patch:
         import hf_gradfix
@@ -181,8 +188,20 @@ def main(argv=None) -> None:
                     raise RuntimeError(f"planted crash in step {crash_step}")
 
         callbacks.append(Crash())
+    if a.leave == "exit_in_step":
+        class Leave(T.TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                sys.exit(0)
+
+        callbacks.append(Leave())
     trainer = trainer_cls(model=model, args=args, train_dataset=ds, data_collator=collator, processing_class=tok,
                           callbacks=callbacks, **kwargs)
+    if a.leave == "catch_and_exit":
+        try:
+            trainer.train()
+        except BaseException:  # noqa: BLE001 - what some scripts do: swallow everything, then leave quietly
+            pass
+        sys.exit(0)
     trainer.train()
     print("TRAINING FINISHED")
 
