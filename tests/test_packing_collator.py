@@ -246,3 +246,21 @@ def test_validator_rows_mode_boundaries_from_position_ids():
         check_packed_batch(bad)
     # a batch without labels only gets the structural checks
     check_packed_batch({k: v for k, v in rows.items() if k != "labels"})
+
+
+@pytest.mark.parametrize("kwargs, samples, needle", [
+    ({}, [{"input_ids": [5, -3, 7]}], "sample 0: input_ids[1] = -3: a token id must be >= 0"),
+    ({}, [{"input_ids": [5, 6, 7], "labels": [5, -5, 7]}], "sample 0: labels[1] = -5: a label is a token id >= 0 or the ignore index -100"),
+    ({"max_tokens": True}, None, "max_tokens must be a positive int or None, got True"),
+    ({"pad_token_id": "0"}, None, "pad_token_id must be an int, got '0'"),
+    ({"pad_token_id": -1}, None, "pad_token_id must be a token id >= 0, got -1"),
+    ({"position_ids_start": True}, None, "position_ids_start must be a non-negative int, got True"),
+])
+def test_library_arguments_are_checked_like_the_yaml(kwargs, samples, needle):
+    """Issue 38: the collator refused neither a negative id nor a label of -5 (cross-entropy fails on it, or an
+    embedding indexes from the end) nor max_tokens=True; one line naming the argument and the value."""
+    from hf_gradfix.errors import HfGradfixError
+
+    with pytest.raises(HfGradfixError) as err:
+        PackedCollator(**kwargs)(samples or [{"input_ids": [1, 2]}])
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -321,3 +321,28 @@ def test_a_window_broken_off_inside_the_loop_is_refused_and_the_next_pass_is_exa
                 H._zero_grads(model)
                 continue
     check_exact(model, samples, "causal", run_windows(model, batches, 4, "model"))
+
+
+@pytest.mark.parametrize("args, kwargs, needle", [
+    ((None, [], True), {}, "TokenWindow: grad_accum_steps=True: must be a positive integer"),
+    ((None, [], 0), {}, "TokenWindow: grad_accum_steps=0: must be a positive integer"),
+    ((None, [], 2), {"count_rule": "shift"}, "TokenWindow: count_rule='shift': invalid value; allowed values: 'shifted', 'unshifted', 'elements'"),
+    ((None, [], 2), {"ignore_index": "-100"}, "TokenWindow: ignore_index='-100': must be an int"),
+])
+def test_constructor_arguments_are_one_line(args, kwargs, needle):
+    """Issue 38: grad_accum_steps=True was taken as 1, a bad count_rule raised the enum's own ValueError."""
+    from hf_gradfix.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as err:
+        TokenWindow(*args, **kwargs)
+    assert str(err.value).startswith(needle) and "\n" not in str(err.value), str(err.value)
+
+
+def test_batches_that_are_not_dicts_and_a_dataloader_without_length_are_named():
+    from hf_gradfix.errors import InvalidArgumentError
+
+    assert list(TokenWindow(None, [], 2)) == []  # no batches: no window
+    with pytest.raises(InvalidArgumentError, match="a batch of the dataloader is a int, not a dict"):
+        list(TokenWindow(None, [1, 2], 2))
+    with pytest.raises(TypeError, match="TokenWindow: len\\(\\) needs a dataloader with a length"):
+        len(TokenWindow(None, iter([]), 2))

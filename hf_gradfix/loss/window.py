@@ -258,8 +258,10 @@ class TokenWindow:
     def __init__(self, accelerator: Any, dataloader: Iterable, grad_accum_steps: int, *, model: Any = None,
                  count_rule: CountRule | str | CountFn = "shifted", group: Any = None,
                  world_factor: float | None = None, ignore_index: int = IGNORE_INDEX):
-        if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise InvalidArgumentError(f"grad_accum_steps={grad_accum_steps!r}: must be a positive integer")
+        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+            raise InvalidArgumentError(f"TokenWindow: grad_accum_steps={grad_accum_steps!r}: must be a positive integer")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise InvalidArgumentError(f"TokenWindow: ignore_index={ignore_index!r}: must be an int (the loss's -100)")
         if accelerator is not None and str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"):
             raise InvalidArgumentError("TokenWindow does not drive DeepSpeed (its engine owns the accumulation boundary and "
                              "the loss scaling); use transformers.Trainer with hf_gradfix.patch() instead")
@@ -268,10 +270,17 @@ class TokenWindow:
         self.grad_accum_steps = grad_accum_steps
         self.model = model
         self.ignore_index = ignore_index
+        self._user_count = None
         if callable(count_rule) and not isinstance(count_rule, (str, CountRule)):
             self._count_fn: CountFn = count_rule
+            self._user_count = count_rule
         else:
-            rule = CountRule(count_rule)
+            try:
+                rule = CountRule(count_rule)
+            except ValueError:  # the same words as the YAML's loss.count_rule
+                allowed = ", ".join(repr(r.value) for r in CountRule)
+                raise InvalidArgumentError(f"TokenWindow: count_rule={count_rule!r}: invalid value; allowed values: "
+                                           f"{allowed}, or a function batch -> target count") from None
             self._count_fn = lambda batch: count_targets(batch, rule, ignore_index)
         self.count_rule = count_rule
         self.group, self._count_copies = self._resolve_group(group)
@@ -351,13 +360,22 @@ class TokenWindow:
 
     # ------------------------------------------------------------------ counting
     def _count(self, batch: Any) -> int:
+        if not callable(getattr(self, "_user_count", None)) and not isinstance(batch, Mapping):
+            raise InvalidArgumentError(f"TokenWindow: a batch of the dataloader is a {type(batch).__name__}, not a dict "
+                                       "of tensors with labels; give a dataloader of collated batches (or a count_rule "
+                                       "function that counts this batch's targets)")
         n = self._count_fn(batch)
         return int(n.item()) if torch.is_tensor(n) else int(n)
 
     def __len__(self) -> int:
         """Windows of this rank's dataloader (``ceil(len / grad_accum_steps)``); with uneven ranks the iteration
         runs as long as the longest rank."""
-        return math.ceil(len(self.dataloader) / self.grad_accum_steps)  # type: ignore[arg-type]
+        try:
+            batches = len(self.dataloader)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"TokenWindow: len() needs a dataloader with a length; this one is a "
+                            f"{type(self.dataloader).__name__} (iterate the TokenWindow instead)") from None
+        return math.ceil(batches / self.grad_accum_steps)
 
     def __iter__(self) -> Iterator[Window]:
         it = iter(self.dataloader)

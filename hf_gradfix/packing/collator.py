@@ -143,13 +143,19 @@ class PackedCollator:
     ) -> None:
         if mode not in ("varlen", "rows"):
             raise InvalidArgumentError(f"PackedCollator: mode must be 'varlen' or 'rows', got {mode!r}")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise InvalidArgumentError(f"PackedCollator: max_tokens must be a positive int or None, got {max_tokens!r}")
-        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+        if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int)
+                                               or pad_to_multiple_of < 1):
             raise InvalidArgumentError(
                 f"PackedCollator: pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}"
             )
-        if not isinstance(position_ids_start, int) or position_ids_start < 0:
+        for key, value in (("pad_token_id", pad_token_id), ("label_pad_id", label_pad_id)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"PackedCollator: {key} must be an int, got {value!r}")
+        if pad_token_id < 0:
+            raise InvalidArgumentError(f"PackedCollator: pad_token_id must be a token id >= 0, got {pad_token_id!r}")
+        if isinstance(position_ids_start, bool) or not isinstance(position_ids_start, int) or position_ids_start < 0:
             raise InvalidArgumentError(
                 f"PackedCollator: position_ids_start must be a non-negative int, got {position_ids_start!r}"
             )
@@ -176,6 +182,10 @@ class PackedCollator:
         n = ids.numel()
         if n == 0:
             raise PackedBatchError(f"{where}: empty sample (0 input_ids); drop empty samples before packing")
+        if bool((ids < 0).any()):
+            at = int((ids < 0).nonzero()[0])
+            raise PackedBatchError(f"{where}: input_ids[{at}] = {int(ids[at])}: a token id must be >= 0 (the embedding "
+                                   "would index from the end, or fail on a GPU)")
         labels_in = sample.get("labels")
         if labels_in is None:
             labels = ids.clone()
@@ -186,6 +196,11 @@ class PackedCollator:
                     f"{where}: labels have {labels.numel()} entries but input_ids have {n}; labels must be "
                     "unshifted and aligned with input_ids (the model shifts them)"
                 )
+            bad = (labels < 0) & (labels != self.label_pad_id)
+            if bool(bad.any()):
+                at = int(bad.nonzero()[0])
+                raise PackedBatchError(f"{where}: labels[{at}] = {int(labels[at])}: a label is a token id >= 0 or the "
+                                       f"ignore index {self.label_pad_id} (cross-entropy would fail or train on it)")
         mask = sample.get("attention_mask")
         if mask is not None:
             m = torch.as_tensor(mask)
