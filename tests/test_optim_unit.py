@@ -816,3 +816,36 @@ def test_peft_targets_that_match_only_lora_or_frozen_weights_say_so():
     model = _peft_model(["lm_head"])
     with pytest.raises(OptimizerConfigError, match=r"targets \['q_proj', 'v_proj'\] match only frozen, adapter"):
         GaLoreAdamW(model, rank=2, targets=["q_proj", "v_proj"])
+
+
+def test_apollo_mini_with_another_rank_is_refused_like_the_yaml():
+    from hf_gradfix.optim.apollo import apollo_mini
+    from hf_gradfix.optim.groups import OptimizerConfigError
+
+    with pytest.raises(OptimizerConfigError, match="apollo_mini: rank=4: invalid value; apollo_mini is rank 1"):
+        apollo_mini(torch.nn.Linear(16, 16), rank=4)
+    assert apollo_mini(torch.nn.Linear(16, 16), rank=1).param_groups[0]["rank"] == 1
+
+
+def test_a_state_saved_at_another_rank_or_by_adamw_is_refused_naming_the_matrix():
+    """Issue 38: a rank-4 GaLore state loaded into a rank-8 GaLore was accepted (and failed later, or not at all);
+    an AdamW state gave torch's own message. The matching state still loads (control)."""
+    from hf_gradfix.errors import UsageError
+    from hf_gradfix.optim.galore import GaLoreAdamW
+
+    def trained(opt_cls, **kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+        opt = opt_cls(model, lr=1e-3, **kw) if opt_cls is GaLoreAdamW else opt_cls(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        return model, opt
+
+    _, r4 = trained(GaLoreAdamW, rank=4)
+    model8, r8 = trained(GaLoreAdamW, rank=8)
+    with pytest.raises(UsageError, match=r"GaLoreAdamW.load_state_dict: 0.weight: the saved low-rank moments are \(32, 4\), this optimizer \(rank 8\)"):
+        r8.load_state_dict(r4.state_dict())
+    _, adamw = trained(torch.optim.AdamW)
+    with pytest.raises(UsageError, match="full-rank optimizer"):
+        r8.load_state_dict(adamw.state_dict())
+    r8.load_state_dict(r8.state_dict())  # the control: its own state loads

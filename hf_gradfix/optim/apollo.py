@@ -151,6 +151,9 @@ def apollo_mini(params: nn.Module | Any, lr: float = 1e-3, **kwargs: Any) -> Apo
     >>> opt.param_groups[0]["rank"], opt.param_groups[0]["scale_type"], opt.param_groups[0]["scale"]
     (1, 'tensor', 128.0)
     """
+    if kwargs.get("rank", 1) != 1:  # the words of the YAML's optimizer.rank check
+        raise OptimizerConfigError(f"apollo_mini: rank={kwargs['rank']!r}: invalid value; apollo_mini is rank 1 by "
+                                   "definition: remove rank, or use ApolloAdamW(rank=...) for APOLLO at this rank")
     kwargs.setdefault("rank", 1)
     kwargs.setdefault("scale_type", "tensor")
     kwargs.setdefault("scale", 128.0)

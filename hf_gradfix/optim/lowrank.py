@@ -683,6 +683,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         return t
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._check_loaded_state(state_dict)
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype on load; the low-rank state keeps its own dtype.
         saved = state_dict["state"]
@@ -694,6 +695,38 @@ class LowRankAdamW(torch.optim.Optimizer):
                         # Take the saved tensor, not the cast one cast back: the round trip through the parameter
                         # dtype is lossy (an int64 proj_seed through fp32, fp32 moments through bf16).
                         self.state[p][key] = value.to(device=cur.device)
+
+    def _check_loaded_state(self, state_dict: dict) -> None:
+        """Refuse, naming the matrix, a state this optimizer cannot continue from: a full-rank optimizer's (AdamW's
+        moments have the matrix's shape) or one saved at another rank (torch would load it and fail later in a
+        matmul, or not at all)."""
+        saved = state_dict.get("state") if isinstance(state_dict, dict) else None
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, dict) or not isinstance(groups, list):
+            raise UsageError(f"{self._name}.load_state_dict: expected an optimizer state_dict with 'state' and "
+                             f"'param_groups', got {type(state_dict).__name__} with keys "
+                             f"{sorted(state_dict) if isinstance(state_dict, dict) else '-'}")
+        params = [p for g in self.param_groups for p in g["params"]]
+        rank_of = {id(p): g["rank"] for g in self.param_groups for p in g["params"] if "rank" in g}
+        for i, p in enumerate(params):
+            plan = self._plans.get(p)
+            entry = saved.get(i)
+            if plan is None or not isinstance(entry, dict) or not torch.is_tensor(entry.get("exp_avg")):
+                continue
+            got = tuple(entry["exp_avg"].shape)
+            if got == tuple(p.shape):
+                raise UsageError(
+                    f"{self._name}.load_state_dict: {plan.name}: the saved moments have the matrix's full shape {got}: "
+                    f"this state was saved by a full-rank optimizer (AdamW?), not by {self._name}; resume with the "
+                    "optimizer that saved it, or start this optimizer fresh (do not load the state)")
+            rank = rank_of.get(id(p))
+            m, n = p.shape
+            want = (m, rank) if plan.side == proj.RIGHT else (rank, n)
+            if rank is not None and got != want:
+                raise UsageError(
+                    f"{self._name}.load_state_dict: {plan.name}: the saved low-rank moments are {got}, this optimizer "
+                    f"(rank {rank}) keeps {want}: the state was saved at another rank or projection side; resume with "
+                    "the rank it was saved with")
 
     # ------------------------------------------------------------------ step
 
