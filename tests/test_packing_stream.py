@@ -429,3 +429,26 @@ def test_resume_in_a_later_pass_continues_that_pass_like_the_straight_run(where,
         assert torch.equal(a, b), f"micro-batch {k} after the resume differs"
     for name, value in straight.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda s: s.pop("read"), "field 'read': missing"),
+    (lambda s: s.update(read="12"), "field 'read': '12' is not a count >= 0"),
+    (lambda s: s.update(buffer={"input_ids": [1]}), "field 'buffer': a dict, not a list"),
+    (lambda s: s.update(pending=[[{"text": "x"}]]), "field 'pending': holds a row that is not a list of samples"),
+    (lambda s: s.update(min_fill=None), "field 'min_fill': None is not a number"),
+    (lambda s: s.update(version=99), "not a StreamingPacker state of version"),
+])
+def test_a_damaged_stream_state_is_one_line(damage, needle):
+    """Issue 38: missing or garbage fields gave a KeyError / TypeError on resume."""
+    from hf_gradfix.errors import InvalidArgumentError
+    from hf_gradfix.packing.stream import StreamingPacker
+
+    stream = [{"input_ids": [1] * n} for n in (3, 2, 4, 1, 2, 2)]
+    a = StreamingPacker(stream, token_budget=4, buffer_size=2)
+    next(iter(a))
+    state = a.state_dict()
+    damage(state)
+    with pytest.raises(InvalidArgumentError) as err:
+        StreamingPacker(stream, token_budget=4, buffer_size=2).load_state_dict(state)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)

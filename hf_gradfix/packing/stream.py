@@ -341,7 +341,10 @@ class StreamingPacker(IterableDataset):
         True
         """
         if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            raise InvalidArgumentError(f"not a StreamingPacker state (version {_STATE_VERSION})")
+            got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+            raise InvalidArgumentError(f"StreamingPacker.load_state_dict: not a StreamingPacker state of version "
+                                       f"{_STATE_VERSION} (version: {got!r}); a damaged or foreign stream state")
+        _check_state_fields(state)
         for key in ("token_budget", "buffer_size", "min_fill", "num_replicas"):
             if state[key] != getattr(self, key):
                 raise InvalidArgumentError(
@@ -349,3 +352,34 @@ class StreamingPacker(IterableDataset):
                     f"{getattr(self, key)!r}; the rest of the stream would not be packed like the interrupted run"
                 )
         self._resume = dict(state)
+
+
+def _check_state_fields(state: Mapping[str, Any]) -> None:
+    """Every field of a saved stream state present and of its kind (a damaged checkpoint file reaches this on resume:
+    one line naming the field, not a KeyError / TypeError later in the packing loop)."""
+    def bad(key: str, what: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"StreamingPacker.load_state_dict: field {key!r}: {what}; the stream state is "
+                                    "damaged (resume from another checkpoint, or without the stream state)")
+
+    def is_count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    def is_sample(v: Any) -> bool:
+        return isinstance(v, Mapping) and "input_ids" in v
+
+    for key in ("read", "rows", "token_budget", "buffer_size", "num_replicas"):
+        if key not in state:
+            raise bad(key, "missing")
+        if not is_count(state[key]):
+            raise bad(key, f"{state[key]!r} is not a count >= 0")
+    if "min_fill" not in state:
+        raise bad("min_fill", "missing")
+    if isinstance(state["min_fill"], bool) or not isinstance(state["min_fill"], (int, float)):
+        raise bad("min_fill", f"{state['min_fill']!r} is not a number")
+    for key in ("buffer", "pending"):
+        if not isinstance(state.get(key), list):
+            raise bad(key, "missing" if key not in state else f"a {type(state[key]).__name__}, not a list")
+    if not all(is_sample(s) for s in state["buffer"]):
+        raise bad("buffer", "holds an entry that is not a sample with input_ids")
+    if not all(isinstance(r, list) and all(is_sample(s) for s in r) for r in state["pending"]):
+        raise bad("pending", "holds a row that is not a list of samples with input_ids")
