@@ -329,6 +329,113 @@ def test_more_architectures_match_simulation(arch):
                                  activations_within=(-0.10, 0.10 if recompute == "none" else 0.25))
 
 
+# Hybrid decoders (issue 37): a layer that carries state along the sequence (LFM2's short convolution, Qwen3.5's Gated
+# DeltaNet, Bamba's Mamba-2 mixer; torch fallbacks on CPU) beside full-attention layers. The tiny configs of
+# tests/test_packing_hybrid.py: layer 0 is the state-carrying layer, layer 1 attention.
+HYBRIDS = {
+    "lfm2": ("Lfm2Config", dict(layer_types=["conv", "full_attention"])),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(head_dim=8, layer_types=["linear_attention", "full_attention"],
+                                          linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                                          linear_value_head_dim=8)),
+    "bamba": ("BambaConfig", dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+                                  mamba_d_state=8, mamba_chunk_size=16)),
+}
+# the convolution's kernel (its window: kernel - 1 positions of left padding) and the chunk the torch fallback pads to
+HYBRID_CONV = {"lfm2": "conv_L_cache", "qwen3_5": "linear_conv_kernel_dim", "bamba": "mamba_d_conv"}
+HYBRID_CHUNK = {"lfm2": None, "qwen3_5": 64, "bamba": 16}  # Gated DeltaNet's fallback: 64; Mamba-2: mamba_chunk_size
+
+
+def _hybrid_config(family):
+    import transformers
+
+    cls, kw = HYBRIDS[family]
+    return getattr(transformers, cls)(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                      tie_word_embeddings=False, **kw)
+
+
+def _has_hybrid(family):
+    import transformers
+
+    return hasattr(transformers, HYBRIDS[family][0])
+
+
+hybrid_families = pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.skipif(
+    not _has_hybrid(f), reason=f"this transformers has no {f}")) for f in HYBRIDS])
+
+
+def _real_saved_per_layer(config, seq_len, micro_batch=2):
+    """An independent count on real tensors: the distinct storages (by data pointer) autograd saves for backward
+    in each decoder layer's forward, parameters and buffers excepted."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_gradfix.plan.activations import decoder_layers, prepare_config, set_trace_attention
+
+    config = prepare_config(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    set_trace_attention(model, "fused")
+    layers = decoder_layers(model)
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    now = [None]
+    for i, (_, layer) in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: now.__setitem__(0, i))
+        layer.register_forward_hook(lambda m, a, o: now.__setitem__(0, None))
+    seen, per = set(), [0] * len(layers)
+
+    def pack(t):
+        st = t.untyped_storage()
+        if now[0] is not None and st.data_ptr() not in skip and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            per[now[0]] += st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=torch.randint(0, config.vocab_size, (micro_batch, seq_len)))
+    return per
+
+
+@hybrid_families
+def test_hybrid_decoders_match_a_real_step(family):
+    """The planner against a real CPU step (``simulate(fake=False)``) within the dense decoders' +-10 % (measured
+    fp32, 2 x 128: LFM2 +5.7 %, Qwen3.5 +0.1 %, Bamba +0.1 %; were +6.1 / +27.6 / +42.0 %: the heaviest layer's
+    backward stacked on every layer's saved tensors including its own, and a 4-D mask + GQA-expanded K/V that only
+    fake tensors build). The fake-tensor step equals the real one."""
+    from hf_gradfix.plan.simulate import simulate
+
+    cfg = _hybrid_config(family)
+    mesh = ParallelDims(1)
+    s = Settings(seq_len=128, micro_batch=2, dtype="fp32")
+    real = simulate(cfg, mesh, s, fake=False)
+    _assert_components_match(estimate(cfg, mesh, s), real, mesh)
+    assert simulate(cfg, mesh, s)["max"]["activations_and_temporaries"] == real["max"]["activations_and_temporaries"]
+
+
+@hybrid_families
+def test_traced_hybrid_layer_holds_its_state_and_conv_window(family):
+    """The traced bytes of each layer equal the storages a real forward saves, at 128 tokens and at 129 (one past a
+    chunk boundary); the state-carrying layer's count holds its padded convolution window and, for the chunked
+    fallbacks, a whole extra chunk (its recurrent state and intra-chunk matrices) for the one extra token."""
+    from hf_gradfix.plan.activations import trace_activations
+
+    cfg = _hybrid_config(family)
+    traces = {}
+    for seq in (128, 129):
+        tr = traces[seq] = trace_activations(cfg, micro_batch=2, seq_len=seq, dtype="fp32")
+        assert [tr.layer(i) for i in range(2)] == _real_saved_per_layer(cfg, seq), seq
+    k = getattr(cfg, HYBRID_CONV[family])
+    conv = [(shape, b) for op, shape, _, b in traces[128].layer0 if op.startswith("convolution")]
+    assert conv and all(b == shape[0] * shape[1] * (128 + k - 1) * 4 for shape, b in conv), conv
+    per_token = traces[128].layer(0) / 128
+    jump = traces[129].layer(0) - traces[128].layer(0)
+    if HYBRID_CHUNK[family]:
+        assert jump > 4 * per_token, (jump, per_token)  # one token more pads a whole chunk (Qwen3.5 27x, Bamba 7x)
+    else:
+        assert jump < 1.5 * per_token, (jump, per_token)  # a convolution without chunks grows by the token
+    assert traces[129].layer(1) - traces[128].layer(1) < 1.5 * traces[128].layer(1) / 128  # attention: by the token
+
+
 def test_traced_activations_equal_the_swiglu_formula():
     """The hand-written SwiGLU formula (term by term) and the traced count agree on the decoders it covers."""
     for name in ("tiny-llama", "tiny-mistral", "tiny-qwen2"):

@@ -32,7 +32,7 @@ from ..torch_private import private
 _TRACE = "hf-gradfix plan (the traced activation model)"  # what needs torch's private fake-tensor APIs
 
 __all__ = ["ActivationTrace", "InferenceTrace", "trace_activations", "trace_inference", "decoder_layers",
-           "TRACE_ATTENTION", "prepare_config", "fake_kernel_mode"]
+           "TRACE_ATTENTION", "prepare_config", "fake_kernel_mode", "one_sequence_per_row"]
 
 TRACE_ATTENTION = "flash_fused_memory_trace"
 
@@ -55,6 +55,10 @@ class ActivationTrace:
     # with the incoming gradient alive
     layer_recompute: float = 0.0
     layer0: list[tuple[str, tuple, str, int]] = field(default_factory=list)  # (where, shape, dtype, bytes)
+    # per layer: its backward at its peak (``layer_backward`` is the most of these). Layers differ in a hybrid model
+    # (a chunked linear-attention / Mamba layer's backward holds far more than an attention layer's), and the layers
+    # below the one being differentiated still hold their saved tensors, the ones above have released theirs
+    layer_backward_each: list[float] = field(default_factory=list)
 
     def layer(self, i: int, tp: int = 1) -> float:
         return self.layer_replicated[i] + self.layer_split[i] / tp
@@ -74,6 +78,7 @@ class ActivationTrace:
             lin(self.layer_backward, other.layer_backward), lin(self.layer_recompute, other.layer_recompute),
             [(w, s, d, int(lin(b, b2))) for (w, s, d, b), (_, _, _, b2) in zip(self.layer0, other.layer0)]
             if len(self.layer0) == len(other.layer0) else self.layer0,
+            [lin(a, b) for a, b in zip(self.layer_backward_each, other.layer_backward_each)],
         )
 
 
@@ -224,6 +229,39 @@ def data_dependent_refused(config):
             f"decoder, or plan on transformers 5.x") from exc
 
 
+@contextlib.contextmanager
+def one_sequence_per_row():
+    """While tracing on fake tensors: each traced row is one sequence, as the real step's unpacked rows are.
+
+    transformers (``masking_utils.find_packed_sequence_indices``) looks for packed documents in the position ids a
+    model builds itself (Qwen3.5, Bamba, ... pass their ``arange`` positions to ``create_causal_mask``); on real
+    tensors it finds one sequence and the SDPA path runs ``is_causal`` with no mask, but on fake tensors it cannot
+    read the values, assumes packing, and builds the 4-D float mask the real step never has -- which SDPA then
+    saves, with K / V expanded to every query head instead of ``enable_gqa`` (measured on the tiny Qwen3.5 / Bamba
+    of the tests, fp32, 2 x 128: 163,840 B per trace that the real step does not hold).  The traces here pass input
+    ids only (or ``arange`` position ids), so the answer is known: no packed documents.  Restored on exit; nothing
+    to do on a transformers without the detection."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers without masking_utils (4.4x)
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def one_sequence(position_ids):
+        original(position_ids)  # its temporaries, as the real step computes them before finding one sequence
+        return None
+
+    masking_utils.find_packed_sequence_indices = one_sequence
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 _CONFIGS: dict[str, Any] = {}  # cache key -> the config it was made from
 
 
@@ -322,7 +360,8 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
         handles.append(last.register_forward_hook(
             lambda m, a, o: ends.__setitem__("output", o[0] if isinstance(o, tuple) else o)))
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
-        with _Provenance(), fake_kernel_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        with _Provenance(), fake_kernel_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast, \
+                one_sequence_per_row():
             out = model(input_ids=ids, labels=ids) if head else model.base_model(input_ids=ids)
         for h in handles:
             h.remove()
@@ -331,13 +370,14 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
         hidden = ends["input"].untyped_storage().nbytes() if ends.get("input") is not None else \
             micro_batch * seq_len * config.get_text_config().hidden_size * elem
         vocab = out.logits.shape[-1] if head else 0
-        layer_backward = _backward_working_set(ends, skip | saved, by_layer)
+        backward_each = _backward_working_set(ends, skip | saved, by_layer)
+    layer_backward = max(backward_each, default=0)
     # full recomputation re-runs one layer's forward during backward with the incoming gradient alive (one
     # hidden-state-sized tensor), then its backward: the larger of the two is the recomputed layer's footprint
     recompute = max(layer_backward, _recompute_forward_peak(lifetimes, saved) + hidden)
     return ActivationTrace(rep, split, outside[0], float(logits), float(hidden),
                            float(2 * 4 * micro_batch * seq_len * vocab), used, float(layer_backward),
-                           float(recompute), layer0)
+                           float(recompute), layer0, [float(b) for b in backward_each])
 
 
 @dataclass
@@ -425,7 +465,7 @@ def _inference_cached(key: str, micro_batch: int, seq_len: int, dtype: str, atte
         extra = {}
         if generation:  # generate's per-row position ids (left padding shifts them)
             extra = {"position_ids": torch.arange(seq_len).expand(micro_batch, seq_len).contiguous()}
-        with torch.no_grad(), mode, fake_kernel_mode(), autocast:
+        with torch.no_grad(), mode, fake_kernel_mode(), autocast, one_sequence_per_row():
             out = model.base_model(input_ids=ids, **extra)
         hidden = out.last_hidden_state.untyped_storage().nbytes()
     # the input ids, and generate's position ids and attention mask (not passed: a mask's all() is a
@@ -457,18 +497,19 @@ def _recompute_forward_peak(lifetimes: dict[int, list], saved: set) -> int:
     return peak
 
 
-def _backward_working_set(ends: dict, known: set, by_layer: list[list]) -> int:
+def _backward_working_set(ends: dict, known: set, by_layer: list[list]) -> list[int]:
     """Backward through the decoder layers only (last layer's output to first layer's input, no weight
     gradients), recording at every op the bytes of the layer being differentiated that are still alive (its
-    saved tensors, released as autograd goes) plus every gradient temporary alive: the maximum over the step."""
+    saved tensors, released as autograd goes) plus every gradient temporary alive: per layer, the maximum while
+    that layer is differentiated (the incoming gradient included)."""
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
 
     x, y = ends.get("input"), ends.get("output")
     if x is None or y is None or not (x.requires_grad and y.requires_grad):
-        return 0
+        return [0] * len(by_layer)
     live: dict = {}
-    peak = [0]
+    peak = [0] * len(by_layer)
     current = [len(by_layer) - 1]  # layers above it are released, layers below it untouched
 
     def layer_live() -> int:
@@ -476,12 +517,14 @@ def _backward_working_set(ends: dict, known: set, by_layer: list[list]) -> int:
             current[0] -= 1
         return sum(b for w, b in by_layer[current[0]] if not w.expired())
 
+    def on_op(total: int) -> None:
+        held = total + layer_live()
+        peak[current[0]] = max(peak[current[0]], held)
+
     seed = torch.ones_like(y)
     known = known | {StorageWeakRef(seed.untyped_storage())}
 
-    mode = _live_storage_mode(known, live, lambda total: peak.__setitem__(0, max(peak[0], total + layer_live())))
-
-    with mode, fake_kernel_mode():
+    with _live_storage_mode(known, live, on_op), fake_kernel_mode():
         grad = torch.autograd.grad(y, x, grad_outputs=seed, allow_unused=True)
     del grad
-    return peak[0] + seed.untyped_storage().nbytes()
+    return [p + seed.untyped_storage().nbytes() for p in peak]

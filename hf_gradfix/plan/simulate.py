@@ -212,8 +212,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                                          "backward" if self._mod_tracker.is_bw else "forward")
         return _Tracker
 
-    from .activations import (data_dependent_refused, decoder_layers, fake_kernel_mode, prepare_config,
-                              set_trace_attention)
+    from .activations import (data_dependent_refused, decoder_layers, fake_kernel_mode, one_sequence_per_row,
+                              prepare_config, set_trace_attention)
 
     try:
         config = prepare_config(config)
@@ -267,7 +267,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
             # gradients alive (the peak rises by up to the gradients' size). Micro-batches 2, 3, ... hold exactly the
             # same memory, so at most TRACED_MICRO_BATCHES are traced; the first steps only make the optimizer state.
             micro_batches = min(settings.grad_accum, TRACED_MICRO_BATCHES)
-            with tracker, fake_kernel_mode():
+            # unpacked rows: transformers' packed-document detection would build a 4-D mask on fake tensors only
+            with tracker, fake_kernel_mode(), (one_sequence_per_row() if fake else contextlib.nullcontext()):
                 for step in range(steps):
                     last = step == steps - 1
                     if last:
