@@ -404,6 +404,11 @@ CLI_ROWS = [  # (id, argv with {tmp}, fragment, seconds, MiB)
     ("verify --data folder", ["verify", "--data", "{tmp}"], "is a folder", 60, 400),
     ("verify --data empty", ["verify", "--data", "{tmp}/empty.jsonl"], "no samples", 60, 400),
     ("verify -m missing module", ["verify", "--", "-m", "no_such_module_xyz"], "module 'no_such_module_xyz' not found", 60, 400),
+    ("plan heads not dividing hidden", ["plan", "--model", "{tmp}/heads.json"], "hidden_size=100 is not a multiple of num_attention_heads=3", 60, 400),
+    ("plan more KV heads than heads", ["plan", "--model", "{tmp}/kv.json"], "num_key_value_heads=8 does not divide num_attention_heads=4", 60, 400),
+    ("plan --rank with adamw", ["plan", "--model", "tiny-llama", "--optimizer", "adamw", "--rank", "8"], "--rank with --optimizer adamw", 60, 400),
+    ("plan --offload-optimizer alone", ["plan", "--model", "tiny-llama", "--offload-optimizer"], "--offload-optimizer without DeepSpeed", 60, 400),
+    ("plan --simulate too deep", ["plan", "--model", "{tmp}/deep.json", "--simulate"], "--simulate / --timeline with 1024 layers", 60, 600),
     # a named pipe blocked open() until a writer came (config check hung); a device never ends
     ("config check FIFO", ["config", "check", "{tmp}/fifo.yaml"], "{tmp}/fifo.yaml: is a named pipe (FIFO)", 60, 400),
     ("config check /dev/zero", ["config", "check", "/dev/zero"], "/dev/zero: is a character device", 60, 400),
@@ -424,6 +429,9 @@ def test_cli_inputs_are_one_line(tmp_path, capsys, name, argv, fragment, seconds
     (tmp_path / "neg.json").write_text(json.dumps({**sizes, "hidden_size": -64}))
     (tmp_path / "huge.json").write_text(json.dumps({**sizes, "hidden_size": 65536, "num_hidden_layers": 100000,
                                                     "num_attention_heads": 512, "intermediate_size": 262144}))
+    (tmp_path / "heads.json").write_text(json.dumps({**sizes, "hidden_size": 100, "num_attention_heads": 3}))
+    (tmp_path / "kv.json").write_text(json.dumps({**sizes, "hidden_size": 96, "num_key_value_heads": 8}))
+    (tmp_path / "deep.json").write_text(json.dumps({**sizes, "hidden_size": 64, "num_hidden_layers": 1024}))
     (tmp_path / "bad.jsonl").write_text('{"input_ids": [1, 2, 3]}\nnot json\n')
     (tmp_path / "nokey.jsonl").write_text('{"text": "hi"}\n')
     (tmp_path / "empty.jsonl").write_text("\n")

@@ -261,6 +261,16 @@ def _mesh_and_settings(ns, config):
             _check_ep_flags(ns, ns.ep, mesh, pp, packing, "none", False)
             mesh = _with_ep(mesh, ns.ep, config)
         mesh.check_model(config)
+    optimizer = ns.optimizer or opt_name
+    lowrank_opt = str(optimizer).startswith(("galore", "apollo"))
+    for flag, given in (("--rank", ns.rank is not None), ("--update-proj-gap", ns.update_proj_gap is not None),
+                        ("--lowrank-grads", bool(ns.lowrank_grads))):
+        if given and not lowrank_opt:  # silently ignored before (issue 38)
+            raise PlanError(f"{flag} with --optimizer {optimizer}: it applies to the low-rank optimizers only (galore_adamw, "
+                            "galore_adamw8bit, apollo_adamw, apollo_mini); drop it or pick one of them")
+    if offload and not deepspeed:
+        raise PlanError("--offload-optimizer without DeepSpeed: offloading the optimizer state is DeepSpeed's "
+                        "(offload_optimizer); add --deepspeed (or a DeepSpeed --config), or drop it")
     s = Settings(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum, dtype=ns.dtype,
                  grad_fp32=ns.grad_fp32, optimizer=ns.optimizer or opt_name,
                  rank=ns.rank if ns.rank is not None else rank, proj_side=side,
@@ -472,6 +482,10 @@ _FLAG_BOUNDS = {
 _IMAGE_TYPES = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp", "eps", "ps", "pgf", "raw", "rgba")
 
 
+#: the deepest model ``--simulate`` traces (a 4096-layer config took minutes to build alone on the meta device)
+MAX_SIMULATED_LAYERS = 256
+
+
 def _check_flags(ns) -> None:
     """Every number and output path of the command line, before any work (one line naming the flag and the fix)."""
     for flag, (attr, high) in _FLAG_BOUNDS.items():
@@ -504,6 +518,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         gpu = parse_memory(ns.gpu_memory or ns.gpu) if (ns.gpu_memory or ns.gpu) else None
         mesh, s = _mesh_and_settings(ns, config)
         layers = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", 0) or 0
+        if (ns.simulate or ns.timeline) and layers > MAX_SIMULATED_LAYERS:
+            raise PlanError(f"--simulate / --timeline with {layers} layers: the fake-tensor step traces every operation "
+                            f"of every layer (minutes per hundred layers on a CPU); it runs up to {MAX_SIMULATED_LAYERS} "
+                            "layers. Drop --simulate (the closed form above is the plan), or simulate a config with "
+                            "fewer layers: per-layer memory does not depend on the depth")
         if layers > 256:  # building a big model on the meta device takes a while: say so
             print(f"hf-gradfix plan: building {ns.model}'s {layers} layers on the meta device ...", file=sys.stderr,
                   flush=True)

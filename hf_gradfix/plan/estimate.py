@@ -144,8 +144,9 @@ def load_model_config(spec: str):
             return check_model_sizes(CONFIG_MAPPING[mt].from_dict(data), spec)
         except PlanError:
             raise
-        except (TypeError, ValueError, KeyError, ArithmeticError) as exc:
-            raise PlanError(f"--model {spec}: transformers refuses this config ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:  # noqa: BLE001 - transformers' own validation (StrictDataclassClassValidationError, ...)
+            text = " ".join(str(exc).split())
+            raise PlanError(f"--model {spec}: transformers refuses this config ({type(exc).__name__}: {text})") from None
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise PlanError(f"--model {spec}: the directory has no config.json")
@@ -207,6 +208,14 @@ def check_model_sizes(config, spec: str):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
                 raise PlanError(f"--model {spec}: {key}={value!r}: invalid value; it must be a whole number >= 1 and "
                                 f"<= {high}")
+        heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+        hidden, head_dim = getattr(cfg, "hidden_size", None), getattr(cfg, "head_dim", None)
+        if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+            raise PlanError(f"--model {spec}: num_key_value_heads={kv} does not divide num_attention_heads={heads}: "
+                            "each key/value head serves a whole group of query heads; fix the config")
+        if isinstance(heads, int) and isinstance(hidden, int) and head_dim is None and hidden % heads:
+            raise PlanError(f"--model {spec}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                            "(and the config gives no head_dim); fix the config")
     return config
 
 
