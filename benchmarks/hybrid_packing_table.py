@@ -146,25 +146,10 @@ FAMILIES: dict[str, dict] = {
                  router_hidden_size=16),
 }
 
-# Why a family is not exact after the split, found by hand (patching hf_gradfix.packing.state_reset locally, outside
-# this repository, until the guard passed); printed under the table only for a family that is not exact in this run.
-DIAGNOSIS = {
-    "zaya": "ZayaAttention (convolved q/k + delayed v: the sequence mixer is the attention module itself) receives "
-            "`attention_mask` as a dict {'causal': [B, 1, T, T], 'conv': None}; `state_reset._slice` does not descend "
-            "into dicts, so every per-document call gets the whole row's [1, 1, T, T] mask and sdpa raises. Slicing "
-            "dict values like the other kwargs makes the guard pass (max diff 3e-08) and the gradient exact (1e-07).",
-    "inkling2_text": "three gaps in state_reset, each confirmed by a local patch (all three together: guard "
-                     "passes, max diff 9e-08, grad rel err 2e-07): (a) `relative_distance` is passed as an "
-                     "unbatched [T, T] tensor, which `_slice` leaves whole (it only slices tensors whose dim 0 is "
-                     "the batch); (b) the family has no sdpa, so the split eager attention also returns "
-                     "[1, H, t, t] attention weights, which `_cat` tries to concatenate along dim 1 (RuntimeError); "
-                     "(c) `find_sequence_mixers` does not report the full-attention kind "
-                     "(Inkling2[Loop]FullAttention): its key/value convolutions read `key_hidden_states` / "
-                     "`value_hidden_states`, and the replay only makes `hidden_states` a leaf, so its leak measures "
-                     "0 and it stays unsplit.",
-}
-DIAGNOSIS["inkling2_loop_text"] = DIAGNOSIS["inkling2_text"].replace("9e-08, grad rel err 2e-07",
-                                                                     "1e-07, grad rel err 3e-07")
+# Why a family is not exact after the split, found by hand; printed under the table only for a family that is not
+# exact in this run. (zaya's dict mask, inkling2's unbatched [T, T] table, eager attention weights and key/value
+# hidden states were such gaps; state_reset handles them since.)
+DIAGNOSIS: dict[str, str] = {}
 CONFIG_NOTES = {
     "xlstm": "chunk_size=1 in mode='train': the chunkwise kernel needs every sequence length to be a multiple of "
              "chunk_size, and mode='train_with_padding' needs return_last_states=False, which xLSTMModel.forward in "

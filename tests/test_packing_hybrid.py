@@ -133,3 +133,39 @@ def test_controls_state_carried_over_or_reset_at_the_wrong_boundary_fail(family,
     assert split.restore() == sum(len(m.modules) for m in mixers)
     carried = packed_row_error(model, samples)  # inf: transformers refuses the packed row on this path (Qwen3.5)
     assert wrong > GRAD_TOL and carried > GRAD_TOL, (wrong, carried)
+
+
+def _table():
+    import importlib.util
+
+    path = H.REPO_ROOT / "benchmarks" / "hybrid_packing_table.py"
+    spec = importlib.util.spec_from_file_location("hybrid_packing_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TABLE_FAMILIES = sorted(_table().FAMILIES)
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                    reason="the table's tiny configs are written for transformers 5.x (4.57: LFM2 / Bamba above)")
+@pytest.mark.parametrize("family", TABLE_FAMILIES)
+def test_every_hybrid_family_packs_exactly_with_the_split(family):
+    """Every hybrid / state-space / linear-attention family of benchmarks/hybrid_packing_table.py (tiny, torch
+    fallbacks): stock's packed row leaks (gradient error > 1e-5) and the guard refuses it unsplit; with the measured
+    mixers split, the guard passes and the packed row's gradient is within 1e-5 of each document alone."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    table = _table()
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    row = table.measure(family)
+    if "build" in row:
+        assert "no AutoModelForCausalLM class" in row["build"], row["build"]  # a text decoder shipped only in a VLM
+        pytest.skip(row["build"])
+    assert row["stock_grad"] is None or row["stock_grad"] > GRAD_TOL, row
+    assert not (row["guard_before"] or {}).get("passed"), row
+    assert row.get("mixers"), row
+    assert row["guard_after"]["passed"] and row["guard_after"]["leak"] == 0.0, row
+    assert row["split_grad"] <= GRAD_TOL, row

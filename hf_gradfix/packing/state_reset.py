@@ -150,11 +150,21 @@ def find_sequence_mixers(model: torch.nn.Module, batch: dict, run_kwargs: dict |
 
 
 def _replay_leak(module, args, kwargs, hidden, bounds, gen) -> float:
-    x = hidden.detach().clone().requires_grad_(True)
-    if args:
-        args = (x,) + tuple(args[1:])
-    else:
-        kwargs = {**kwargs, "hidden_states": x}
+    # Every per-token hidden input is a leaf (a convolved attention reads key_hidden_states / value_hidden_states
+    # too): the leak is measured to all of them, through one shared leaf where they were the same tensor.
+    shape = tuple(hidden.shape)
+    leaves: dict[int, torch.Tensor] = {}
+
+    def leaf(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and tuple(v.shape) == shape:
+            if id(v) not in leaves:
+                leaves[id(v)] = v.detach().clone().requires_grad_(True)
+            return leaves[id(v)]
+        return v
+
+    args = tuple(leaf(v) for v in args)
+    kwargs = {k: leaf(v) for k, v in kwargs.items()}
+    x = leaves[id(hidden)]
     was_training = module.training
     module.eval()
     try:
@@ -165,18 +175,21 @@ def _replay_leak(module, args, kwargs, hidden, bounds, gen) -> float:
     if out is None or not out.requires_grad or tuple(out.shape[:2]) != tuple(x.shape[:2]):
         return 0.0
     worst = 0.0
+    inputs = list(leaves.values())
     for r, row in enumerate(bounds):
         if len(row) < 2:
             continue
         for a, b in (row[0], row[-1]):  # backward- and forward-looking paths
             direction = torch.randn(out[r, a:b].shape, generator=gen).to(out.device, out.dtype)
-            (g,) = torch.autograd.grad((out[r, a:b] * direction).sum(), x, retain_graph=True, allow_unused=True)
-            if g is None:
-                continue
-            g = g.detach().abs().float()
-            own = float(g[r, a:b].max())
-            g[r, a:b] = 0.0
-            other = float(g.max())
+            grads = torch.autograd.grad((out[r, a:b] * direction).sum(), inputs, retain_graph=True, allow_unused=True)
+            own, other = 0.0, 0.0
+            for g in grads:
+                if g is None:
+                    continue
+                g = g.detach().abs().float()
+                own = max(own, float(g[r, a:b].max()))
+                g[r, a:b] = 0.0
+                other = max(other, float(g.max()))
             worst = max(worst, other / own if own > 0 else (float("inf") if other > 0 else 0.0))
     return worst
 
@@ -277,13 +290,19 @@ def _split_forward(module: torch.nn.Module, split: DocumentSplit):
 
 
 def _slice(v: Any, r: int, a: int, b: int, rows: int, width: int) -> Any:
-    if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == rows:
-        if v.dim() == 4 and tuple(v.shape[-2:]) == (width, width):  # a [B, H, T, T] mask
-            return v[r:r + 1, :, a:b, a:b]
-        if v.shape[1] == width:
-            return v[r:r + 1, a:b]
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 2 and tuple(v.shape) == (width, width) and not (rows == width):  # an unbatched [T, T] table
+            return v[a:b, a:b]
+        if v.dim() >= 2 and v.shape[0] == rows:
+            if v.dim() == 4 and tuple(v.shape[-2:]) == (width, width):  # a [B, H, T, T] mask
+                return v[r:r + 1, :, a:b, a:b]
+            if v.shape[1] == width:
+                return v[r:r + 1, a:b]
+        return v
     if isinstance(v, (tuple, list)):
         return type(v)(_slice(x, r, a, b, rows, width) for x in v)
+    if isinstance(v, dict):  # e.g. {"causal": [B, 1, T, T] mask, "conv": None}
+        return {k: _slice(x, r, a, b, rows, width) for k, x in v.items()}
     return v
 
 
@@ -300,6 +319,8 @@ def _cat(pieces: list, dim: int) -> Any:
     if isinstance(first, torch.Tensor):
         return first if len(pieces) == 1 else torch.cat(pieces, dim=dim)
     if isinstance(first, (tuple, list)):
-        return type(first)(_cat([p[i] for p in pieces], dim) if isinstance(first[i], torch.Tensor) else first[i]
-                           for i in range(len(first)))
+        # the hidden states first; what else a mixer returns per document (eager attention weights [1, H, t, t])
+        # does not concatenate into the row's: None, as the varlen kernels return
+        return type(first)([_cat([p[0] for p in pieces], dim)] + [
+            x if not isinstance(x, torch.Tensor) or len(pieces) == 1 else None for x in first[1:]])
     raise TypeError(f"hf_gradfix packing: a split sequence mixer returned {type(first).__name__}, not a tensor")
