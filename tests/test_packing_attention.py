@@ -454,7 +454,8 @@ def test_guard_rejects_a_model_that_mixes_sequences_with_the_class_and_the_reaso
         check_model_packs_correctly(model)
     msg = str(e.value)
     assert msg.startswith("_AllOnesMaskLlama cannot be trained on packed sequences with attn_implementation='sdpa'")
-    assert "its attention ignores position_ids-based packing: sequences attend to each other" in msg
+    assert "it ignores position_ids-based packing: sequences attend to each other" in msg
+    assert "measured in self_attn (LlamaAttention, 2 layer(s))" in msg  # the layer named by measurement
     report = e.value.report
     assert report.first_sequence_diff <= 1e-5 < CONTROL_MIN < report.max_diff
     # the same model on the FlashAttention path is fine: the flash mask function drops an all-ones mask

@@ -489,6 +489,13 @@ def check_model_packs_correctly(
             f"inconclusive: the probe cannot tell packed from mixed sequences (control diff {control_diff:.3g} vs "
             f"packed diff {max_diff:.3g}); use longer probe lengths or a trained model"
         )
+    if reason is not None and ("depend on the other documents' tokens" in reason or "attend to each other" in reason):
+        where = _leaking_layers(model)  # by measurement: which decoder-layer children carry one document into the next
+        if where:  # name what was measured, not a guess: the leak may be a convolution, not the attention
+            details["leaking_layers"] = where
+            reason = reason.replace("its attention ignores", "it ignores")
+            reason += (f"; measured in {where} (hf_gradfix's packing through the Trainer runs those once per "
+                       "document, see docs/packing.md)")
     report = PackingCheckReport(
         cls_name, impl_used, mode, lengths, max_diff, first_diff, control_diff, float(tolerance), reason is None,
         reason, details, start,
@@ -496,6 +503,32 @@ def check_model_packs_correctly(
     if reason is not None:
         return _fail(report, raise_on_failure, None)
     return report
+
+
+def _leaking_layers(model: torch.nn.Module) -> str:
+    """The decoder-layer children through which packed documents reach each other, e.g. ``"conv (Lfm2ShortConv, 1
+    layer(s))"`` (:func:`hf_gradfix.packing.state_reset.find_sequence_mixers` on a probe row), or ``""``."""
+    from .state_reset import find_sequence_mixers
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = int(getattr(emb, "num_embeddings", 0) or 0)
+    if vocab < 4:
+        return ""
+    gen = torch.Generator().manual_seed(0)
+    docs = [{"input_ids": torch.randint(1, vocab - 1, (n,), generator=gen).tolist()} for n in (5, 7, 4)]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    batch = PackedCollator(mode="varlen")(docs)
+    probe = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "position_ids")}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            mixers = find_sequence_mixers(model, probe)
+    except Exception:  # noqa: BLE001 - the localization is a courtesy; the verdict above stands without it
+        return ""
+    finally:
+        model.train(was_training)
+    return "; ".join(m.label for m in mixers)
 
 
 def _fail(report: PackingCheckReport, raise_on_failure: bool, cause: BaseException | None) -> PackingCheckReport:
