@@ -536,7 +536,13 @@ class _GradFixTop:
         # its gradients for an optimizer that no longer steps (a second, plain trainer trains every weight).
         from .optim_trainer import begin_lowrank_training, end_lowrank_training
 
+        from .complete_checkpoints import resolve
+
         state = state_of(self)
+        if args:  # resume_from_checkpoint=True: the newest COMPLETE checkpoint (a save a crash tore is skipped)
+            args = (resolve(self, args[0]),) + tuple(args[1:])
+        elif "resume_from_checkpoint" in kwargs:
+            kwargs["resume_from_checkpoint"] = resolve(self, kwargs["resume_from_checkpoint"])
         if state is not None:
             begin_lowrank_training(self)
         try:
@@ -570,6 +576,9 @@ class _GradFixTop:
             from .moe import save_state
 
             save_state(self, state, output_dir)
+        from .complete_checkpoints import mark
+
+        mark(self, output_dir)  # this process's files of the checkpoint are all written (complete_checkpoints.py)
 
     def save_model(self, output_dir=None, _internal_call=False):
         state = state_of(self)
