@@ -360,6 +360,22 @@ def _has_hybrid(family):
     return hasattr(transformers, HYBRIDS[family][0])
 
 
+def _hybrid_config_traceable(family):
+    """The family's tiny config, or a skip where the planner refuses it by its own measured reason (transformers
+    4.57's Bamba takes a data-dependent step fake tensors cannot trace: one PlanError line, asserted here)."""
+    import transformers
+
+    from hf_gradfix.plan.activations import trace_activations
+
+    cfg = _hybrid_config(family)
+    try:
+        trace_activations(cfg, micro_batch=1, seq_len=8, dtype="fp32")
+    except PlanError as err:
+        assert "data-dependent step" in str(err) and int(transformers.__version__.split(".")[0]) < 5, err
+        pytest.skip(f"{family} on transformers {transformers.__version__}: {str(err)[:120]}")
+    return cfg
+
+
 hybrid_families = pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.skipif(
     not _has_hybrid(f), reason=f"this transformers has no {f}")) for f in HYBRIDS])
 
@@ -404,7 +420,7 @@ def test_hybrid_decoders_match_a_real_step(family):
     fake tensors build). The fake-tensor step equals the real one."""
     from hf_gradfix.plan.simulate import simulate
 
-    cfg = _hybrid_config(family)
+    cfg = _hybrid_config_traceable(family)
     mesh = ParallelDims(1)
     s = Settings(seq_len=128, micro_batch=2, dtype="fp32")
     real = simulate(cfg, mesh, s, fake=False)
@@ -419,7 +435,7 @@ def test_traced_hybrid_layer_holds_its_state_and_conv_window(family):
     fallbacks, a whole extra chunk (its recurrent state and intra-chunk matrices) for the one extra token."""
     from hf_gradfix.plan.activations import trace_activations
 
-    cfg = _hybrid_config(family)
+    cfg = _hybrid_config_traceable(family)
     traces = {}
     for seq in (128, 129):
         tr = traces[seq] = trace_activations(cfg, micro_batch=2, seq_len=seq, dtype="fp32")
