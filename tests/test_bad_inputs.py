@@ -83,6 +83,12 @@ def _schema_cases():
 SCHEMA_CASES = _schema_cases()
 
 ACCELERATE_CASES = [
+    # nested values outside accelerate's own choices (issue 38: launched, or refused by accelerate after start)
+    ("fsdp_version 3", {"fsdp_config": {"fsdp_version": 3}}, "fsdp_config.fsdp_version: invalid value 3", "allowed values: '1', '2'"),
+    ("sharding HALF_SHARD", {"fsdp_config": {"fsdp_sharding_strategy": "HALF_SHARD"}},
+     "fsdp_config.fsdp_sharding_strategy: invalid value 'HALF_SHARD'", "'FULL_SHARD'"),
+    ("dynamo TURBO", {"dynamo_config": {"dynamo_backend": "TURBO"}}, "dynamo_config.dynamo_backend: invalid value 'TURBO'",
+     "accelerate's own choices"),
     ("num_processes four", {"num_processes": "four"}, "num_processes: invalid value 'four'", "whole number"),
     ("num_processes 0", {"num_processes": 0}, "num_processes: invalid value 0", ">= 1"),
     ("num_processes -3", {"num_processes": -3}, "num_processes: invalid value -3", ">= 1"),

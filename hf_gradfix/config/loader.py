@@ -780,6 +780,61 @@ def _launch_argument_names() -> frozenset | None:
         return None
 
 
+def _launch_choices() -> dict[str, tuple[str, ...]]:
+    """``{dest: allowed values}`` of accelerate launch's own arguments that have choices (``fsdp_version``: '1', '2';
+    ``dynamo_backend``; ``mixed_precision``), plus the FSDP enums accelerate checks only when it builds the plugin."""
+    out: dict[str, tuple[str, ...]] = {}
+    try:
+        from accelerate.commands.launch import launch_command_parser
+
+        for action in launch_command_parser()._actions:
+            if action.choices:
+                out[action.dest] = tuple(str(c) for c in action.choices)
+        from accelerate.utils import constants
+
+        for dest, name in (("fsdp_sharding_strategy", "FSDP_SHARDING_STRATEGY"),
+                           ("fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY"),
+                           ("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE"),
+                           ("fsdp_backward_prefetch", "FSDP_BACKWARD_PREFETCH")):
+            values = getattr(constants, name, None)
+            if values:
+                out.setdefault(dest, tuple(str(v) for v in values))
+    except Exception:  # noqa: BLE001 - accelerate missing or changed: its own launch checks what it knows
+        return {}
+    return out
+
+
+def _nested_value_problems(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
+    """A value of a nested accelerate setting outside accelerate's own choices (``fsdp_version: 3``,
+    ``fsdp_sharding_strategy: HALF_SHARD``, ``dynamo_backend: TURBO``): accelerate launch raises on some only after
+    the processes start, others it ignores."""
+    choices = _launch_choices()
+    if not choices:
+        return []
+    problems = []
+    for name in _NESTED_SECTIONS:
+        section = acc.get(name)
+        if not isinstance(section, Mapping):
+            continue
+        starts, added = _NESTED_PREFIX.get(name, ("", ""))
+        for key, value in section.items():
+            if not isinstance(key, str) or value is None:
+                continue
+            dest = key if key.startswith(starts) else added + key
+            allowed = choices.get(dest)
+            if not allowed:
+                continue
+            lowered = {a.lower(): a for a in allowed}
+            if dest == "fsdp_sharding_strategy" and str(value).isdigit() and 1 <= int(value) <= len(allowed):
+                continue  # accelerate also takes the enum's number
+            if isinstance(value, bool) or str(value).lower() not in lowered:
+                guess = difflib.get_close_matches(str(value).lower(), list(lowered), n=1, cutoff=0.6)
+                hint = f" (did you mean {lowered[guess[0]]!r}?)" if guess else ""
+                problems.append(((name, key), f"{name}.{key}: invalid value {_short_repr(value)}; allowed values: "
+                                              f"{_quoted_list(allowed)}{hint} (accelerate's own choices)"))
+    return problems
+
+
 def _nested_key_problems(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
     """A key of ``fsdp_config``, ``deepspeed_config``, ``parallelism_config``, ... that accelerate launch would
     silently ignore (a typo such as ``fsdp_versoin``): checked against accelerate launch's own argument names."""
@@ -874,6 +929,7 @@ def _check_accelerate(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
             elif not 1 <= value <= 2**20:
                 bad(path, f"invalid value {value}; it must be >= 1 ({name} degree; accelerate has no -1 here)")
     problems.extend(_nested_key_problems(acc))
+    problems.extend(_nested_value_problems(acc))
     rank, machines = acc.get("machine_rank"), acc.get("num_machines")
     if (isinstance(rank, int) and isinstance(machines, int) and not isinstance(rank, bool) and machines >= 1
             and not 0 <= rank < machines):
