@@ -337,15 +337,18 @@ def test_shipped_pp_configs_resolve(name, capsys):
     ({"pp": 2, "cp": 2}, "parallel.pp=2 with cp=2"),
     ({"pp": 2, "pp_schedule": "1f1b", "pp_virtual_stages": 2}, "pp_virtual_stages=2 with pp_schedule='1f1b'"),
     ({"pp": 2, "pp_schedule": "zigzag"}, "pp_schedule"),
+    ({"pp": 2, "loss": False}, "parallel.pp=2 with loss.enabled=false"),  # refused at run time; now at config check
 ])
 def test_config_check_refuses_in_one_line(tmp_path, capsys, section, needle):
     import yaml
 
     from hf_gradfix.cli import main
 
+    section = dict(section)
+    extra = {"loss": {"enabled": False}} if section.pop("loss", True) is False else {}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU", "num_processes": 4, "use_cpu": True,
-                                    "hf_gradfix": {"parallel": section}}))
+                                    "hf_gradfix": {"parallel": section, **extra}}))
     assert main(["config", "check", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err

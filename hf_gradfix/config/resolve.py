@@ -213,7 +213,7 @@ def resolve_config(
         try:
             check_schedule(mesh.pp, par.pp_schedule, mesh.pp_virtual_stages)
             check_combination(pp=mesh.pp, tp=mesh.tp, cp=mesh.cp, dp_shard=mesh.dp_shard, packing=gradfix.packing.enabled,
-                              optimizer=gradfix.optimizer.name, fsdp_plugin=fsdp)
+                              optimizer=gradfix.optimizer.name, fsdp_plugin=fsdp, loss_enabled=gradfix.loss.enabled)
         except PipelineError as err:
             raise ConfigError(f"{path}: {SECTION}.{err}") from None
         from ..parallel.ep import EPError, check_combination as check_ep

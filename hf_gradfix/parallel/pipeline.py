@@ -102,10 +102,15 @@ def check_schedule(pp: int, schedule: str, virtual_stages: int) -> None:
 
 
 def check_combination(*, pp: int, tp: int = 1, cp: int = 1, dp_shard: int = 1, packing: bool = False,
-                      optimizer: str = "none", fsdp_plugin: bool = False, optimizer_key: str = "optimizer.name") -> None:
+                      optimizer: str = "none", fsdp_plugin: bool = False, optimizer_key: str = "optimizer.name",
+                      loss_enabled: bool = True) -> None:
     """Refuse what pipeline parallelism does not run exactly yet (each with its reason and the fix)."""
     if pp <= 1:
         return
+    if not loss_enabled:  # the same words as the run's refusal (integration/pipeline.py), now at config check too
+        raise PipelineError(
+            f"parallel.pp={pp} with loss.enabled=false: the pipeline's loss is the window's exact token mean (there is "
+            "no stock transformers pipeline to fall back to); set loss.enabled: true, or pp: 1")
     if cp > 1:
         raise PipelineError(
             f"parallel.pp={pp} with cp={cp}: pipeline stages combined with context parallelism are not built yet "
