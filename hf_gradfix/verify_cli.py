@@ -213,7 +213,7 @@ def _check_module(name: str) -> None:
                                    "importable module (python -m NAME works) or a script path")
 
 
-def _check_data(path: str) -> None:
+def _check_data(path: str, vocab_size: int | None = None) -> None:
     """One line for a ``--data`` file that cannot be read: missing, a folder, not UTF-8, a bad JSON Lines row."""
     import json
 
@@ -247,6 +247,21 @@ def _check_data(path: str) -> None:
                             f"--data {path}:{number}: {key}: expected a non-empty list of token ids, got "
                             f"{'no ' + key if value is None else type(value).__name__}; each line is one JSON object "
                             'such as {"input_ids": [1, 2, 3]}')
+                if len(labels) != len(ids):
+                    raise InvalidArgumentError(
+                        f"--data {path}:{number}: labels have {len(labels)} entries, input_ids {len(ids)}; labels are "
+                        "unshifted and aligned with input_ids (the model shifts them), -100 where there is no target")
+                bad_id = next((v for v in ids if v < 0), None)
+                if bad_id is not None:
+                    raise InvalidArgumentError(f"--data {path}:{number}: input_ids holds {bad_id}; a token id is >= 0")
+                bad_label = next((v for v in labels if v < 0 and v != -100), None)
+                if bad_label is not None:
+                    raise InvalidArgumentError(f"--data {path}:{number}: labels holds {bad_label}; a label is a token id "
+                                               ">= 0 or -100 (no target)")
+                top = max(max(ids), max(labels))
+                if vocab_size is not None and top >= vocab_size:
+                    raise InvalidArgumentError(f"--data {path}:{number}: token id {top} is outside the model's vocabulary "
+                                               f"({vocab_size} tokens: ids 0-{vocab_size - 1})")
                 rows += 1
             if rows == 0:
                 raise InvalidArgumentError(f"--data {path}: no samples (the file is empty)")
@@ -442,6 +457,8 @@ def _builtin(ns: argparse.Namespace) -> int:
         if isinstance(err, HfGradfixError):
             raise
         raise model_load_error(spec, err) from None
+    if ns.data is not None and str(ns.data).endswith(".jsonl"):  # ids against the loaded model's vocabulary
+        _check_data(ns.data, int(getattr(model.config, "vocab_size", 0) or 0) or None)
     n = batch_size * grad_accum * max(1, int(os.environ.get("WORLD_SIZE", "1"))) * ns.steps * 2
     samples = V.load_samples(ns.data, model, spec, n)
     # --json: stdout carries the report only; what libraries print while the run imports them (DeepSpeed's

@@ -409,6 +409,10 @@ CLI_ROWS = [  # (id, argv with {tmp}, fragment, seconds, MiB)
     ("verify --data no input_ids", ["verify", "--data", "{tmp}/nokey.jsonl"], "--data {tmp}/nokey.jsonl:1: input_ids: expected a non-empty list of token ids", 60, 400),
     ("verify --data folder", ["verify", "--data", "{tmp}"], "is a folder", 60, 400),
     ("verify --data empty", ["verify", "--data", "{tmp}/empty.jsonl"], "no samples", 60, 400),
+    ("verify --data negative id", ["verify", "--data", "{tmp}/neg.jsonl"], "--data {tmp}/neg.jsonl:1: input_ids holds -4", 60, 400),
+    ("verify --data short labels", ["verify", "--data", "{tmp}/short.jsonl"], "labels have 2 entries, input_ids 3", 60, 400),
+    ("verify --data label -5", ["verify", "--data", "{tmp}/lab.jsonl"], "labels holds -5", 60, 400),
+    ("verify --data out of vocabulary", ["verify", "--data", "{tmp}/oov.jsonl"], "token id 100000 is outside the model's vocabulary", 120, 800),
     ("verify -m missing module", ["verify", "--", "-m", "no_such_module_xyz"], "module 'no_such_module_xyz' not found", 60, 400),
     ("plan heads not dividing hidden", ["plan", "--model", "{tmp}/heads.json"], "hidden_size=100 is not a multiple of num_attention_heads=3", 60, 400),
     ("plan more KV heads than heads", ["plan", "--model", "{tmp}/kv.json"], "num_key_value_heads=8 does not divide num_attention_heads=4", 60, 400),
@@ -441,6 +445,10 @@ def test_cli_inputs_are_one_line(tmp_path, capsys, name, argv, fragment, seconds
     (tmp_path / "bad.jsonl").write_text('{"input_ids": [1, 2, 3]}\nnot json\n')
     (tmp_path / "nokey.jsonl").write_text('{"text": "hi"}\n')
     (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "neg.jsonl").write_text('{"input_ids": [5, -4, 6]}\n')
+    (tmp_path / "short.jsonl").write_text('{"input_ids": [5, 6, 7], "labels": [5, 6]}\n')
+    (tmp_path / "lab.jsonl").write_text('{"input_ids": [5, 6, 7], "labels": [5, -5, 7]}\n')
+    (tmp_path / "oov.jsonl").write_text('{"input_ids": [5, 100000, 7]}\n')
     os.mkfifo(tmp_path / "fifo.yaml")
     os.mkfifo(tmp_path / "fifo.jsonl")
     argv = [a.replace(_DIR, tmp) for a in argv]
