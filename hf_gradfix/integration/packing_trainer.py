@@ -211,28 +211,12 @@ def _split_stateful_layers(model) -> str:
     """The decoder-layer children that carry a recurrent state or a convolution window across a packed boundary
     (measured on a probe row, :func:`hf_gradfix.packing.state_reset.find_sequence_mixers`) run once per document
     (:func:`~hf_gradfix.packing.state_reset.split_documents`). Returns what was split ("" when nothing carries state)."""
-    from ..packing.collator import PackedCollator
-    from ..packing.state_reset import find_sequence_mixers, split_documents
+    from ..packing.state_reset import probe_sequence_mixers, split_documents
 
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    vocab = int(getattr(embeddings, "num_embeddings", 0) or 0)
-    if vocab < 4:
+    mixers = probe_sequence_mixers(model)
+    if mixers is None:  # a model that cannot run a packed row: the guard refuses it in one line
+        logger.debug("hf_gradfix packing: the state probe could not run a packed row; the guard decides")
         return ""
-    gen = torch.Generator().manual_seed(0)
-    docs = [{"input_ids": torch.randint(1, vocab - 1, (n,), generator=gen).tolist()} for n in (5, 7, 4)]
-    batch = PackedCollator(mode="varlen")(docs)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    probe = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            mixers = find_sequence_mixers(model, probe)
-    except Exception as err:  # noqa: BLE001 - a model that cannot run a packed row: the guard refuses it in one line
-        logger.debug("hf_gradfix packing: the state probe could not run a packed row (%r); the guard decides", err)
-        return ""
-    finally:
-        model.train(was_training)
     if not mixers:
         return ""
     split_documents(model, mixers)

@@ -508,26 +508,9 @@ def check_model_packs_correctly(
 def _leaking_layers(model: torch.nn.Module) -> str:
     """The decoder-layer children through which packed documents reach each other, e.g. ``"conv (Lfm2ShortConv, 1
     layer(s))"`` (:func:`hf_gradfix.packing.state_reset.find_sequence_mixers` on a probe row), or ``""``."""
-    from .state_reset import find_sequence_mixers
+    from .state_reset import probe_sequence_mixers
 
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    vocab = int(getattr(emb, "num_embeddings", 0) or 0)
-    if vocab < 4:
-        return ""
-    gen = torch.Generator().manual_seed(0)
-    docs = [{"input_ids": torch.randint(1, vocab - 1, (n,), generator=gen).tolist()} for n in (5, 7, 4)]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    batch = PackedCollator(mode="varlen")(docs)
-    probe = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "position_ids")}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            mixers = find_sequence_mixers(model, probe)
-    except Exception:  # noqa: BLE001 - the localization is a courtesy; the verdict above stands without it
-        return ""
-    finally:
-        model.train(was_training)
+    mixers = probe_sequence_mixers(model) or []  # the localization is a courtesy: the verdict stands without it
     return "; ".join(m.label for m in mixers)
 
 

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SequenceMixer", "DocumentSplit", "find_sequence_mixers", "split_documents", "segment_bounds"]
+__all__ = ["SequenceMixer", "DocumentSplit", "find_sequence_mixers", "probe_sequence_mixers", "split_documents",
+           "segment_bounds"]
 
 _ORIGINAL_ATTR = "_hf_gradfix_unsplit_forward"
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "cu_seqlens_q", "cu_seqlens_k")
@@ -147,6 +148,32 @@ def find_sequence_mixers(model: torch.nn.Module, batch: dict, run_kwargs: dict |
         if leak > 0.0:
             mixers.append(SequenceMixer(key[0], key[1], kinds[key], leak))
     return mixers
+
+
+def probe_sequence_mixers(model: torch.nn.Module) -> list[SequenceMixer] | None:
+    """:func:`find_sequence_mixers` on the plugin's probe row (3 random documents of 5, 7 and 4 tokens, packed by
+    :class:`~hf_gradfix.packing.collator.PackedCollator` as in training), the model in eval mode and the RNG left as
+    it was; None where the model cannot run a packed row (the guard then decides, in its own words)."""
+    from .collator import PackedCollator
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = int(getattr(emb, "num_embeddings", 0) or 0)
+    if vocab < 4:
+        return []
+    gen = torch.Generator().manual_seed(0)
+    docs = [{"input_ids": torch.randint(1, vocab - 1, (n,), generator=gen).tolist()} for n in (5, 7, 4)]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    batch = PackedCollator(mode="varlen")(docs)
+    probe = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            return find_sequence_mixers(model, probe)
+    except Exception:  # noqa: BLE001 - a model that cannot run a packed row
+        return None
+    finally:
+        model.train(was_training)
 
 
 def _replay_leak(module, args, kwargs, hidden, bounds, gen) -> float:
