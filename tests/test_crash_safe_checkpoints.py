@@ -67,6 +67,9 @@ def test_an_explicit_incomplete_checkpoint_is_refused_in_one_line(crashed):
     fake = type("T", (), {"args": type("A", (), {"output_dir": str(out / "torn")})()})()
     with pytest.raises(UsageError, match="is incomplete: no trainer_state.json"):
         resolve(fake, torn)
+    weights_only = Path(tempfile.mkdtemp(prefix="hgf_weights_"))  # no hf_gradfix marker: left to stock, as stock loads it
+    (weights_only / "model.safetensors").write_bytes(b"")
+    assert resolve(fake, str(weights_only)) == str(weights_only)
     empty = tempfile.mkdtemp(prefix="hgf_nockpt_")
     fake.args.output_dir = empty
     with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):

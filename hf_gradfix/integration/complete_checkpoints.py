@@ -108,7 +108,8 @@ def resume_path(output_dir: str) -> str | None:
 
 def resolve(trainer: Any, resume_from_checkpoint: Any) -> Any:
     """What ``Trainer.train`` should get for ``resume_from_checkpoint``: ``True`` becomes the newest complete
-    checkpoint (one line when there is none, as stock's own error); an explicit incomplete folder is refused."""
+    checkpoint (one line when there is none, as stock's own error); an explicit folder hf_gradfix wrote that is
+    incomplete is refused (a folder without its markers is left to stock)."""
     from ..errors import UsageError
 
     if resume_from_checkpoint is True:
@@ -117,8 +118,11 @@ def resolve(trainer: Any, resume_from_checkpoint: Any) -> Any:
             raise ValueError(f"No valid checkpoint found in output directory ({trainer.args.output_dir}): no complete "
                              "checkpoint-N (hf_gradfix skips the incomplete ones, see the warnings above)")
         return path
-    if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
-        ok, why = complete(os.fspath(resume_from_checkpoint))
+    folder = os.fspath(resume_from_checkpoint) if isinstance(resume_from_checkpoint, (str, os.PathLike)) else None
+    # only a folder hf_gradfix wrote (it holds a marker): any other is stock's to load as it does (a weights-only
+    # folder warm-starts there without trainer_state.json; never stricter than stock)
+    if folder is not None and os.path.isdir(folder) and any(_MARKER_RE.match(n) for n in os.listdir(folder)):
+        ok, why = complete(folder)
         if not ok:
             raise UsageError(f"resume_from_checkpoint={os.fspath(resume_from_checkpoint)!r} is incomplete: {why}; "
                              "resume from an older checkpoint (or resume_from_checkpoint=True: the newest complete one)")
