@@ -299,6 +299,8 @@ HOSTILE_FILES = [  # (id, file text, fragment, seconds, MiB)
     ("2 MiB file", _ACC + "hf_gradfix: {}\n" + ("# " + "x" * 1020 + "\n") * 2048, "a configuration file is at most 1,048,576 bytes", 5, 20),
     ("sexagesimal", _ACC + "hf_gradfix:\n  optimizer: {name: galore_adamw, update_proj_gap: 1:30}\n", "hf_gradfix.optimizer.update_proj_gap: '1:30' is read by YAML 1.1 as the base-60 number 90", 5, 20),
     ("octal", _ACC + "hf_gradfix:\n  optimizer: {name: galore_adamw, seed: 0777}\n", "hf_gradfix.optimizer.seed: '0777' is read by YAML 1.1 as the octal number 511", 5, 20),
+    ("binary", _ACC + "hf_gradfix:\n  optimizer: {name: galore_adamw, seed: 0b101}\n", "hf_gradfix.optimizer.seed: '0b101' is read by YAML 1.1 as the binary number 5; write 5", 5, 20),
+    ("underscored number", _ACC + "hf_gradfix:\n  packing: {enabled: true, token_budget: 4_096}\n", "hf_gradfix.packing.token_budget: '4_096' is read by YAML 1.1 as the number 4096", 5, 20),
     ("yes as a bool", _ACC + "hf_gradfix:\n  log_fixes: yes\n", "hf_gradfix.log_fixes: 'yes' is read by YAML 1.1 as the boolean true; write true", 5, 20),
     ("on as a section", _ACC + "hf_gradfix:\n  packing: on\n", "hf_gradfix.packing: 'on' is read by YAML 1.1 as the boolean true", 5, 20),
     ("fsdp_config typo", _FSDP + "fsdp_config: {fsdp_version: 2, fsdp_versoin: 2}\nhf_gradfix: {}\n", "fsdp_config.fsdp_versoin: unknown key (did you mean 'fsdp_version'?)", 60, 400),

@@ -227,3 +227,36 @@ def test_a_deepspeed_json_that_is_not_a_regular_file_or_too_large_is_refused_wit
     data["deepspeed_config"] = {"deepspeed_config_file": str(big)}
     path.write_text(yaml.safe_dump(data))
     _one_line(tmp_path, capsys, path, "more than 4194304 for a config")
+
+
+@pytest.mark.parametrize("kind,extra", [
+    ("FSDP", {"fsdp_config": {"fsdp_version": 2}, "deepspeed_config": {"zero_stage": 2}}),
+    ("DEEPSPEED", {"fsdp_config": {"fsdp_version": 2}, "deepspeed_config": {"zero_stage": 2}}),
+    ("MULTI_CPU", {"deepspeed_config": {"zero_stage": 3}}),
+])
+def test_the_engine_is_decided_the_way_accelerate_decides_it(tmp_path, capsys, kind, extra):
+    """A file with both engine sections: accelerate's own launch parser says which engine runs; config check reports
+    that one and names the section accelerate ignores."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    data = {"compute_environment": "LOCAL_MACHINE", "distributed_type": kind, "num_processes": 2, "use_cpu": True,
+            "hf_gradfix": {}, **extra}
+    path = tmp_path / "both.yaml"
+    path.write_text(yaml.safe_dump(data))
+    plain = tmp_path / "plain.yaml"  # accelerate's parser reads a file without the plugin's section
+    plain.write_text(yaml.safe_dump({k: v for k, v in data.items() if k != "hf_gradfix"}))
+    args = launch_command_parser().parse_args(["--config_file", str(plain), "train.py"])
+    try:
+        _validate_launch_command(args)
+    except ValueError:
+        pass  # a CPU machine: accelerate may refuse later checks; the engine flags are set before them
+    theirs = "DEEPSPEED" if args.use_deepspeed else "FSDP" if args.use_fsdp else "other"
+    resolved = resolve_config(path, for_launch=True)
+    ours = "DEEPSPEED" if resolved.deepspeed is not None else resolved.distributed_type.upper()
+    assert (ours if ours in ("DEEPSPEED", "FSDP") else "other") == theirs
+    assert main(["config", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    ignored = [s for s in extra if {"deepspeed_config": "DEEPSPEED", "fsdp_config": "FSDP"}[s] != theirs]
+    assert ignored
+    for section in ignored:
+        assert f"note              {section} is ignored: distributed_type is {kind}" in out

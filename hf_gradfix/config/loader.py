@@ -955,6 +955,7 @@ _Loader = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader  # libyaml's C p
 # YAML 1.1 (PyYAML) resolves these plain scalars to numbers or booleans a reader would not expect.
 _SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
 _OCTAL = re.compile(r"[-+]?0[0-7_]+")
+_BINARY = re.compile(r"[-+]?0b[01_]+")
 _INT_TAG, _FLOAT_TAG, _BOOL_TAG = ("tag:yaml.org,2002:" + t for t in ("int", "float", "bool"))
 
 
@@ -1044,6 +1045,13 @@ def _yaml11_surprise(node: yaml.ScalarNode) -> str | None:
         value = yaml.safe_load(raw)
         return (f"{raw!r} is read by YAML 1.1 as the octal number {value}; write {int(raw.replace('_', '')) if raw.replace('_', '').lstrip('+-').isdigit() else value} "
                 f"without the leading zero (or {value} if octal was meant)")
+    if node.tag == _INT_TAG and _BINARY.fullmatch(raw):
+        value = yaml.safe_load(raw)
+        return f"{raw!r} is read by YAML 1.1 as the binary number {value}; write {value} (YAML 1.2 has no 0b numbers)"
+    if node.tag in (_INT_TAG, _FLOAT_TAG) and "_" in raw:
+        value = yaml.safe_load(raw)
+        return (f"{raw!r} is read by YAML 1.1 as the number {value} (YAML 1.2 and JSON read it as a string); "
+                f"write {value} without the underscores")
     return None
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .loader import SECTION, read_config_file
@@ -82,6 +82,7 @@ class ResolvedConfig:
     global_batch_tokens: int | None
     deepspeed: Any = None  # hf_gradfix.parallel.deepspeed.DeepSpeedSettings when the file selects DeepSpeed
     use_cpu: bool = False
+    notes: list = field(default_factory=list)  # what accelerate will ignore in the file, one line each
 
     def lines(self) -> list[str]:
         g = self.gradfix
@@ -134,6 +135,7 @@ class ResolvedConfig:
             )
         else:
             out.append("global batch      pass --micro-batch and --seq-len (or enable packing) to compute it")
+        out += [f"note              {note}" for note in self.notes]
         return out
 
 
@@ -193,6 +195,7 @@ def resolve_config(
     ``for_launch`` (``config check`` and ``launch``): also refuse what accelerate's launcher cannot run, with the
     same line from both."""
     from ..parallel import ParallelDims
+    from ..parallel.deepspeed import ignored_engine_sections
 
     path = str(path)
     cf = read_config_file(path)
@@ -279,4 +282,5 @@ def resolve_config(
         global_batch_tokens=global_tokens,
         deepspeed=deepspeed,
         use_cpu=bool(acc.get("use_cpu")),
+        notes=ignored_engine_sections(acc),
     )
