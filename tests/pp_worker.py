@@ -48,6 +48,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     "pp2_short_epochs2": ({"parallel": {"pp": 2}}, {"ga": 4, "n_samples": 13, "epochs": 2}),
     "pp2_interleaved_ga4": ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}}, {"ga": 4}),
     "pp2_zero_bubble_ga4": ({"parallel": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2}}, {"ga": 4}),
+    # one stage per rank: torch's interleaved schedules run it (measured), so it is accepted, not refused
+    "pp2_zero_bubble_v1_ga4": ({"parallel": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 1}}, {"ga": 4}),
     "pp2_1f1b_ga4_callback_clip": ({"parallel": {"pp": 2}}, {"ga": 4, "callback": True, "clip": 0.05}),
     "pp2_sft_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "sft": True}),  # TRL's SFTTrainer, a datasets.Dataset
     "sft_dft_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "sft": True, "sft_args": {"loss_type": "dft"}}),

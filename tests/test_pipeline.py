@@ -26,7 +26,7 @@ import pp_worker as W
 
 TOL = 1e-5
 EXACT = ["pp2_1f1b_ga4", "pp2_gpipe_ga4", "pp2_1f1b_ga1", "pp2_interleaved_ga4", "pp2_zero_bubble_ga4",
-         "pp2_1f1b_ga4_callback_clip", "pp2_sft_ga4", "pp2_tied_ga4", "pp2_short_epochs2"]
+         "pp2_zero_bubble_v1_ga4", "pp2_1f1b_ga4_callback_clip", "pp2_sft_ga4", "pp2_tied_ga4", "pp2_short_epochs2"]
 STOCK = ["pp2_1f1b_ga4_stock"]
 REFUSED = ["loss_off_refused", "sft_dft_refused", "galore_refused"]
 ALL = EXACT + STOCK + REFUSED + ["pp2_resume"]

@@ -321,7 +321,7 @@ class ParallelConfig:
     )
     pp_schedule: PipelineSchedule = field(
         default="1f1b",
-        metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble (the last two need pp_virtual_stages > 1)"},
+        metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble (the last two take pp_virtual_stages >= 1; 1f1b and gpipe run one stage per rank)"},
     )
     pp_virtual_stages: int = field(
         default=1,
