@@ -330,7 +330,8 @@ def test_lowrank_grads_trainer_clips_the_accumulators(tmp_path, monkeypatch):
                 (total / count).backward()
             if route:
                 norms.append(float(opt.clip_grad_norm_(0.05)))
-            else:
+            else:  # the control: only .grad clipped, as a stock Trainer's max_grad_norm does (refused unless declared)
+                opt.clipping_routed = True
                 norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -403,6 +404,7 @@ def _lowrank_loop(model0, samples, batches, clip: float | None, route: bool = Tr
             total = sum(H.sample_loss_sum(m, samples[i], TASK)[0] for i in b)
             (total / count).backward()
         if clip is not None:
+            opt.clipping_routed = not route  # the control clips only .grad on purpose (refused unless declared)
             clip_fn = opt.clip_grad_norm_ if route else lambda c: torch.nn.utils.clip_grad_norm_(m.parameters(), c)
             norms.append(float(clip_fn(clip)))
         opt.step()
@@ -567,20 +569,45 @@ def test_lowrank_resume_through_the_constructor_is_exact(entry, tmp_path):
     assert _rel(again, straight) <= 1e-6 and _rel(straight, model0) > 1e-3
 
 
-def test_stock_trainer_with_a_lowrank_optimizer_warns_about_clipping(tmp_path):
-    """Without patch() or a GradFixCallback nothing routes max_grad_norm to the accumulators: one warning says so
-    and names the fix (the run stays as stock clips it)."""
+def test_stock_trainer_with_a_lowrank_optimizer_refuses_clipping_it_cannot_reach(tmp_path):
+    """Without patch() or a GradFixCallback a stock Trainer's max_grad_norm clips .grad only, so from the second step
+    Adam would consume unclipped rank-r accumulators: refused at the first step, before any update, naming the fix.
+    Control: the same run without clipping trains (one warning that nothing clipped the accumulators); with
+    GradFixCallback the clip reaches what the step consumes and it trains."""
+    from hf_gradfix.errors import UsageError
+
     model = H.build_model("llama")
+    before = copy.deepcopy(model)
     opt = GaLoreAdamW(model, **LR_KW)
-    trainer, _ = _trainer(model, _samples(), tmp_path, trainer_kwargs={"optimizers": (opt, None)}, max_grad_norm=0.05)
-    with pytest.warns(RuntimeWarning, match="no clip_grad_norm_ of its own saw.*hf_gradfix.patch\\(\\) or GradFixCallback"):
+    trainer, _ = _trainer(model, _samples(), tmp_path / "a", trainer_kwargs={"optimizers": (opt, None)},
+                          max_grad_norm=0.05)
+    with pytest.raises(UsageError, match=r"changed in place between backward and step\(\).*hf_gradfix.patch\(\) or "
+                                         r"GradFixCallback.*no update was applied"):
         trainer.train()
+    assert _rel(model, before) == 0.0  # refused before the first update
+    opt.remove_lowrank_hooks()
     del trainer
     import gc
 
     gc.collect()
-    opt.remove_lowrank_hooks()
     assert _hooks_on(model) == 0
+
+    unclipped = copy.deepcopy(before)  # control 1: no clipping asked for, nothing to refuse
+    opt = GaLoreAdamW(unclipped, **LR_KW)
+    trainer, _ = _trainer(unclipped, _samples(), tmp_path / "b", trainer_kwargs={"optimizers": (opt, None)},
+                          max_grad_norm=0.0)
+    with pytest.warns(RuntimeWarning, match="no clip_grad_norm_ of its own saw.*hf_gradfix.patch\\(\\) or GradFixCallback"):
+        trainer.train()
+    assert _rel(unclipped, before) > 1e-4
+    opt.remove_lowrank_hooks()
+
+    routed = copy.deepcopy(before)  # control 2: the callback routes max_grad_norm to the accumulators
+    opt = GaLoreAdamW(routed, **LR_KW)
+    trainer, _ = _trainer(routed, _samples(), tmp_path / "c", trainer_kwargs={"optimizers": (opt, None)},
+                          callbacks=[hf_gradfix.GradFixCallback()], max_grad_norm=0.05)
+    trainer.train()
+    assert _rel(routed, before) > 1e-6
+    opt.remove_lowrank_hooks()
 
 
 def test_a_second_lowrank_optimizer_takes_the_hooks_over():

@@ -91,6 +91,29 @@ class _LowRankHook:
             optimizer._lowrank_hook(p)
 
 
+class _GradVersionHook:
+    """Records a gradient's version counter and sum once backward has accumulated it (weakly, like _LowRankHook).
+    At ``step()`` a version that moved *and* a sum that changed mean something rescaled ``.grad`` in place in
+    between (torch's ``clip_grad_norm_`` under a Trainer's ``max_grad_norm``, ``GradScaler.unscale_``), which the
+    rank-r accumulators never see.  The sum tells a real rescale from transformers 5.x's ``clip_grad_norm_(..., inf)``
+    (its grad-norm log), which multiplies by exactly 1.0: the same tensor summed twice gives the same bits.  Skipped
+    when hf_gradfix's Trainer integration routes the clip (``clipping_routed``): no cost there."""
+
+    __slots__ = ("_optimizer",)
+
+    def __init__(self, optimizer: "LowRankAdamW") -> None:
+        self._optimizer = weakref.ref(optimizer)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None or not optimizer._accumulating or optimizer.clipping_routed or optimizer._clip_called:
+            return
+        if p.grad is None:
+            optimizer._grad_versions.pop(p, None)
+        else:
+            optimizer._grad_versions[p] = (p.grad._version, p.grad.detach().sum())
+
+
 def _remove_handles(handles: list) -> None:
     for h in handles:
         h.remove()
@@ -210,10 +233,13 @@ class LowRankAdamW(torch.optim.Optimizer):
         self._ddp_model: weakref.ref | None = None  # the model whose DDP ignore list names the projected weights
         self._ddp_ignored_names: list[str] = []  # the names this optimizer added to it
         self._lowrank_reduced = False
-        # Set by hf_gradfix's Trainer integration, which routes max_grad_norm to clip_grad_norm_; else a step on
-        # accumulators that no clip_grad_norm_ of ours saw warns once (torch's clip does not see them).
+        # Set by hf_gradfix's Trainer integration, which routes max_grad_norm to clip_grad_norm_ (or by a caller
+        # who clips only .grad on purpose); else a step on accumulators that no clip_grad_norm_ of ours saw warns
+        # once (torch's clip does not see them), and a step after .grad was changed in place is refused.
         self.clipping_routed = False
         self._clip_called = False
+        # parameter -> (version, sum) of its .grad after the last backward (see _GradVersionHook); checked at step()
+        self._grad_versions: dict[torch.Tensor, tuple[int, torch.Tensor]] = {}
         self.lowrank_grads = bool(lowrank_grads)
         self.initial_basis = initial_basis
         self.bytes_all_reduced = 0  # by this optimizer (low-rank accumulators, refreshing full gradients)
@@ -490,6 +516,15 @@ class LowRankAdamW(torch.optim.Optimizer):
                 previous.detach_lowrank_hooks()
             self._lowrank_hooks.append(p.register_post_accumulate_grad_hook(hook))
             _HOOK_OWNER[id(p)] = (weakref.ref(p), weakref.ref(self))
+        # Versions of the gradients after backward: the projected weights' (when they keep a full gradient to refresh
+        # their basis) and, in one process, the plain ones' too (under DDP the reducer copies reduced buckets into
+        # plain .grad after these hooks, so only the projected weights, which DDP ignores, are watched there).
+        version_hook = _GradVersionHook(self)
+        watched = list(self._plans)
+        if _world() == 1:
+            watched += [p for g in self.param_groups for p in g["params"] if p.requires_grad and p not in self._plans]
+        for p in watched:
+            self._lowrank_hooks.append(p.register_post_accumulate_grad_hook(version_hook))
         if model is None and self._ddp_model is not None:
             model = self._ddp_model()
         if model is not None:
@@ -634,7 +669,30 @@ class LowRankAdamW(torch.optim.Optimizer):
                 g.mul_(coef.to(g.device))
         return total
 
+    def _refuse_outside_clipping(self) -> None:
+        """Refuse a step after something scaled ``.grad`` in place that the rank-r accumulators never see.
+
+        A stock Trainer's ``max_grad_norm`` calls torch's ``clip_grad_norm_`` on ``.grad``: it clips the first step
+        (every projected weight still holds its full gradient for its first basis) and, from the second on, only the
+        plain weights, while Adam consumes unclipped rank-r accumulators.  Found by the gradients' version counters
+        and sums (exact comparisons, no tolerance), at the first step that clips, before its update."""
+        if self._clip_called or self.clipping_routed:
+            return
+        touched = [p for p, (version, total) in self._grad_versions.items()
+                   if p.grad is not None and p.grad._version != version and not torch.equal(p.grad.detach().sum(), total)]
+        self._grad_versions.clear()
+        if touched:
+            raise UsageError(
+                f"{self._name}(lowrank_grads=True): the gradients were changed in place between backward and step() "
+                "(torch.nn.utils.clip_grad_norm_ / accelerator.clip_grad_norm_, which a stock Trainer's max_grad_norm "
+                "calls, or GradScaler.unscale_), which cannot reach the rank-r accumulators Adam steps on "
+                f"({len(self._plans)} projected weights): this run would clip only its first step. Fix: with a Trainer "
+                "use hf_gradfix.patch() or GradFixCallback (max_grad_norm then reaches the accumulators), in a loop "
+                "call optimizer.clip_grad_norm_(max_norm) instead, or set max_grad_norm=0 / lowrank_grads=False; no "
+                "update was applied")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grad_versions.clear()
         self._lowrank_acc.clear()
         self._lowrank_reduced = False
         if hasattr(self, "_window_basis"):
@@ -738,6 +796,7 @@ class LowRankAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._accumulating:
+            self._refuse_outside_clipping()
             self._reduce_lowrank_grads()
             if self._lowrank_acc and not (self._clip_called or self.clipping_routed):
                 self._warn_once("unclipped", (
