@@ -74,3 +74,38 @@ def test_an_explicit_incomplete_checkpoint_is_refused_in_one_line(crashed):
     fake.args.output_dir = empty
     with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
         resolve(fake, True)
+
+
+def test_rank0_rotates_only_after_every_rank_marked_its_part(tmp_path, monkeypatch):
+    """Rank 0 writes trainer_state.json and rotates older checkpoints away (save_total_limit=1) only after every
+    process's marker is on disk: the save waits for everyone right after this process's marker. The order is recorded
+    on a real save (one process; the wait is accelerate's barrier); without the wait, rotation could delete the last
+    complete checkpoint while another rank still writes the new one."""
+    import transformers
+
+    import hf_gradfix
+    import crash_save_worker as W
+
+    events = []
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": 64}})
+    try:
+        trainer = W.trainer_for(tmp_path)
+        trainer.args.save_total_limit = 1
+        trainer.args.max_steps = 4
+        monkeypatch.setattr(trainer.accelerator, "wait_for_everyone", lambda: events.append(
+            ("wait", sorted(n for p in tmp_path.glob("checkpoint-*") for n in os.listdir(p) if n.startswith("hf_gradfix_complete")))))
+        save_json = transformers.TrainerState.save_to_json
+        monkeypatch.setattr(transformers.TrainerState, "save_to_json", lambda self, path: (
+            events.append(("trainer_state", os.path.basename(os.path.dirname(path)))), save_json(self, path))[1])
+        import transformers.trainer as trainer_module
+
+        rotate = trainer_module.rotate_checkpoints
+        monkeypatch.setattr(trainer_module, "rotate_checkpoints", lambda **kw: (events.append(("rotate",)), rotate(**kw))[1])
+        trainer.train()
+    finally:
+        hf_gradfix.unpatch()
+    saves = [e for e in events if e[0] != "wait" or e[1]]  # waits inside a save (a marker is on disk)
+    kinds = [e[0] for e in saves]
+    assert kinds == ["wait", "trainer_state", "rotate"] * 2, events
+    assert saves[0][1] == ["hf_gradfix_complete_rank0.json"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]  # rotation did run: the limit of 1 kept the newest

@@ -7,14 +7,15 @@ Stock transformers writes ``checkpoint-N`` file by file (weights, optimizer, sch
 
 With hf_gradfix every process writes ``hf_gradfix_complete_rank{r}.json`` (step, world size) after ITS last file of the
 checkpoint (the RNG state, after which the plugin's stream / router state, :mod:`.trainer_fix`), written aside and
-renamed, so the marker exists only whole. ``trainer_state.json`` comes after every marker of rank 0 in transformers'
-order. A checkpoint is complete when ``trainer_state.json`` parses with its step and every rank's marker is there (a
+renamed, so the marker exists only whole; then every process waits for the others (``wait_for_everyone``), so
+rank 0 writes ``trainer_state.json`` and rotates older checkpoints away only once every rank's marker is there. A checkpoint is complete when ``trainer_state.json`` parses with its step and every rank's marker is there (a
 folder without any marker, written by stock transformers or with ``save_only_model``, counts as complete when its
 ``trainer_state.json`` parses). :func:`resume_path` replaces ``True`` by the newest complete one, with a warning naming
 each newer incomplete folder it skips.
 
-Not covered: a crash after rank 0's rotation deleted the older checkpoints (``save_total_limit=1``) while the newest is
-incomplete: keep ``save_total_limit >= 2``; a user calling transformers' ``get_last_checkpoint`` directly.
+Not covered: a user calling transformers' ``get_last_checkpoint`` directly; with ``save_total_limit=1`` a crash
+between rank 0's ``trainer_state.json`` and the end of its rotation (the older folder half deleted) leaves the new,
+complete one.
 
 >>> import tempfile, os, json
 >>> d = tempfile.mkdtemp(); os.makedirs(os.path.join(d, "checkpoint-2"))

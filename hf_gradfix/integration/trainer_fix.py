@@ -579,6 +579,9 @@ class _GradFixTop:
         from .complete_checkpoints import mark
 
         mark(self, output_dir)  # this process's files of the checkpoint are all written (complete_checkpoints.py)
+        # Every process's marker is on disk before rank 0 goes on to trainer_state.json and rotate_checkpoints:
+        # rotation then never deletes an older checkpoint while the new one can still be torn by another rank.
+        self.accelerator.wait_for_everyone()
 
     def save_model(self, output_dir=None, _internal_call=False):
         state = state_of(self)
