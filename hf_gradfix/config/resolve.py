@@ -209,8 +209,13 @@ def resolve_config(
     if ours_set:
         from ..parallel.pipeline import PipelineError, check_combination, check_schedule
 
-        mesh = ParallelDims(world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, cp=par.cp,
-                            pp=par.pp, pp_virtual_stages=par.pp_virtual_stages, ep=par.ep)
+        from ..parallel import ParallelDimsError
+
+        try:
+            mesh = ParallelDims(world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, cp=par.cp,
+                                pp=par.pp, pp_virtual_stages=par.pp_virtual_stages, ep=par.ep)
+        except ParallelDimsError as err:  # the file and the key as every other line names them
+            raise ConfigError(f"{path}: {SECTION}.{err}") from None
         source = f"{SECTION}.parallel"
         fsdp = str(acc.get("distributed_type", "")).upper() == "FSDP" or bool(acc.get("fsdp_config"))
         try:
