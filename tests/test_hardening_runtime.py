@@ -101,3 +101,26 @@ def test_truncated_stream_state_falls_back_to_replay_and_names_the_file(tmp_path
         hf_gradfix.unpatch()
     assert resumed.state.global_step == 4
     assert "cannot read the stream state" in caplog.text and str(state_file) in caplog.text, caplog.text
+
+
+def test_a_count_rule_the_loss_contradicts_is_refused_before_the_first_step(tmp_path):
+    """loss.count_rule: unshifted on a causal LM (its loss sums the shifted targets) would divide each window by the
+    wrong count; the probe measures the model's rule and the contradiction is one line naming both and the fix.
+    Controls: the rule it measures, set explicitly, trains; so does auto."""
+    from hf_gradfix import GradFixError
+
+    for rule, refused in (("unshifted", True), ("shifted", False), ("auto", False)):
+        hf_gradfix.patch({"loss": {"count_rule": rule}})
+        try:
+            trainer = Trainer(model=H.build_model("llama", attn_implementation="sdpa"), args=_args(tmp_path / rule),
+                              train_dataset=_dataset())
+            if refused:
+                with pytest.raises(GradFixError, match=r"hf_gradfix.loss.count_rule: 'unshifted', but .* measurably sums "
+                                                       r"shifted targets.*set count_rule: shifted"):
+                    trainer.train()
+                assert trainer.state.global_step == 0
+            else:
+                trainer.train()
+                assert trainer.state.global_step == 1
+        finally:
+            hf_gradfix.unpatch()

@@ -150,6 +150,11 @@ def _is_num_items_type_error(err: TypeError) -> bool:
 # ----------------------------------------------------------------------------------------------------
 
 
+class _ContradictedSetting(GradFixError):
+    """A setting the measurement contradicts (e.g. loss.count_rule): refused even under on_undetermined: warn, which
+    is for losses the plugin cannot read, not for settings it can prove wrong."""
+
+
 def _forced_rule(state: GradFixState) -> CountRule | None:
     rule = state.config.loss.count_rule
     return None if rule == "auto" else CountRule(rule)
@@ -186,6 +191,15 @@ def _probe_callable(loss_fn, batch, state: GradFixState, what: str) -> LossBehav
             ) from err
     else:
         why = "set by loss.count_rule in the configuration"
+        try:  # a set rule the loss measurably contradicts would divide by the wrong count: refused, not obeyed
+            measured, _ = detect_count_rule(loss_fn, batch, honors)
+        except ProbeError:  # includes NonFiniteProbeError: the loss cannot tell, which is what the setting is for
+            measured = None
+        if measured is not None and measured != rule:
+            raise _ContradictedSetting(
+                f"hf_gradfix.loss.count_rule: {rule.value!r}, but {what} measurably sums {measured.value} targets: "
+                f"the window would be divided by the wrong count. Fix: remove loss.count_rule (auto measures it) or "
+                f"set count_rule: {measured.value}")
     reason = f"counts {rule.value} targets ({why})"
     return LossBehaviour(honors_num_items=honors, count_rule=rule, additive_term=additive, reason=reason)
 
@@ -424,7 +438,7 @@ def _prepare(
         _disable(trainer, state, str(err))  # never refused: a layout the plugin does not understand trains as stock
         return True
     except GradFixError as err:
-        if state.config.loss.on_undetermined != "warn":
+        if state.config.loss.on_undetermined != "warn" or isinstance(err, _ContradictedSetting):
             raise
         _disable(trainer, state, f"{err} This trainer trains exactly as stock computes it (loss.on_undetermined: warn).")
         return True
