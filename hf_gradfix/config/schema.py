@@ -90,7 +90,8 @@ class LossConfig:
         metadata={
             "help": "how targets are counted: 'shifted' (causal LM, labels shifted by one), "
             "'unshifted' (token classification / masked LM), 'elements' (every element "
-            "counts); 'auto' = detected by probing the model"
+            "counts); 'auto' = detected by probing the model; a rule the probe contradicts is refused, one the "
+            "probe cannot decide is used as set"
         },
     )
     eval_token_mean: bool = field(

@@ -1,0 +1,268 @@
+"""Issue 38's probe, table-driven: hostile inputs and faults, each in its own subprocess with a time and memory bound.
+
+Every row runs one thing a user could type (a CLI command or a few lines of Python against the library) in a fresh
+process (``RLIMIT_AS`` 8 GiB, 120 s) and is classified by what came back:
+
+- ``ok``: refused with one line (no traceback, non-zero exit, the expected words), or accepted where it should be;
+- ``silent``: accepted (exit 0) what should be refused;
+- ``traceback``: a Python traceback reached the user (or a library call raised something other than hf_gradfix's
+  own error types);
+- ``hang``: it ran past the time bound;
+- ``misleading``: refused or accepted as it should be, but without the words that tell the user what happened.
+
+Run ``python benchmarks/hardening_probe.py [--src DIR] [--out FILE]``: ``--src`` puts another checkout's
+``hf_gradfix`` first on the path (the "before" column of benchmarks/results/hardening_probe.md was measured on the
+commit before issue 38's first change). The counts are printed and written as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ACC = "compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nnum_processes: 2\nuse_cpu: true\n"
+DS = ACC.format(kind="DEEPSPEED")
+CPU = ACC.format(kind="MULTI_CPU")
+FSDP = ACC.format(kind="FSDP")
+
+# Python run before each library row: its own errors are one line, anything else is a traceback
+PRELUDE = textwrap.dedent("""
+    import sys, warnings
+    def _run(body):
+        from hf_gradfix.errors import HfGradfixError
+        try:
+            body()
+        except HfGradfixError as err:
+            print("REFUSED:", str(err).splitlines()[0], file=sys.stderr); sys.exit(2)
+        print("ACCEPTED")
+""")
+
+TRAINER = textwrap.dedent("""
+    import torch, transformers, hf_gradfix
+    from transformers import LlamaConfig, LlamaForCausalLM
+    def tiny():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2))
+    class DS(torch.utils.data.Dataset):
+        def __len__(self): return 8
+        def __getitem__(self, i):
+            ids = [(3 * i + j) % 64 for j in range(10)]
+            return {"input_ids": torch.tensor(ids), "labels": torch.tensor(ids)}
+    def args(out, **kw):
+        base = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+                    report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, learning_rate=1e-2)
+        base.update(kw)
+        return transformers.TrainingArguments(**base)
+""")
+
+# (id, category in the issue, kind "cli" | "py", argv or code, expect "refuse" | "accept", words the output must hold)
+ROWS: list[tuple[str, str, str, object, str, str]] = []
+
+
+def row(rid, cat, kind, what, expect, words=""):
+    ROWS.append((rid, cat, kind, what, expect, words))
+
+
+def yaml_cli(rid, cat, text, expect="refuse", words="", cmd="check"):
+    row(rid, cat, "cli", {"file": text, "argv": ["config", "check", "{file}"]}, expect, words)
+
+
+# --- silent acceptances: DeepSpeed's nested settings
+for v in ("4", "-1", '"2"', "2.5", "true"):
+    yaml_cli(f"ds zero_stage {v}", "silent", DS + f"deepspeed_config: {{zero_stage: {v}}}\nhf_gradfix: {{}}\n", words="zero_stage")
+for v in ("-1", ".nan", ".inf", '"1.0"'):
+    yaml_cli(f"ds gradient_clipping {v}", "silent", DS + f"deepspeed_config: {{zero_stage: 2, gradient_clipping: {v}}}\nhf_gradfix: {{}}\n",
+             words="gradient_clipping")
+yaml_cli("ds nvme without a path", "silent", DS + "deepspeed_config: {zero_stage: 3, offload_optimizer_device: nvme}\nhf_gradfix: {}\n", words="nvme")
+yaml_cli("ds offload to gpu", "silent", DS + "deepspeed_config: {zero_stage: 2, offload_optimizer_device: gpu}\nhf_gradfix: {}\n", words="offload_optimizer_device")
+yaml_cli("ds offload_param under ZeRO-2", "silent", DS + "deepspeed_config: {zero_stage: 2, offload_param_device: cpu}\nhf_gradfix: {}\n", words="offload_param")
+row("ds JSON duplicate keys", "silent", "cli", {"file": DS + "deepspeed_config: {deepspeed_config_file: ds.json}\nhf_gradfix: {}\n",
+    "files": {"ds.json": '{"zero_optimization": {"stage": 2, "stage": 3}}'}, "argv": ["config", "check", "{file}"]}, "refuse", "stage")
+row("ds JSON NaN", "silent", "cli", {"file": DS + "deepspeed_config: {deepspeed_config_file: ds.json}\nhf_gradfix: {}\n",
+    "files": {"ds.json": '{"zero_optimization": {"stage": 2}, "gradient_clipping": NaN}'}, "argv": ["config", "check", "{file}"]}, "refuse", "NaN")
+row("ds JSON file with zero_stage", "silent", "cli", {"file": DS + "deepspeed_config: {deepspeed_config_file: ds.json, zero_stage: 3}\nhf_gradfix: {}\n",
+    "files": {"ds.json": '{"zero_optimization": {"stage": 2}}'}, "argv": ["config", "check", "{file}"]}, "refuse", "zero_stage")
+yaml_cli("FSDP with a deepspeed_config too", "silent", FSDP + "fsdp_config: {fsdp_version: 2}\ndeepspeed_config: {zero_stage: 2}\nhf_gradfix: {}\n",
+         expect="accept", words="deepspeed_config is ignored")
+yaml_cli("fsdp_version 3", "silent", FSDP + "fsdp_config: {fsdp_version: 3}\nhf_gradfix: {}\n", words="fsdp_version")
+yaml_cli("fsdp HALF_SHARD", "silent", FSDP + "fsdp_config: {fsdp_sharding_strategy: HALF_SHARD}\nhf_gradfix: {}\n", words="HALF_SHARD")
+yaml_cli("YAML 0b101", "silent", CPU + "hf_gradfix:\n  optimizer: {name: galore_adamw, seed: 0b101}\n", words="0b101")
+yaml_cli("YAML 4_096", "silent", CPU + "hf_gradfix:\n  packing: {enabled: true, token_budget: 4_096}\n", words="4_096")
+yaml_cli("zero_bubble pp_virtual_stages 1", "silent", CPU + "hf_gradfix: {parallel: {pp: 2, pp_schedule: zero_bubble, pp_virtual_stages: 1}}\n",
+         expect="accept", words="zero_bubble")  # torch runs it exactly (measured); the docs now say so
+yaml_cli("interleaved pp_virtual_stages 1", "silent", CPU + "hf_gradfix: {parallel: {pp: 2, pp_schedule: interleaved_1f1b, pp_virtual_stages: 1}}\n",
+         expect="accept", words="interleaved_1f1b")
+yaml_cli("pp 2 with loss off", "silent", CPU + "hf_gradfix: {parallel: {pp: 2}, loss: {enabled: false}}\n", words="loss.enabled")
+row("plan adamw --rank 8", "silent", "cli", {"argv": ["plan", "--model", "tiny-llama", "--optimizer", "adamw", "--rank", "8"]}, "refuse", "--rank")
+row("plan --offload-optimizer alone", "silent", "cli", {"argv": ["plan", "--model", "tiny-llama", "--offload-optimizer"]}, "refuse", "DeepSpeed")
+row("verify: script calls os._exit(0)", "silent", "cli", {"files": {"x.py": "import os\nos._exit(0)\n"},
+    "argv": ["verify", "--", "python", "x.py"]}, "refuse", "")
+row("verify --data all labels -100", "silent", "cli", {"files": {"d.jsonl": '{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}\n'},
+    "argv": ["verify", "--data", "d.jsonl"]}, "refuse", "")
+row("PackedCollator negative id", "silent", "py", "from hf_gradfix.packing import PackedCollator\n"
+    "_run(lambda: PackedCollator()([{'input_ids': [5, -3, 6], 'labels': [5, -3, 6]}]))", "refuse", "-3")
+row("PackedCollator label -5", "silent", "py", "from hf_gradfix.packing import PackedCollator\n"
+    "_run(lambda: PackedCollator()([{'input_ids': [5, 4, 6], 'labels': [5, -5, 6]}]))", "refuse", "-5")
+row("PackedCollator max_tokens=True", "silent", "py", "from hf_gradfix.packing import PackedCollator\n"
+    "_run(lambda: PackedCollator(max_tokens=True))", "refuse", "max_tokens")
+row("TokenWindow grad_accum_steps=True", "silent", "py", "from hf_gradfix import TokenWindow\n"
+    "_run(lambda: TokenWindow(None, [], True))", "refuse", "grad_accum_steps")
+row("apollo_mini(rank=4)", "silent", "py", "import torch\nfrom hf_gradfix.optim.apollo import apollo_mini\n"
+    "_run(lambda: apollo_mini(torch.nn.Linear(32, 32), rank=4))", "refuse", "rank")
+row("GaLore rank-4 state into rank 8", "silent", "py", textwrap.dedent("""
+    import torch
+    from hf_gradfix.optim import GaLoreAdamW
+    torch.manual_seed(0); m = torch.nn.Linear(32, 32, bias=False)
+    a = GaLoreAdamW([m.weight], rank=4); m(torch.randn(2, 32)).sum().backward(); a.step()
+    b = GaLoreAdamW([m.weight], rank=8)
+    _run(lambda: b.load_state_dict(a.state_dict()))"""), "refuse", "rank")
+row("count_rule unshifted on a causal LM", "silent", "py", TRAINER + textwrap.dedent("""
+    import tempfile
+    hf_gradfix.patch({"loss": {"count_rule": "unshifted"}})
+    t = transformers.Trainer(model=tiny(), args=args(tempfile.mkdtemp()), train_dataset=DS())
+    _run(t.train)"""), "refuse", "count_rule")
+row("lowrank_grads under a stock Trainer's clip", "silent", "py", TRAINER + textwrap.dedent("""
+    import tempfile
+    from hf_gradfix.optim import GaLoreAdamW
+    m = tiny(); opt = GaLoreAdamW(m, lr=1e-2, rank=4, lowrank_grads=True)
+    t = transformers.Trainer(model=m, args=args(tempfile.mkdtemp(), max_grad_norm=0.05), train_dataset=DS(), optimizers=(opt, None))
+    _run(t.train)"""), "refuse", "max_grad_norm")
+
+# --- tracebacks
+yaml_cli("accelerate dynamo_backend TURBO", "traceback", CPU + "dynamo_config: {dynamo_backend: TURBO}\nhf_gradfix: {}\n", words="TURBO")
+yaml_cli("DeepSpeed JSON /dev/zero", "traceback", DS + "deepspeed_config: {deepspeed_config_file: /dev/zero}\nhf_gradfix: {}\n", words="/dev/zero")
+SIZES = {"model_type": "llama", "hidden_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 100}
+row("plan heads not dividing hidden", "traceback", "cli", {"files": {"h.json": json.dumps({**SIZES, "hidden_size": 100, "num_attention_heads": 3})},
+    "argv": ["plan", "--model", "h.json"]}, "refuse", "num_attention_heads")
+row("plan KV heads > heads", "traceback", "cli", {"files": {"k.json": json.dumps({**SIZES, "num_key_value_heads": 8})},
+    "argv": ["plan", "--model", "k.json"]}, "refuse", "num_key_value_heads")
+for rid, data, words in (("verify --data out of vocabulary", '{"input_ids": [5, 100000, 7]}', "100000"),
+                         ("verify --data negative id", '{"input_ids": [5, -4, 6]}', "-4"),
+                         ("verify --data labels shorter", '{"input_ids": [5, 6, 7], "labels": [5, 6]}', "labels")):
+    row(rid, "traceback", "cli", {"files": {"d.jsonl": data + "\n"}, "argv": ["verify", "--data", "d.jsonl"]}, "refuse", words)
+row("verify --model malicious pickle", "traceback", "cli", {"pickle": True, "argv": ["verify", "--model", "evil"]}, "refuse", "")
+row("StreamingPacker state missing fields", "traceback", "py", "from hf_gradfix.packing import StreamingPacker\n"
+    "p = StreamingPacker([{'input_ids': [1, 2, 3]}] * 4, token_budget=8)\n_run(lambda: p.load_state_dict({}))", "refuse", "")
+row("StreamingPacker state garbage", "traceback", "py", "from hf_gradfix.packing import StreamingPacker\n"
+    "p = StreamingPacker([{'input_ids': [1, 2, 3]}] * 4, token_budget=8)\n"
+    "s = p.state_dict(); s = {k: 'garbage' for k in s}\n_run(lambda: p.load_state_dict(s))", "refuse", "")
+row("TokenWindow bad count_rule", "traceback", "py", "from hf_gradfix import TokenWindow\n"
+    "_run(lambda: list(TokenWindow(None, [{'labels': [[1, 2]]}], 1, count_rule='shift')))", "refuse", "count_rule")
+row("TokenWindow no batches", "traceback", "py", "from hf_gradfix import TokenWindow\n"
+    "_run(lambda: list(TokenWindow(None, [], 2)))", "refuse", "")
+row("GaLore loading an AdamW state", "traceback", "py", textwrap.dedent("""
+    import torch
+    from hf_gradfix.optim import GaLoreAdamW
+    m = torch.nn.Linear(32, 32, bias=False); a = torch.optim.AdamW([m.weight]); m(torch.randn(2, 32)).sum().backward(); a.step()
+    _run(lambda: GaLoreAdamW([m.weight], rank=4).load_state_dict(a.state_dict()))"""), "refuse", "")
+
+# --- hangs
+row("config check on a named pipe", "hang", "cli", {"fifo": "p.yaml", "argv": ["config", "check", "p.yaml"]}, "refuse", "named pipe")
+row("plan --simulate ~1e13 parameters", "hang", "cli", {"files": {"big.json": json.dumps({**SIZES, "hidden_size": 65536,
+    "num_hidden_layers": 4096, "num_attention_heads": 512, "intermediate_size": 262144, "vocab_size": 256000})},
+    "argv": ["plan", "--model", "big.json", "--simulate"]}, "refuse", "--simulate")
+
+# --- misleading
+row("verify: script catches the stop", "misleading", "cli", {"files": {"x.py": "import runpy, sys\n"
+    f"sys.argv = ['train_user.py']\ntry:\n    runpy.run_path({str(ROOT / 'tests' / 'verify_scripts' / 'train_user.py')!r}, run_name='__main__')\n"
+    "except BaseException:\n    pass\nprint('caught')\n"}, "argv": ["verify", "--", "python", "x.py"]}, "accept", "EXACT")
+row("verify: script sys.exit(0) after train", "misleading", "cli", {"files": {"x.py": "import runpy, sys\n"
+    f"sys.argv = ['train_user.py']\ntry:\n    runpy.run_path({str(ROOT / 'tests' / 'verify_scripts' / 'train_user.py')!r}, run_name='__main__')\n"
+    "finally:\n    sys.exit(0)\n"}, "argv": ["verify", "--", "python", "x.py"]}, "accept", "EXACT")
+row("40,000 unknown keys", "misleading", "cli", {"file": CPU + "hf_gradfix:\n" + "".join(f"  k{i}: 1\n" for i in range(40000)),
+    "argv": ["config", "check", "{file}"], "max_lines": 30}, "refuse", "unknown key")
+
+
+def _limits():
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+
+def run_row(r, src: str | None, timeout: float) -> tuple[str, float, str]:
+    rid, cat, kind, what, expect, words = r
+    with tempfile.TemporaryDirectory(prefix="hgf_probe_") as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": os.pathsep.join([p for p in (src, str(ROOT)) if p])}
+        env.pop("HF_GRADFIX_CONFIG", None)
+        max_lines = None
+        if kind == "cli":
+            for name, text in (what.get("files") or {}).items():
+                Path(tmp, name).write_text(text)
+            if "file" in what:
+                Path(tmp, "c.yaml").write_text(what["file"])
+            if "fifo" in what:
+                os.mkfifo(Path(tmp, what["fifo"]))
+            if what.get("pickle"):
+                import torch
+                from transformers import LlamaConfig
+
+                class Evil:
+                    def __reduce__(self):
+                        return (os.system, (f"touch {tmp}/PWNED",))
+                Path(tmp, "evil").mkdir()
+                LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4).save_pretrained(Path(tmp, "evil"))
+                torch.save({"x": Evil()}, Path(tmp, "evil", "pytorch_model.bin"))
+            argv = [a.replace("{file}", "c.yaml") for a in what["argv"]]
+            cmd = [sys.executable, "-m", "hf_gradfix", *argv]
+            max_lines = what.get("max_lines")
+        else:
+            cmd = [sys.executable, "-c", PRELUDE + what]
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout,
+                                  preexec_fn=_limits)
+        except subprocess.TimeoutExpired:
+            return "hang", time.perf_counter() - started, f"no answer in {timeout:.0f} s"
+        seconds = time.perf_counter() - started
+        out = proc.stdout + proc.stderr
+        if Path(tmp, "PWNED").exists():
+            return "security", seconds, "the pickle ran"
+    last = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])[-1][:160]
+    if "Traceback (most recent call last)" in proc.stderr:
+        return "traceback", seconds, last
+    if expect == "refuse":
+        if proc.returncode == 0:
+            return "silent", seconds, last
+        if words and words not in out:
+            return "misleading", seconds, last
+        if max_lines is not None and len(proc.stderr.strip().splitlines()) > max_lines:
+            return "misleading", seconds, f"{len(proc.stderr.splitlines())} lines"
+        return "ok", seconds, last
+    if proc.returncode != 0 or (words and words not in out):
+        return "misleading", seconds, last
+    return "ok", seconds, last
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--src", help="a checkout whose hf_gradfix goes first on the path (the 'before' run)")
+    ap.add_argument("--out", help="write the per-row results as JSON here")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("-k", help="only rows whose id contains this")
+    ns = ap.parse_args()
+    rows = [r for r in ROWS if not ns.k or ns.k in r[0]]
+    results = []
+    for r in rows:
+        verdict, seconds, last = run_row(r, ns.src, ns.timeout)
+        results.append({"id": r[0], "category": r[1], "verdict": verdict, "seconds": round(seconds, 1), "last": last})
+        print(f"{verdict:10s} {seconds:6.1f}s  [{r[1]}] {r[0]}: {last}", flush=True)
+    counts = {}
+    for res in results:
+        counts[res["verdict"]] = counts.get(res["verdict"], 0) + 1
+    print(json.dumps(counts))
+    if ns.out:
+        Path(ns.out).write_text(json.dumps({"counts": counts, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
