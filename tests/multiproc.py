@@ -55,7 +55,7 @@ def launch_cases(
     flag: str = "--cases",
     via_config: str | os.PathLike | None = None,
     env: dict | None = None,
-    timeout: float = 480,
+    timeout: float = 900,  # a hang bound only (a loaded CI machine stretched launches 3-4x)
     keep_env: str = "HGF_KEEP_RUNS",
 ) -> tuple[dict[str, list[dict]], subprocess.CompletedProcess]:
     """Run ``tests/<worker> --out DIR <flag> a,b,...`` on ``nproc`` gloo processes and load every rank's record.

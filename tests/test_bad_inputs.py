@@ -237,7 +237,7 @@ def test_console_script_subprocess(tmp_path):
     path = _write(tmp_path, {**BASE, "num_processes": "four", "hf_gradfix": {"optimizer": {"scale": float("inf")}}})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for argv in (["config", "check", path], ["launch", "--config_file", path, "x.py"]):
-        proc = subprocess.run([sys.executable, "-m", "hf_gradfix", *argv], capture_output=True, text=True, env=env, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "hf_gradfix", *argv], capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and proc.stderr.startswith(f"hf-gradfix {argv[0]}")
         assert "num_processes: invalid value 'four'" in proc.stderr and "optimizer.scale: invalid value inf" in proc.stderr

@@ -72,7 +72,7 @@ def site(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "NO_MKDOCS_2_WARNING": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         problems = [ln for ln in proc.stderr.splitlines() if ln.startswith(("WARNING", "ERROR", "Aborted"))]
         pytest.fail("mkdocs build --strict failed:\n" + "\n".join(problems or proc.stderr.splitlines()[-30:]))

@@ -196,7 +196,7 @@ def test_b2_nokwargs_classic_bug_detected(tmp_path, stock_trainer):
 @pytest.mark.distributed
 def test_c_ddp_llama_stock_exact(stock_trainer):
     t0 = time.time()
-    res = h.run_ddp("llama", nproc=2, patch=False, timeout=240)
+    res = h.run_ddp("llama", nproc=2, patch=False, timeout=600)
     wall = time.time() - t0
     assert res["meta"]["args"]["patch"] is False
     samples = res["samples"]

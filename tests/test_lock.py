@@ -91,6 +91,6 @@ def test_setup_env_passes_the_lock_as_constraints_and_refuses_a_missing_one(tmp_
     env = dict(os.environ, HF_GRADFIX_LOCK=str(tmp_path / "missing.txt"))
     # an existing venv (this one) so that nothing is created; the missing lock is refused before pip runs
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), str(Path(sys.prefix)), "dev"],
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 2
     assert f"HF_GRADFIX_LOCK={tmp_path / 'missing.txt'}: no such file" in proc.stderr

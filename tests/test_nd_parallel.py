@@ -412,7 +412,7 @@ def test_transformers_457_refuses_tensor_parallel_with_versions_named():
         """
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([str(TF457), "-c", code, str(H.REPO_ROOT)], capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run([str(TF457), "-c", code, str(H.REPO_ROOT)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REFUSED:" in proc.stdout and "transformers 4.57" in proc.stdout and ">=5.23,<6" in proc.stdout, proc.stdout
     assert "DistributedConfig" in proc.stdout and "DDP: ddp" in proc.stdout

@@ -348,7 +348,7 @@ def test_ddp_small_batches_are_local_and_big_batch_global(tmp_path):
                PYTHONPATH=os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()), __file__, "--gns-ddp-worker", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["history"] == ranks[1]["history"] and len(ranks[0]["history"]) >= 2

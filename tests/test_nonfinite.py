@@ -221,7 +221,7 @@ def test_two_ranks_agree_to_skip_when_one_rank_sees_a_nan(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
            str(H.TESTS_DIR / "nonfinite_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     for r in (r0, r1):

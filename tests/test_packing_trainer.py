@@ -156,7 +156,7 @@ def test_packed_training_under_ddp_is_exact(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     samples = W.samples()

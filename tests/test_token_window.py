@@ -179,7 +179,7 @@ def _launch_ddp(out: Path):
            str(H.TESTS_DIR / "token_window_worker.py"), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-12000:], file=sys.stderr)
     assert proc.returncode == 0, "token_window_worker failed (output printed)"

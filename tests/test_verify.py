@@ -462,7 +462,7 @@ def test_two_ranks_through_hf_gradfix_launch(tmp_path, inject, code, expect):
     cmd += ["--inject", inject] if inject else ["--packing"]  # packing: the run whose notes every rank used to repeat
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HF_GRADFIX_ALL_RANKS", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert (proc.returncode != 0) == bool(code), proc.stderr[-2000:]
     assert "2 rank(s)" in proc.stdout and expect in proc.stdout, proc.stdout + proc.stderr[-2000:]
     # One voice: rank 0 prints the report, the plugin's log lines and Python warnings once; a line per phase.
@@ -484,7 +484,7 @@ def test_user_script_on_two_ranks_through_hf_gradfix_launch(tmp_path):
     """A compute_loss_func averaging per micro-batch on 2 ranks: transformers also multiplies it by the ranks."""
     cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(_cpu_yaml(tmp_path)), "-m", "hf_gradfix",
            "verify", "--steps", "1", "--json", "--", USER, "--bug", "loss_func_mean", "--output_dir", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     assert proc.returncode != 0, proc.stderr[-2000:]
     rep = json.loads(proc.stdout)
