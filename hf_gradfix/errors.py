@@ -67,6 +67,18 @@ def model_load_error(spec: str, err: BaseException) -> ModelLoadError:
             "trust_remote_code model); hf-gradfix never runs remote code. Give a model whose model_type transformers "
             "knows, or a config.json of a supported architecture with the same sizes."
         )
+    chain, cause = [], err
+    while cause is not None and len(chain) < 8:  # transformers 4.57 wraps torch's refusal in an OSError about TF
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    refused = next((c for c in chain if "Weights only load failed" in str(c) or type(c).__name__ == "UnpicklingError"),
+                   None)
+    if refused is not None:
+        blocked = next((line.strip() for line in str(refused).splitlines() if "GLOBAL" in line), "")
+        return ModelLoadError(
+            f"--model {spec!r}: its weights file is a pickle that holds more than tensors, and torch.load("
+            f"weights_only=True) refused to run it{' (' + blocked + ')' if blocked else ''}; hf-gradfix never unpickles "
+            "code. Give weights in safetensors (model.safetensors), or convert a checkpoint you trust.")
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
     return ModelLoadError(
         f"--model {spec!r}: cannot load it ({type(err).__name__}: {first}). Give 'tiny', a local directory with a "

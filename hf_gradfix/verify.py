@@ -1653,7 +1653,7 @@ def load_model(spec: str) -> nn.Module:
         return tiny_model()
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(spec, torch_dtype=torch.float32, trust_remote_code=False)
+    return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32, trust_remote_code=False)
 
 
 def load_samples(path: str | None, model: nn.Module, model_spec: str, n: int, max_len: int = 256) -> list[dict]:

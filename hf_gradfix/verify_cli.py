@@ -22,6 +22,7 @@ import contextlib
 import functools
 import math
 import os
+import pickle
 import runpy
 import sys
 import traceback
@@ -453,8 +454,8 @@ def _builtin(ns: argparse.Namespace) -> int:
     batch_size = ns.batch_size or 2
     try:
         model = V.load_model(spec)
-    except (OSError, ValueError, KeyError) as err:  # one line (remote code refused, not found, ...), exit code 2
-        if isinstance(err, HfGradfixError):
+    except (OSError, ValueError, KeyError, pickle.UnpicklingError) as err:  # one line (remote code or a pickle
+        if isinstance(err, HfGradfixError):                                # refused, not found, ...), exit code 2
             raise
         raise model_load_error(spec, err) from None
     if ns.data is not None and str(ns.data).endswith(".jsonl"):  # ids against the loaded model's vocabulary

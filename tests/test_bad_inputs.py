@@ -561,3 +561,27 @@ def test_quickstart_install_line_covers_what_its_snippets_import():
         missing = [m for m in imported if m not in deps and m not in extras and m not in install.split()
                    and m not in sys.stdlib_module_names]
         assert not missing, (page.name, missing, install)
+
+
+def test_verify_model_with_a_malicious_pickle_is_one_line_and_never_runs_it(tmp_path, capsys):
+    """A model folder whose pytorch_model.bin unpickles os.system: torch.load(weights_only=True) refuses it; verify
+    says so in one line (was UnpicklingError's traceback; 4.57 wraps it in an OSError about TF checkpoints) and the
+    payload never ran."""
+    import torch
+    from transformers import LlamaConfig
+
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    folder = tmp_path / "evil"
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4).save_pretrained(folder)
+    torch.save({"x": Evil()}, folder / "pytorch_model.bin")
+    assert main(["verify", "--model", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "its weights file is a pickle that holds more than tensors" in err and "posix.system" in err, err
+    assert not marker.exists()

@@ -341,7 +341,11 @@ def test_constructor_arguments_are_one_line(args, kwargs, needle):
 def test_batches_that_are_not_dicts_and_a_dataloader_without_length_are_named():
     from hf_gradfix.errors import InvalidArgumentError
 
-    assert list(TokenWindow(None, [], 2)) == []  # no batches: no window
+    from hf_gradfix.errors import UsageError
+
+    with pytest.raises(UsageError, match="TokenWindow: the dataloader yielded no batch on any rank.*nothing to train on"):
+        list(TokenWindow(None, [], 2))  # no batches: a mistake upstream, as packing an empty dataset is for a Trainer
+    assert [len(list(w)) for w in TokenWindow(None, [{"labels": torch.tensor([[1, 2]])}], 2)] == [1]  # control: one window
     with pytest.raises(InvalidArgumentError, match="a batch of the dataloader is a int, not a dict"):
         list(TokenWindow(None, [1, 2], 2))
     with pytest.raises(TypeError, match="TokenWindow: len\\(\\) needs a dataloader with a length"):

@@ -394,6 +394,10 @@ class TokenWindow:
             vec[1 + self.group_rank] = len(batches)
             total, *per_rank = self._all_reduce(vec).tolist()
             if sum(per_rank) == 0:
+                if index == 0:  # a pass that trains nothing is a mistake upstream (an empty split, a sampler past its end)
+                    raise UsageError(
+                        f"TokenWindow: the dataloader yielded no batch on any rank ({type(self.dataloader).__name__}): "
+                        "nothing to train on; check the dataset, its split and the sampler")
                 return
             num_micro = max(per_rank)
             num_real = len(batches)
