@@ -157,7 +157,7 @@ row("StreamingPacker state garbage", "traceback", "py", "from hf_gradfix.packing
     "p = StreamingPacker([{'input_ids': [1, 2, 3]}] * 4, token_budget=8)\n"
     "s = p.state_dict(); s = {k: 'garbage' for k in s}\n_run(lambda: p.load_state_dict(s))", "refuse", "")
 row("TokenWindow bad count_rule", "traceback", "py", "from hf_gradfix import TokenWindow\n"
-    "_run(lambda: list(TokenWindow(None, [{'labels': [[1, 2]]}], 1, count_rule='shift')))", "refuse", "count_rule")
+    "_run(lambda: [list(w) for w in TokenWindow(None, [{'labels': [[1, 2]]}], 1, count_rule='shift')])", "refuse", "count_rule")
 row("TokenWindow no batches", "traceback", "py", "from hf_gradfix import TokenWindow\n"
     "_run(lambda: list(TokenWindow(None, [], 2)))", "refuse", "")
 row("GaLore loading an AdamW state", "traceback", "py", textwrap.dedent("""
@@ -201,9 +201,9 @@ row("GradFixCallback(config=123)", "extra", "py", "import hf_gradfix\n_run(lambd
 row("HF_GRADFIX_CONFIG missing file", "extra", "py", "import os, hf_gradfix\nos.environ['HF_GRADFIX_CONFIG'] = 'gone.yaml'\n"
     "_run(lambda: hf_gradfix.patch())", "refuse", "gone.yaml")
 yaml_cli("config check: binary file", "extra", "\x89PNG\r\n\x1a\n", words="")
-row("config check: not UTF-8", "extra", "cli", {"files": {"c.yaml": "hf_gradfix: {}\n# caf\xe9\n"}, "argv": ["config", "check", "c.yaml"]},
+row("config check: not UTF-8", "extra", "cli", {"files": {"c.yaml": b"hf_gradfix: {}\n# caf\xe9\n"}, "argv": ["config", "check", "c.yaml"]},
     "refuse", "")
-row("config check: a folder", "extra", "cli", {"files": {}, "argv": ["config", "check", "."]}, "refuse", "folder")
+row("config check: a folder", "extra", "cli", {"files": {}, "argv": ["config", "check", "."]}, "refuse", "directory")
 row("config check: empty plugin key twice", "extra", "cli", {"file": CPU + "hf_gradfix: {}\nhf_gradfix: {loss: {enabled: false}}\n",
     "argv": ["config", "check", "{file}"]}, "refuse", "hf_gradfix")
 row("launch: script missing", "extra", "cli", {"file": CPU + "hf_gradfix: {}\n", "argv": ["launch", "--config_file", "{file}", "nope.py"]},
@@ -221,7 +221,7 @@ row("resume_from_checkpoint = a file", "extra", "py", TRAINER + textwrap.dedent(
     except (ValueError, OSError) as err:  # stock's own one-line refusal is fine
         print("REFUSED:", err, file=sys.stderr); sys.exit(2)"""), "refuse", "")
 row("TokenWindow float labels", "extra", "py", "import torch\nfrom hf_gradfix import TokenWindow\n"
-    "_run(lambda: list(TokenWindow(None, [{'labels': torch.tensor([[1.5, 2.0]])}], 1)))", "refuse", "labels")
+    "_run(lambda: [list(w) for w in TokenWindow(None, [{'labels': torch.tensor([[1.5, 2.0]])}], 1)])", "refuse", "labels")
 
 
 def _limits():
@@ -237,7 +237,7 @@ def run_row(r, src: str | None, timeout: float) -> tuple[str, float, str]:
         max_lines = None
         if kind == "cli":
             for name, text in (what.get("files") or {}).items():
-                Path(tmp, name).write_text(text)
+                (Path(tmp, name).write_bytes if isinstance(text, bytes) else Path(tmp, name).write_text)(text)
             if "file" in what:
                 Path(tmp, "c.yaml").write_text(what["file"])
             if "fifo" in what:
@@ -290,8 +290,9 @@ def main() -> None:
     ap.add_argument("--out", help="write the per-row results as JSON here")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("-k", help="only rows whose id contains this")
+    ap.add_argument("--category", help="only rows of this category (silent, traceback, hang, misleading, extra)")
     ns = ap.parse_args()
-    rows = [r for r in ROWS if not ns.k or ns.k in r[0]]
+    rows = [r for r in ROWS if (not ns.k or ns.k in r[0]) and (not ns.category or ns.category == r[1])]
     results = []
     for r in rows:
         verdict, seconds, last = run_row(r, ns.src, ns.timeout)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import warnings
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -699,6 +701,18 @@ def test_error_update_proj_gap_zero():
         GaLoreAdamW(R.make_mlp(0), rank=2, update_proj_gap=0, targets=["a"])
     msg = str(e.value)
     assert "update_proj_gap=0" in msg and ">= 1" in msg
+
+
+@pytest.mark.parametrize("kw,needle", [({"rank": True}, "rank=True must be an integer"),
+                                       ({"update_proj_gap": True}, "update_proj_gap=True must be an integer"),
+                                       ({"lr": True}, "lr=True must be a number"),
+                                       ({"betas": (0.9,)}, "betas=(0.9,) must be two numbers in [0, 1)"),
+                                       ({"eps": "1e-8"}, "eps='1e-8' must be a number"),
+                                       ({"min_size": False}, "min_size=False must be an integer")])
+def test_error_a_bool_or_a_string_where_a_number_belongs(kw, needle):
+    """Python's True is an int and a tuple of one beta unpacked with a traceback: each is one line naming the key."""
+    with pytest.raises(OptimizerConfigError, match=re.escape(needle)):
+        GaLoreAdamW(R.make_mlp(0), **{"rank": 2, "targets": ["a"], **kw})
 
 
 def test_error_bad_proj_side():

@@ -350,3 +350,13 @@ def test_batches_that_are_not_dicts_and_a_dataloader_without_length_are_named():
         list(TokenWindow(None, [1, 2], 2))
     with pytest.raises(TypeError, match="TokenWindow: len\\(\\) needs a dataloader with a length"):
         len(TokenWindow(None, iter([]), 2))
+
+
+def test_float_labels_are_refused_for_token_targets_and_kept_for_elements():
+    from hf_gradfix.errors import InvalidArgumentError
+
+    batch = {"labels": torch.tensor([[1.5, 2.0, 0.25]])}
+    with pytest.raises(InvalidArgumentError, match=r"labels are torch.float32 under count_rule='shifted'.*labels.long\(\)"):
+        [list(w) for w in TokenWindow(None, [batch], 1)]
+    windows = [list(w) for w in TokenWindow(None, [batch], 1, count_rule="elements")]  # regression: 3 float targets
+    assert len(windows) == 1 and windows[0][0][1].window.num_items == 3

@@ -364,6 +364,14 @@ class TokenWindow:
             raise InvalidArgumentError(f"TokenWindow: a batch of the dataloader is a {type(batch).__name__}, not a dict "
                                        "of tensors with labels; give a dataloader of collated batches (or a count_rule "
                                        "function that counts this batch's targets)")
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        token_targets = self._user_count is None and str(getattr(self.count_rule, "value", self.count_rule)) in (
+            "shifted", "unshifted")  # "elements" counts regression targets, which are floats
+        if token_targets and torch.is_tensor(labels) and (labels.is_floating_point() or labels.is_complex()):
+            raise InvalidArgumentError(
+                f"TokenWindow: the batch's labels are {labels.dtype} under count_rule={self.count_rule!r}: token "
+                "targets are class indices (an integer tensor, -100 where ignored); convert them (labels.long()), or "
+                "use count_rule='elements' (regression) or a count_rule function for another loss")
         n = self._count_fn(batch)
         return int(n.item()) if torch.is_tensor(n) else int(n)
 

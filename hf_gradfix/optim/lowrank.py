@@ -346,27 +346,33 @@ class LowRankAdamW(torch.optim.Optimizer):
         def bad(key: str, why: str) -> None:
             raise OptimizerConfigError(f"{n}: {key}={g[key]!r} {why}")
 
-        if not (isinstance(g["lr"], (int, float, torch.Tensor)) and float(g["lr"]) >= 0):
-            bad("lr", "must be >= 0")
-        b1, b2 = g["betas"]
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            bad("betas", "must both be in [0, 1)")
-        if not g["eps"] >= 0:
-            bad("eps", "must be >= 0")
-        if not g["weight_decay"] >= 0:
-            bad("weight_decay", "must be >= 0")
-        if not (isinstance(g["rank"], int) and g["rank"] >= 1):
+        def whole(v) -> bool:  # True / False are ints to Python, not ranks or gaps to a user
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not ((number(g["lr"]) or isinstance(g["lr"], torch.Tensor) and g["lr"].numel() == 1) and float(g["lr"]) >= 0):
+            bad("lr", "must be a number >= 0")
+        betas = g["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and 0.0 <= b < 1.0 for b in betas)):
+            bad("betas", "must be two numbers in [0, 1)")
+        if not (number(g["eps"]) and g["eps"] >= 0):
+            bad("eps", "must be a number >= 0")
+        if not (number(g["weight_decay"]) and g["weight_decay"] >= 0):
+            bad("weight_decay", "must be a number >= 0")
+        if not (whole(g["rank"]) and g["rank"] >= 1):
             bad("rank", "must be an integer >= 1")
-        if not (isinstance(g["update_proj_gap"], int) and g["update_proj_gap"] >= 1):
+        if not (whole(g["update_proj_gap"]) and g["update_proj_gap"] >= 1):
             bad("update_proj_gap", "must be an integer >= 1 (optimizer steps between basis refreshes)")
-        if not (isinstance(g["scale"], (int, float)) and math.isfinite(g["scale"]) and g["scale"] > 0):
+        if not (number(g["scale"]) and math.isfinite(g["scale"]) and g["scale"] > 0):
             bad("scale", "must be a finite number > 0")
         if not (math.isfinite(float(g["lr"])) and math.isfinite(g["eps"]) and math.isfinite(g["weight_decay"])):
             bad("lr", "lr, eps and weight_decay must be finite")
         for key, allowed in (("proj_side", _SIDES), ("proj_method", _METHODS), ("on_switch", _ON_SWITCH), ("compat", _COMPAT)):
             if g[key] not in allowed:
                 bad(key, f"is not one of {', '.join(map(repr, allowed))}")
-        if not (isinstance(g["min_size"], int) and g["min_size"] >= 0):
+        if not (whole(g["min_size"]) and g["min_size"] >= 0):
             bad("min_size", "must be an integer >= 0")
 
     def _make_plans(self, explicit: bool) -> None:
