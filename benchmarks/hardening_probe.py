@@ -10,9 +10,10 @@ process (``RLIMIT_AS`` 8 GiB, 120 s) and is classified by what came back:
 - ``hang``: it ran past the time bound;
 - ``misleading``: refused or accepted as it should be, but without the words that tell the user what happened.
 
-Run ``python benchmarks/hardening_probe.py [--src DIR] [--out FILE]``: ``--src`` puts another checkout's
-``hf_gradfix`` first on the path (the "before" column of benchmarks/results/hardening_probe.md was measured on the
-commit before issue 38's first change). The counts are printed and written as markdown.
+Run ``python benchmarks/hardening_probe.py [--src DIR] [--out FILE.json]``: ``--src`` puts another checkout's
+``hf_gradfix`` first on the path (the "before" column of benchmarks/results/hardening_probe.md was measured on
+6781d40, the commit before issue 38's first change). ``python benchmarks/hardening_probe.py render BEFORE.json
+AFTER.json OUT.md LABEL LABEL`` writes the markdown.
 """
 
 from __future__ import annotations
@@ -284,7 +285,45 @@ def run_row(r, src: str | None, timeout: float) -> tuple[str, float, str]:
     return "ok", seconds, last
 
 
+VERDICTS = ("ok", "silent", "traceback", "hang", "misleading", "security")
+
+
+def render(before: dict, after: dict, before_label: str, after_label: str) -> str:
+    """benchmarks/results/hardening_probe.md: counts per category before and after, then every row."""
+    rows_b = {r["id"]: r for r in before["rows"]}
+    cats = []
+    for r in after["rows"]:
+        if r["category"] not in cats:
+            cats.append(r["category"])
+    out = ["# Hardening probe (issue 38)", "",
+           f"`python benchmarks/hardening_probe.py` ({len(after['rows'])} rows, each in its own subprocess, 8 GiB / "
+           "120 s bounds), on the code before issue 38's first change and now. A row's category is the issue's "
+           "finding it reproduces (`extra`: other hostile inputs, not in the issue).", "",
+           f"- before: {before_label}", f"- after: {after_label}", "",
+           "| category | rows | " + " | ".join(f"{v} before / after" for v in VERDICTS[:5]) + " |",
+           "|---|---|" + "---|" * 5]
+    for cat in cats + ["all"]:
+        ids = [r["id"] for r in after["rows"] if cat == "all" or r["category"] == cat]
+        cells = []
+        for v in VERDICTS[:5]:
+            nb = sum(1 for i in ids if rows_b.get(i, {}).get("verdict") == v)
+            na = sum(1 for r in after["rows"] if r["id"] in ids and r["verdict"] == v)
+            cells.append(f"{nb} / {na}")
+        out.append(f"| {'**all**' if cat == 'all' else cat} | {len(ids)} | " + " | ".join(cells) + " |")
+    out += ["", "| row | category | before | after | seconds (after) | what the user saw (after, last line) |",
+            "|---|---|---|---|---|---|"]
+    for r in after["rows"]:
+        b = rows_b.get(r["id"], {}).get("verdict", "-")
+        last = r["last"].replace("|", "\\|")[:140]
+        out.append(f"| {r['id']} | {r['category']} | {b} | {r['verdict']} | {r['seconds']} | {last} |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "render":  # render BEFORE.json AFTER.json OUT.md "before label" "after label"
+        _, _, b, a, md, lb, la = sys.argv
+        Path(md).write_text(render(json.loads(Path(b).read_text()), json.loads(Path(a).read_text()), lb, la))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", help="a checkout whose hf_gradfix goes first on the path (the 'before' run)")
     ap.add_argument("--out", help="write the per-row results as JSON here")
