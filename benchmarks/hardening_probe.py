@@ -209,6 +209,9 @@ row("config check: empty plugin key twice", "extra", "cli", {"file": CPU + "hf_g
     "argv": ["config", "check", "{file}"]}, "refuse", "hf_gradfix")
 row("launch: script missing", "extra", "cli", {"file": CPU + "hf_gradfix: {}\n", "argv": ["launch", "--config_file", "{file}", "nope.py"]},
     "refuse", "nope.py")
+for flag, value in (("--num_processes", "0"), ("--num_processes", "-3"), ("--main_process_port", "70000")):
+    row(f"launch {flag} {value}", "extra", "cli", {"files": {"x.py": "print('ran')\n"}, "argv": ["launch", flag, value, "x.py"]},
+        "refuse", flag)
 row("verify: script missing", "extra", "cli", {"argv": ["verify", "--", "python", "nope.py"]}, "refuse", "nope.py")
 row("plan --model missing path", "extra", "cli", {"argv": ["plan", "--model", "no/such/model"]}, "refuse", "no/such/model")
 row("plan --seq-len -5", "extra", "cli", {"argv": ["plan", "--model", "tiny-llama", "--seq-len", "-5"]}, "refuse", "--seq-len")

@@ -159,6 +159,20 @@ def _cpu_launch_env(acc: dict, resolved: ResolvedConfig) -> dict[str, str]:
     return {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
 
 
+#: accelerate's numeric launch flags and their range (accelerate runs 0 or -3 processes as one, silently)
+_LAUNCH_NUMBERS = {"num_processes": (1, 2**20), "num_machines": (1, 2**20), "machine_rank": (0, 2**20),
+                   "main_process_port": (1, 65535), "num_cpu_threads_per_process": (1, 4096),
+                   "gradient_accumulation_steps": (1, 2**20)}
+
+
+def _check_launch_numbers(args: argparse.Namespace) -> None:
+    for name, (low, high) in _LAUNCH_NUMBERS.items():
+        value = getattr(args, name, None)
+        if value is not None and not low <= value <= high:
+            raise InvalidArgumentError(f"--{name} {value}: invalid value; it must be a whole number >= {low} and "
+                                       f"<= {high}")
+
+
 def launch(argv: Sequence[str]) -> int:
     """``accelerate launch`` with exactly its arguments; the ``hf_gradfix:`` section reaches every rank.
 
@@ -168,6 +182,7 @@ def launch(argv: Sequence[str]) -> int:
     from accelerate.commands.launch import launch_command
 
     args = _launch_parser().parse_args(list(argv))
+    _check_launch_numbers(args)
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
     tmp = None
     saved_env = {k: os.environ.get(k) for k in (ENV_VAR, ORIGIN_ENV_VAR, "ACCELERATE_USE_CPU", "DS_ACCELERATOR",

@@ -424,6 +424,8 @@ CLI_ROWS = [  # (id, argv with {tmp}, fragment, seconds, MiB)
     # a named pipe blocked open() until a writer came (config check hung); a device never ends
     ("config check FIFO", ["config", "check", "{tmp}/fifo.yaml"], "{tmp}/fifo.yaml: is a named pipe (FIFO)", 60, 400),
     ("config check /dev/zero", ["config", "check", "/dev/zero"], "/dev/zero: is a character device", 60, 400),
+    ("launch --num_processes 0", ["launch", "--num_processes", "0", "x.py"], "--num_processes 0: invalid value; it must be a whole number >= 1", 60, 400),
+    ("launch --main_process_port 70000", ["launch", "--main_process_port", "70000", "x.py"], "--main_process_port 70000: invalid value", 60, 400),
     ("verify --data FIFO", ["verify", "--data", "{tmp}/fifo.jsonl"], "--data {tmp}/fifo.jsonl: is a named pipe (FIFO)", 60, 400),
 ]
 
