@@ -1,4 +1,8 @@
-"""``hf-gradfix plan``: the command line (closed form, ``--simulate``, ``--suggest``, ``--json``, ``--plot``)."""
+"""``hf-gradfix plan``: the command line (closed form, ``--simulate``, ``--suggest``, ``--json``, ``--plot``).
+
+It sits beside the other command-line modules (``cli.py``, ``verify_cli.py``), above the capabilities: the
+planner itself (:mod:`hf_gradfix.plan`) never imports it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import sys
 import time
 from typing import Sequence
 
-from .estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model_config, param_table, parse_memory
+from .plan.estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model_config, param_table, parse_memory
 
 __all__ = ["plan_main", "build_parser", "suggest"]
 
@@ -170,7 +174,7 @@ def _schedule_name(value) -> str:
 
 
 def _mesh_and_settings(ns, config):
-    from ..parallel import ParallelDims
+    from .parallel import ParallelDims
 
     opt_name, rank, side, targets, exclude, min_size = "adamw", 128, "auto", None, (), 0
     lowrank, gap = False, 200
@@ -193,8 +197,8 @@ def _mesh_and_settings(ns, config):
     if not seq_given:
         ns.seq_len = 2048
     if ns.config:
-        from ..config.loader import read_config_file
-        from ..config.resolve import resolve_config
+        from .config.loader import read_config_file
+        from .config.resolve import resolve_config
 
         cf = read_config_file(ns.config)
         par = cf.gradfix.parallel
@@ -298,7 +302,7 @@ def _mesh_and_settings(ns, config):
 def _with_ep(mesh, ep: int, config):
     """``mesh`` with expert parallelism ``ep`` (ParallelDims checks that ep divides the shard group, check_model that
     it divides the model's routed experts)."""
-    from ..parallel import ParallelDims
+    from .parallel import ParallelDims
 
     dims = ParallelDims(mesh.world_size, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
                         pp=mesh.pp, pp_virtual_stages=mesh.pp_virtual_stages, ep=ep)
@@ -309,7 +313,7 @@ def _with_ep(mesh, ep: int, config):
 def _check_ep_flags(ns, ep: int, mesh, pp: int, packing: bool, config_optimizer: str, fsdp_plugin: bool) -> None:
     """``--ep`` against the other choices, in :func:`hf_gradfix.parallel.ep.check_combination`'s words (config check's
     line) and the planner's own for what only the planner has (--suggest, --simulate)."""
-    from ..parallel.ep import check_combination
+    from .parallel.ep import check_combination
 
     if ns.optimizer is not None:
         opt, key = (ns.optimizer if ns.optimizer.startswith(("galore", "apollo")) else "none"), "--optimizer"
@@ -325,7 +329,7 @@ _RL_ONLY = ("prompt_len", "completion_len", "num_generations", "steps_per_genera
 
 def _rl_run(ns, config_packed: bool):
     """The RL run of the command line (None without --rl); its flags without --rl are refused."""
-    from .rl import DEFAULT_BETA, RLRun
+    from .plan.rl import DEFAULT_BETA, RLRun
 
     if ns.rl is None:
         given = [k for k in _RL_ONLY if getattr(ns, k) is not None]
@@ -364,9 +368,9 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
     named): a model, not a measurement.  Each row carries its predicted peak, tokens/s/GPU and MFU."""
     from dataclasses import replace
 
-    from ..parallel import ParallelDims, ParallelDimsError
-    from .pipeline import PipelineSpec, bubble_fraction, check_pipeline
-    from .throughput import GPU_SPECS, layout_throughput
+    from .parallel import ParallelDims, ParallelDimsError
+    from .parallel.pipeline_schedule import PipelineSpec, bubble_fraction, check_pipeline
+    from .plan.throughput import GPU_SPECS, layout_throughput
 
     spec = GPU_SPECS.get((gpu or "h100").lower().replace(" ", ""), GPU_SPECS["h100"])
     params = params if params is not None else param_table(config)
@@ -439,7 +443,7 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
 
 
 def _gpu_specs() -> dict:
-    from .throughput import GPU_SPECS
+    from .plan.throughput import GPU_SPECS
 
     return GPU_SPECS
 
@@ -510,7 +514,7 @@ def _check_flags(ns) -> None:
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(argv) if argv is not None else None)
-    from ..errors import HfGradfixError
+    from .errors import HfGradfixError
 
     try:
         _check_flags(ns)
@@ -534,7 +538,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             raise PlanError(f"--simulate / --timeline with pp={plan.mesh['pp']}: the fake-tensor step traces one rank "
                             "without pipeline stages; drop them (the closed form above plans every stage)")
         if ns.simulate or ns.timeline:
-            from .simulate import simulate
+            from .plan.simulate import simulate
 
             started = time.perf_counter()
             print(f"hf-gradfix plan: simulating one training step of rank 0 under fake tensors "
@@ -544,7 +548,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}
             out["simulated"]["timeline"] = sim["timeline"].to_dict()
             if ns.timeline and s.rl is not None:
-                from .rl_simulate import plot_rl_timeline
+                from .plan.rl_simulate import plot_rl_timeline
 
                 plot_rl_timeline(sim["timeline"], ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
                     f"{ns.model}: one {s.rl.trainer.upper()} optimizer step ({s.rl.forwards} forwards), rank 0 of "
