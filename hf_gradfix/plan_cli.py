@@ -2,6 +2,9 @@
 
 It sits beside the other command-line modules (``cli.py``, ``verify_cli.py``), above the capabilities: the
 planner itself (:mod:`hf_gradfix.plan`) never imports it.
+
+>>> build_parser().parse_args(["--model", "tiny-llama", "--tp", "2"]).tp
+2
 """
 
 from __future__ import annotations
@@ -59,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "packing.token_budget when packing is on, else 2048; with --rl: --prompt-len + --completion-len)")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch and rank, 1 .. 2**20")
     ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps, 1 .. 2**20")
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
                     help="bf16/fp16: the Playbook's mixed precision (bf16 weights + fp32 master, 16N); amp-bf16: torch "
-                         "autocast / FSDP2 MixedPrecisionPolicy as the Trainer runs it; bf16-pure: no master copy")
+                         "autocast / FSDP2 MixedPrecisionPolicy as the Trainer runs it; bf16-pure: no master copy "
+                         "(default: bf16; amp-bf16 with --simulate / --timeline, which trace what torch runs)")
     ap.add_argument("--attention", default="fused", choices=["fused", "eager"],
                     help="fused: FlashAttention 2 / SDPA (no s x s scores saved); eager: the model's eager path")
     ap.add_argument("--grad-fp32", action="store_true", help="fp32 gradient accumulation buffer (the Playbook's 20N)")
@@ -74,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--recompute", choices=["none", "full"],
                     help="activation recomputation (default: none; full with --rl, as GRPOConfig / RLOOConfig's "
                          "gradient_checkpointing)")
+    for flag, what in (("--dp-replicate", "data-parallel replicas (HSDP's outer dimension)"),
+                       ("--dp-shard", "FSDP2 shard degree (default: the rest of the world)"),
+                       ("--tp", "tensor-parallel degree"), ("--cp", "context-parallel degree")):
+        ap.add_argument(flag, type=int, help=f"{what}, 1 .. 2**20: parallel.{flag[2:].replace('-', '_')} on the command "
+                        "line. With --config: a key the file does not set is taken from the flag, one it sets to "
+                        "another value is refused (keep one of them); without --num-gpus the world is the degrees' "
+                        "product")
     ap.add_argument("--pp", type=int, help="pipeline stages, 1 .. 2**20 (default: the --config's parallel.pp, else 1); "
                     "the other degrees share world / pp ranks, the schedule's micro-batches are --grad-accum's")
     ap.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
@@ -129,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also trace one step under fake tensors (rank 0); needs --dtype fp32, bf16-pure or amp-bf16 "
                          "(what torch runs): the default bf16 (and fp16) is the closed form's Megatron-style split "
                          "and is refused")
-    ap.add_argument("--suggest", action="store_true", help="list layouts that fit, best expected throughput first")
+    ap.add_argument("--suggest", action="store_true", help="list layouts that fit, best expected throughput first, "
+                    "and the hf_gradfix YAML section and plan command of the best one (needs --num-gpus, a --config "
+                    "with num_processes, or mesh flags, and --gpu / --gpu-memory)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--plot", metavar="FILE.png", help="the closed form's components: one stacked bar (ranks alike)")
     ap.add_argument("--timeline", metavar="FILE.png",
@@ -227,6 +240,8 @@ def _mesh_and_settings(ns, config):
         rc = resolve_config(ns.config, num_processes=num_processes, micro_batch=ns.micro_batch, seq_len=ns.seq_len,
                             grad_accum=ns.grad_accum, model_config=config)
         mesh = rc.mesh
+        if _mesh_flags(ns):
+            mesh = _with_mesh_flags(ns, mesh, cf, config)
         # parallel.ep (resolve_config has checked the file's own); --ep on a file without it: the same checks
         ep_cfg = int(getattr(par, "ep", 1) or 1)
         if ns.ep is not None and ep_cfg > 1 and ns.ep != ep_cfg:
@@ -248,7 +263,11 @@ def _mesh_and_settings(ns, config):
             raise PlanError(f"--pp {pp} with DeepSpeed ({ns.config}): DeepSpeed's own pipeline engine is not "
                             "planned; plan pp with FSDP2 / DDP or drop --pp")
     else:
-        n = ns.num_gpus or 1
+        flags = _mesh_flags(ns)
+        n = ns.num_gpus or math.prod([flags.get("dp_shard", 1), *(v for k, v in flags.items() if k != "dp_shard"), pp])
+        if flags and deepspeed:
+            raise PlanError(f"--{next(iter(flags)).replace('_', '-')} with --deepspeed: DeepSpeed ZeRO partitions over "
+                            "every process (one data-parallel group); drop the mesh flags, or --deepspeed")
         if n % pp:
             raise PlanError(f"--pp {pp}: does not divide the world size {n} (--num-gpus); use a divisor of {n}")
         if pp > 1 and deepspeed:
@@ -256,7 +275,8 @@ def _mesh_and_settings(ns, config):
                             "FSDP2 / DDP (drop --deepspeed) or drop --pp")
         n //= pp  # the other degrees share world / pp ranks
         # DeepSpeed partitions over every process (a replica each); accelerate's default stage is 2
-        mesh = ParallelDims(n, dp_replicate=n, dp_shard=1) if deepspeed else ParallelDims(n)
+        mesh = (ParallelDims(n, dp_replicate=n, dp_shard=1) if deepspeed
+                else ParallelDims(n, **{"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1, **flags}))
         zero = 2 if deepspeed and zero is None else zero
         if (ns.ep or 1) > 1:
             if deepspeed:
@@ -297,6 +317,24 @@ def _mesh_and_settings(ns, config):
                             f"{ns.micro_batch} x {mesh.world_size} processes x steps per generation "
                             f"{s.rl.steps_per_generation or ns.grad_accum} = {gen}) must be a multiple of it (TRL's rule)")
     return mesh, s
+
+
+def _with_mesh_flags(ns, mesh, cf, config):
+    """``mesh`` (the --config's) with the mesh flags applied: a flag fills a ``parallel`` key the file does not set
+    and may repeat one it sets; a flag that contradicts the file is refused (one rule, as for --pp and --ep)."""
+    from .parallel import ParallelDims
+
+    raw = ((cf.section or {}).get("parallel") or {}) if isinstance(cf.section, dict) else {}
+    degrees = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1}
+    degrees.update({k: raw[k] for k in degrees if k in raw})
+    for key, value in _mesh_flags(ns).items():
+        if key in raw and raw[key] != value:
+            raise PlanError(f"--{key.replace('_', '-')} {value}: {ns.config} sets parallel.{key}={raw[key]}; keep one "
+                            f"of them (drop --{key.replace('_', '-')}, or edit the file)")
+        degrees[key] = value
+    dims = ParallelDims(mesh.world_size, **degrees, pp=mesh.pp, pp_virtual_stages=mesh.pp_virtual_stages, ep=mesh.ep)
+    dims.check_model(config)
+    return dims
 
 
 def _with_ep(mesh, ep: int, config):
@@ -433,13 +471,84 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                                                  "dp_replicate": rep, "dp_shard": rest // rep, "tp": tp, "cp": cp,
                                                  "micro_batch": mb, "recompute": rc, "optimizer": opt,
                                                  "lowrank_grads": lowrank,
-                                                 "peak_gib": round(p.peak / GiB, 2),
+                                                 "peak_gib": round(p.peak / GiB, 2), "peak_bytes": p.peak,
                                                  "tokens_per_s_per_gpu": round(t["tokens_per_s_per_gpu"]),
                                                  "mfu": round(t["mfu"], 3),
                                                  "global_batch_tokens": p.global_batch_tokens})
     # best expected throughput first; at equal throughput the smaller peak, then the smaller bubble
     rows.sort(key=lambda r: (-r["tokens_per_s_per_gpu"], r["peak_gib"], r["bubble"]))
     return rows[:limit]
+
+
+def suggestion_yaml(row: dict, num_gpus: int) -> str:
+    """The accelerate YAML (``num_processes`` and the ``hf_gradfix`` section) that runs a :func:`suggest` row; the
+    micro-batch and recomputation are the Trainer's (``per_device_train_batch_size``, ``gradient_checkpointing``).
+
+    >>> print(suggestion_yaml({"dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 1, "pp": 1, "optimizer": "adamw",
+    ...                        "lowrank_grads": False}, 8))
+    distributed_type: MULTI_GPU
+    num_processes: 8
+    hf_gradfix:
+      parallel:
+        dp_replicate: 1
+        dp_shard: 4
+        tp: 2
+        cp: 1
+    """
+    # hf-gradfix launch builds the mesh itself from the section (accelerate's own ND keys are not needed)
+    lines = [f"distributed_type: {'MULTI_GPU' if num_gpus > 1 else 'NO'}", f"num_processes: {num_gpus}", "hf_gradfix:",
+             "  parallel:"]
+    lines += [f"    {k}: {row[k]}" for k in ("dp_replicate", "dp_shard", "tp", "cp")]
+    if row.get("pp", 1) > 1:
+        lines += [f"    pp: {row['pp']}", f"    pp_schedule: {row['pp_schedule']}"]
+        if row.get("pp_virtual_stages", 1) > 1:
+            lines.append(f"    pp_virtual_stages: {row['pp_virtual_stages']}")
+    if row.get("optimizer", "adamw") not in ("adamw", "sgd", "adamw8bit"):  # the Trainer's own optim otherwise
+        lines += ["  optimizer:", f"    name: {row['optimizer']}"]
+        if row.get("lowrank_grads"):
+            lines.append("    lowrank_grads: true")
+    return "\n".join(lines)
+
+
+def suggestion_command(row: dict, ns, num_gpus: int) -> str:
+    """The ``hf-gradfix plan`` command line that plans a :func:`suggest` row on its own."""
+    argv = ["hf-gradfix", "plan", "--model", ns.model, "--num-gpus", str(num_gpus)]
+    for k in ("dp_replicate", "dp_shard", "tp", "cp"):
+        argv += [f"--{k.replace('_', '-')}", str(row[k])]
+    if row.get("pp", 1) > 1:
+        argv += ["--pp", str(row["pp"]), "--pp-schedule", row["pp_schedule"]]
+        if row.get("pp_virtual_stages", 1) > 1:
+            argv += ["--pp-virtual-stages", str(row["pp_virtual_stages"])]
+    argv += ["--seq-len", str(ns.seq_len), "--micro-batch", str(row["micro_batch"]), "--grad-accum", str(ns.grad_accum),
+             "--recompute", row["recompute"], "--dtype", ns.dtype, "--optimizer", row["optimizer"]]
+    if row.get("lowrank_grads"):
+        argv.append("--lowrank-grads")
+    for flag in ("rank", "update_proj_gap"):
+        if getattr(ns, flag) is not None and row["optimizer"].startswith(("galore", "apollo")):
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(ns, flag))]
+    if ns.attention != "fused":
+        argv += ["--attention", ns.attention]
+    if ns.grad_fp32:
+        argv.append("--grad-fp32")
+    if ns.packing:
+        argv.append("--packing")
+    argv += ["--gpu", ns.gpu] if ns.gpu else ["--gpu-memory", str(ns.gpu_memory)]
+    import shlex
+
+    return shlex.join(argv)
+
+
+def suggestion_text(row: dict, ns, num_gpus: int) -> str:
+    """What to paste and type for the best layout (printed after the table)."""
+    yaml_text = suggestion_yaml(row, num_gpus)
+    trainer = [f"per_device_train_batch_size={row['micro_batch']}"]
+    if row["recompute"] == "full":
+        trainer.append("gradient_checkpointing=True")
+    return ("\nto use the first layout, paste into your accelerate config (run.yaml):\n"
+            + "\n".join("  " + line for line in yaml_text.splitlines())
+            + f"\nwith the Trainer's {', '.join(trainer)} (gradient_accumulation_steps={ns.grad_accum}), then check "
+            "and launch it:\n  hf-gradfix config check run.yaml\n  hf-gradfix launch --config run.yaml train.py\n"
+            f"or plan it on its own:\n  {suggestion_command(row, ns, num_gpus)}")
 
 
 def _gpu_specs() -> dict:
@@ -479,7 +588,8 @@ def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memor
 _FLAG_BOUNDS = {
     "--num-gpus": ("num_gpus", 2**20), "--seq-len": ("seq_len", 2**24), "--micro-batch": ("micro_batch", 2**20),
     "--grad-accum": ("grad_accum", 2**20), "--rank": ("rank", 65536), "--update-proj-gap": ("update_proj_gap", 2**31 - 1),
-    "--pp": ("pp", 2**20), "--pp-virtual-stages": ("pp_virtual_stages", 2**20), "--ep": ("ep", 2**20),
+    "--pp": ("pp", 2**20), "--dp-replicate": ("dp_replicate", 2**20), "--dp-shard": ("dp_shard", 2**20),
+    "--tp": ("tp", 2**20), "--cp": ("cp", 2**20), "--pp-virtual-stages": ("pp_virtual_stages", 2**20), "--ep": ("ep", 2**20),
     "--prompt-len": ("prompt_len", 2**24), "--completion-len": ("completion_len", 2**24),
     "--num-generations": ("num_generations", 2**24), "--steps-per-generation": ("steps_per_generation", 2**20),
 }
@@ -499,7 +609,13 @@ def _check_flags(ns) -> None:
     for flag, path in (("--plot", ns.plot), ("--timeline", ns.timeline)):
         if path is None:
             continue
+        import importlib.util
         import os
+
+        # optional imports first: before the model is built or a step traced (minutes for big configs)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise PlanError(f"{flag} {path}: needs matplotlib, which is not installed: pip install matplotlib "
+                            f"(or drop {flag})")
 
         folder = os.path.dirname(os.path.abspath(path))
         ext = os.path.splitext(path)[1].lower().lstrip(".")
@@ -512,12 +628,43 @@ def _check_flags(ns) -> None:
             raise PlanError(f"{flag} {path}: is a folder; give a file name such as {os.path.join(path, 'plan.png')}")
 
 
+def _decide_defaults(ns) -> None:
+    """Defaults that depend on other flags, decided (and refusals made) before any work: the dtype a trace can run,
+    and the world size ``--suggest`` lays out."""
+    traced = ns.simulate or ns.timeline is not None
+    flag = "--timeline" if ns.timeline is not None else "--simulate"
+    if ns.dtype is None:
+        ns.dtype = "amp-bf16" if traced else "bf16"
+        if traced:
+            print(f"hf-gradfix plan: {flag} traces what torch runs: planning with --dtype amp-bf16 (the Trainer's "
+                  "bf16=True); pass --dtype fp32 or bf16-pure for another", file=sys.stderr, flush=True)
+    elif traced:
+        from .plan.trace_setup import check_traced_dtype
+
+        check_traced_dtype(ns.dtype)  # the library's own line, before any work
+    if ns.suggest and not (ns.gpu or ns.gpu_memory):
+        raise PlanError("--suggest: how much memory per GPU? add --gpu NAME (e.g. h100) or --gpu-memory SIZE "
+                        "(e.g. 80GiB)")
+    if ns.suggest and ns.num_gpus is None and not _mesh_flags(ns) and not ns.config:
+        raise PlanError("--suggest: how many GPUs? add --num-gpus N (the world size to lay out), or a --config with "
+                        "num_processes")
+
+
+_MESH_FLAGS = ("dp_replicate", "dp_shard", "tp", "cp")
+
+
+def _mesh_flags(ns) -> dict:
+    """The mesh degrees given on the command line (parallel keys -> values)."""
+    return {k: getattr(ns, k) for k in _MESH_FLAGS if getattr(ns, k, None) is not None}
+
+
 def plan_main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(argv) if argv is not None else None)
     from .errors import HfGradfixError
 
     try:
         _check_flags(ns)
+        _decide_defaults(ns)
         config = load_model_config(ns.model)
         gpu = parse_memory(ns.gpu_memory or ns.gpu) if (ns.gpu_memory or ns.gpu) else None
         mesh, s = _mesh_and_settings(ns, config)
@@ -565,7 +712,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         rows = None
         if ns.suggest:
             if gpu is None:
-                raise PlanError("--suggest needs --gpu-memory or --gpu")
+                raise PlanError("--suggest: how much memory per GPU? add --gpu NAME (e.g. h100) or --gpu-memory SIZE "
+                                "(e.g. 80GiB)")
             rows = suggest(config, ns.num_gpus or plan.mesh["world_size"], gpu, s, params=params, gpu=ns.gpu)
             out["suggest"] = rows
         if ns.plot:
@@ -579,10 +727,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out, indent=2, default=str))
         return 0
     print(plan.table())
+    # one unit for every figure of this output: the table's (GiB, or MiB for a plan under a quarter GiB)
+    unit, div = ("GiB", GiB) if plan.peak >= GiB / 4 else ("MiB", 1024**2)
     if sim is not None and s.rl is not None:
         _print_rl_simulated(plan, sim, mesh)
     elif sim is not None:
-        unit, div = ("GiB", GiB) if plan.peak >= GiB / 4 else ("MiB", 1024**2)
         print(f"\nsimulated step (fake tensors, rank 0 of {mesh.world_size}, {sim['seconds']:.1f} s): traced peak "
               f"{sim['peak'] / div:.3f} {unit} during the {sim['phase']}")
         print(f"  {'component':<17}{'closed form':>12}{'traced max':>12}{'at peak':>10}{'after step':>11}   ({unit})")
@@ -599,20 +748,22 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         print(f"\nlayouts that fit ({len(rows)} shown, best expected throughput/GPU first; an analytic model "
               f"for {(ns.gpu or 'h100') if (ns.gpu or 'h100').lower() in _gpu_specs() else 'h100'}, not measured):")
         print(f"  {'pp':>2} {'schedule':>18} {'bubble':>6} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'mb':>3} "
-              f"{'recompute':>9} {'optimizer':>22} {'peak GiB':>9} {'tok/s/GPU':>10} {'MFU':>5}")
+              f"{'recompute':>9} {'optimizer':>22} {'peak ' + unit:>9} {'tok/s/GPU':>10} {'MFU':>5}")
         for r in rows:
             sched = "-" if r["pp"] == 1 else r["pp_schedule"] + (f" v{r['pp_virtual_stages']}"
                                                                  if r["pp_virtual_stages"] > 1 else "")
             print(f"  {r['pp']:>2} {sched:>18} {100 * r['bubble']:>5.1f}% "
                   f"{r['dp_replicate']:>6} {r['dp_shard']:>8} {r['tp']:>3} {r['cp']:>3} {r['micro_batch']:>3} "
-                  f"{r['recompute']:>9} {r['optimizer'] + ('+lowrank_grads' if r.get('lowrank_grads') else ''):>22} {r['peak_gib']:>9} {r['tokens_per_s_per_gpu']:>10,} "
+                  f"{r['recompute']:>9} {r['optimizer'] + ('+lowrank_grads' if r.get('lowrank_grads') else ''):>22} {r['peak_bytes'] / div:>9.3f} {r['tokens_per_s_per_gpu']:>10,} "
                   f"{r['mfu']:>5.2f}")
         if not rows:
             print("  none: more GPUs, a bigger GPU, or a smaller sequence")
+        else:
+            print(suggestion_text(rows[0], ns, num_gpus=ns.num_gpus or plan.mesh["world_size"]))
     if ns.plot:
         print(f"\nplot written to {ns.plot}")
     if ns.timeline:
-        print(f"timeline written to {ns.timeline} (peak {sim['timeline'].peak / 1024**2:,.1f} MiB: "
+        print(f"timeline written to {ns.timeline} (traced peak {sim['timeline'].peak / div:.3f} {unit}: "
               f"{sim['timeline'].peak_label})")
     return 0 if plan.fits in (None, True) else 1
 
