@@ -241,7 +241,7 @@ def _mesh_and_settings(ns, config):
                             grad_accum=ns.grad_accum, model_config=config)
         mesh = rc.mesh
         if _mesh_flags(ns):
-            mesh = _with_mesh_flags(ns, mesh, cf, config)
+            mesh = _with_mesh_flags(ns, rc, cf, config)
         # parallel.ep (resolve_config has checked the file's own); --ep on a file without it: the same checks
         ep_cfg = int(getattr(par, "ep", 1) or 1)
         if ns.ep is not None and ep_cfg > 1 and ns.ep != ep_cfg:
@@ -319,20 +319,34 @@ def _mesh_and_settings(ns, config):
     return mesh, s
 
 
-def _with_mesh_flags(ns, mesh, cf, config):
-    """``mesh`` (the --config's) with the mesh flags applied: a flag fills a ``parallel`` key the file does not set
-    and may repeat one it sets; a flag that contradicts the file is refused (one rule, as for --pp and --ep)."""
-    from .parallel import ParallelDims
+def _with_mesh_flags(ns, rc, cf, config):
+    """The --config's mesh with the mesh flags applied: a flag fills a degree the file does not set and may repeat
+    one it sets; a flag that contradicts the file is refused (one rule, as for --pp and --ep).  The file sets the
+    keys of its ``hf_gradfix.parallel`` section, or all four degrees through accelerate's ``parallelism_config``."""
+    from .parallel import ParallelDims, ParallelDimsError
 
-    raw = ((cf.section or {}).get("parallel") or {}) if isinstance(cf.section, dict) else {}
+    mesh, flags = rc.mesh, _mesh_flags(ns)
+    first = f"--{next(iter(flags)).replace('_', '-')} {next(iter(flags.values()))}"
+    if rc.deepspeed is not None:
+        raise PlanError(f"{first} with {ns.config} (DeepSpeed): ZeRO partitions over every process (one data-parallel "
+                        "group); drop the mesh flags, or use an FSDP / DDP config")
     degrees = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1}
-    degrees.update({k: raw[k] for k in degrees if k in raw})
-    for key, value in _mesh_flags(ns).items():
-        if key in raw and raw[key] != value:
-            raise PlanError(f"--{key.replace('_', '-')} {value}: {ns.config} sets parallel.{key}={raw[key]}; keep one "
-                            f"of them (drop --{key.replace('_', '-')}, or edit the file)")
+    if rc.mesh_source.startswith("accelerate"):  # parallelism_config: every degree given (a missing one is 1)
+        where, set_by_file = "accelerate's parallelism_config", {k: getattr(mesh, k) for k in degrees}
+    else:
+        raw = (cf.section or {}).get("parallel") if isinstance(cf.section, dict) else None
+        where, set_by_file = "parallel", {k: v for k, v in (raw or {}).items() if k in degrees}
+    degrees.update(set_by_file)
+    for key, value in flags.items():
+        if key in set_by_file and set_by_file[key] != value:
+            raise PlanError(f"--{key.replace('_', '-')} {value}: {ns.config} sets {where} {key}={set_by_file[key]}; keep "
+                            f"one of them (drop --{key.replace('_', '-')}, or edit the file)")
         degrees[key] = value
-    dims = ParallelDims(mesh.world_size, **degrees, pp=mesh.pp, pp_virtual_stages=mesh.pp_virtual_stages, ep=mesh.ep)
+    try:
+        dims = ParallelDims(mesh.world_size, **degrees, pp=mesh.pp, pp_virtual_stages=mesh.pp_virtual_stages,
+                            ep=mesh.ep)
+    except ParallelDimsError as err:
+        raise PlanError(f"{first} with {ns.config}: {err}") from None
     dims.check_model(config)
     return dims
 

@@ -94,7 +94,13 @@ def test_mesh_flags_with_a_config_fill_unset_keys_and_refuse_contradictions(tmp_
                                                                                         "tp": 2}
     assert plan_main(["--model", "tiny-llama", "--config", str(yaml), "--tp", "4"]) == 2
     err = capsys.readouterr().err
-    assert "--tp 4" in err and "parallel.tp=2" in err and "keep one of them" in err
+    assert "--tp 4" in err and "parallel tp=2" in err and "keep one of them" in err
+    # a mesh from accelerate's parallelism_config (every degree given): the same rule, nothing silently replaced
+    shipped = str(ROOT / "configs" / "accelerate" / "fsdp2_tp_cp.yaml")
+    assert plan_main(["--model", "tiny-llama", "--config", shipped, "--tp", "4"]) == 2
+    assert "parallelism_config tp=2" in capsys.readouterr().err
+    same = _plan_json(["--model", "tiny-llama", "--config", shipped, "--tp", "2"], capsys)["plan"]["mesh"]
+    assert (same["dp_shard"], same["cp"], same["tp"]) == (2, 2, 2)
 
 
 def test_suggest_prints_a_yaml_and_a_command_that_plan_its_first_row(tmp_path, capsys):
