@@ -421,6 +421,7 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
     from dataclasses import replace
 
     from .parallel import ParallelDims, ParallelDimsError
+    from .parallel.pipeline import PipelineError, check_combination as check_pp_combination
     from .parallel.pipeline_schedule import PipelineSpec, bubble_fraction, check_pipeline
     from .plan.throughput import GPU_SPECS, layout_throughput
 
@@ -456,6 +457,10 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                         mesh.check_model(config)
                     except ParallelDimsError:
                         continue
+                    try:  # what the run refuses under pp (cp, tp x dp_shard, packing): not a layout to suggest
+                        check_pp_combination(pp=pp, tp=tp, cp=cp, dp_shard=rest // rep, packing=base.packing)
+                    except PipelineError:
+                        continue
                     for schedule, virtual in pipes:
                         bubble = bubble_fraction(PipelineSpec(pp, schedule, virtual, base.grad_accum))
                         for mb in (1, 2, 4, 8):
@@ -465,6 +470,8 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                                 if base.optimizer.startswith("galore"):
                                     variants.insert(1, (base.optimizer, True))
                                 for opt, lowrank in variants:
+                                    if pp > 1 and opt.startswith(("galore", "apollo")):
+                                        continue  # the run refuses low-rank optimizers under pp (check_combination)
                                     s = replace(base, micro_batch=mb, recompute=rc, optimizer=opt, zero=None,
                                                 lowrank_grads=lowrank, pp=pp, pp_schedule=schedule,
                                                 pp_virtual_stages=virtual)

@@ -157,3 +157,18 @@ def test_the_gpu_line_is_inside_the_timeline_axes(tmp_path, monkeypatch):
     assert notes and not [ln for ln in ax.get_lines() if ln.get_label().startswith("GPU ")]
     x, y = notes[0].get_position()
     assert 0 <= x <= 1 and 0 <= y <= 1  # axes coordinates: inside
+
+
+def test_suggest_offers_no_pipeline_layout_the_run_refuses():
+    # pp x cp and pp x tp x dp_shard were suggested (the docs' own example's first row), and config check refused them
+    from hf_gradfix.parallel.pipeline import PipelineError, check_combination
+    from hf_gradfix.plan import Settings, load_model_config
+
+    rows = plan_cli.suggest(load_model_config("tiny-llama"), 4, 1024**3, Settings(seq_len=512, grad_accum=4),
+                            limit=10_000)
+    assert any(r["pp"] > 1 for r in rows)  # pipeline layouts are still offered
+    for r in rows:
+        try:
+            check_combination(pp=r["pp"], tp=r["tp"], cp=r["cp"], dp_shard=r["dp_shard"])
+        except PipelineError as err:
+            pytest.fail(f"suggested {r}: {err}")
