@@ -654,11 +654,12 @@ def _decide_defaults(ns) -> None:
     and the world size ``--suggest`` lays out."""
     traced = ns.simulate or ns.timeline is not None
     flag = "--timeline" if ns.timeline is not None else "--simulate"
+    ns.dtype_note = None
     if ns.dtype is None:
         ns.dtype = "amp-bf16" if traced else "bf16"
-        if traced:
-            print(f"hf-gradfix plan: {flag} traces what torch runs: planning with --dtype amp-bf16 (the Trainer's "
-                  "bf16=True); pass --dtype fp32 or bf16-pure for another", file=sys.stderr, flush=True)
+        if traced:  # said when the trace starts: a refusal before it stays one line
+            ns.dtype_note = (f"hf-gradfix plan: {flag} traces what torch runs: planning with --dtype amp-bf16 (the "
+                             "Trainer's bf16=True); pass --dtype fp32 or bf16-pure for another")
     elif traced:
         from .plan.trace_setup import check_traced_dtype
 
@@ -709,6 +710,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             from .plan.simulate import simulate
 
             started = time.perf_counter()
+            if ns.dtype_note:
+                print(ns.dtype_note, file=sys.stderr, flush=True)
             print(f"hf-gradfix plan: simulating one training step of rank 0 under fake tensors "
                   f"({mesh.world_size} rank(s)) ...", file=sys.stderr, flush=True)
             sim = simulate(config, mesh, s, progress=lambda line: print(
