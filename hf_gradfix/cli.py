@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return verify_main(argv[1:])
         if argv and argv[0] == "plan":
-            from .plan import plan_main
+            from .plan_cli import plan_main
 
             return plan_main(argv[1:])
         parser = build_parser()

@@ -5,6 +5,9 @@
 - Inside ``integration/``, only ``patching.py`` (the one place that wires ``patch()`` and the callback to a
   trainer) imports the hub ``trainer_fix.py``; every other module takes the shared state and helpers from
   ``integration/state.py`` and the errors from ``hf_gradfix/errors.py``, so ``trainer_fix`` is in no cycle.
+- ``config`` never imports ``plan`` (config check and the planner share pure formulas from ``parallel``), and the
+  planner's own modules import one way (no cycle, lazy imports included); the ``plan`` command line lives beside
+  the other CLIs (``hf_gradfix/plan_cli.py``), not inside the capability.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "hf_gradfix"
 CAPABILITIES = ("loss", "packing", "optim", "parallel", "config", "plan", "diagnostics")
-ABOVE_CAPABILITIES = ("hf_gradfix.integration", "hf_gradfix.cli", "hf_gradfix.verify_cli", "hf_gradfix.verify")
+ABOVE_CAPABILITIES = ("hf_gradfix.integration", "hf_gradfix.cli", "hf_gradfix.verify_cli", "hf_gradfix.verify",
+                      "hf_gradfix.plan_cli")
 HUB = "hf_gradfix.integration.trainer_fix"
 MAY_IMPORT_HUB = {"trainer_fix.py", "patching.py"}
 
@@ -86,7 +90,7 @@ def test_the_checker_sees_relative_and_lazy_imports(tmp_path):
     bad.write_text("def f():\n    from ..cli import resolve_config\n    from .. import verify_cli\n")
     names = imported_modules(bad, package="hf_gradfix.plan")
     assert "hf_gradfix.cli" in names and "hf_gradfix.verify_cli" in names
-    assert "hf_gradfix.config.resolve" in imported_modules(PKG / "plan" / "cli.py")  # `from ..config.resolve import resolve_config`, inside a function
+    assert "hf_gradfix.config.resolve" in imported_modules(PKG / "plan_cli.py")  # `from .config.resolve import resolve_config`, inside a function
     callback = imported_modules(PKG / "integration" / "callback.py")
     assert "hf_gradfix.integration.state" in callback and "hf_gradfix.integration.patching" in callback
     assert HUB in imported_modules(PKG / "integration" / "patching.py")
@@ -103,3 +107,67 @@ def test_documented_names_are_still_importable_from_their_old_homes():
     assert trainer_fix.GradFixState is state.GradFixState
     assert cli.resolve_config is resolve.resolve_config and cli.split_config is resolve.split_config
     assert hf_gradfix.install is trainer_fix.install
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle of a directed graph, each once (as found by a depth-first walk from each node).
+
+    >>> _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}})
+    [['a', 'b', 'a']]
+    >>> _cycles({"a": {"b"}, "b": set()})
+    []
+    """
+    found, seen = [], set()
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == start:
+                    key = frozenset(path)
+                    if key not in seen:
+                        seen.add(key)
+                        found.append(path + [start])
+                elif nxt not in path and nxt > start:  # each cycle from its smallest node only
+                    stack.append((nxt, path + [nxt]))
+    return found
+
+
+def _package_graph(folder: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (at any depth, lazy imports and TYPE_CHECKING included)."""
+    modules = {_module_name(f): f for f in sorted(folder.glob("*.py"))}
+    package = _module_name(folder / "__init__.py")
+    return {name: {m for m in imported_modules(f) if m in modules and m != name and m != package}
+            for name, f in modules.items()}
+
+
+def test_config_never_imports_plan():
+    bad = [f"{f.relative_to(PKG.parent)} imports {name}" for f in sorted((PKG / "config").rglob("*.py"))
+           for name in sorted(imported_modules(f)) if _is_under(name, "hf_gradfix.plan")]
+    assert not bad, "config must not import the planner (shared formulas go to parallel/ or a pure module):\n" + "\n".join(bad)
+
+
+def test_no_import_cycles_inside_plan():
+    cycles = _cycles(_package_graph(PKG / "plan"))
+    assert not cycles, "imports inside hf_gradfix/plan must run one way:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_fails_on_a_cycle(tmp_path):
+    # control: the shape plan/ had (activations <-> estimate, lazily inside functions) is found
+    pkg = tmp_path / "hf_gradfix" / "plan"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .estimate import estimate\n")
+    (pkg / "estimate.py").write_text("def estimate():\n    from .activations import trace\n")
+    (pkg / "activations.py").write_text("def trace():\n    from .estimate import PlanError\n")
+    global PKG
+    saved, PKG = PKG, tmp_path / "hf_gradfix"
+    try:
+        graph = _package_graph(pkg)
+    finally:
+        PKG = saved
+    assert _cycles(graph) == [["hf_gradfix.plan.activations", "hf_gradfix.plan.estimate", "hf_gradfix.plan.activations"]]
+
+
+def test_the_plan_command_line_sits_beside_the_other_clis():
+    assert (PKG / "plan_cli.py").is_file() and not (PKG / "plan" / "cli.py").exists()
+    assert "hf_gradfix.plan_cli" in imported_modules(PKG / "cli.py")

@@ -1,7 +1,7 @@
 """Resolve a combined accelerate + hf_gradfix YAML into what a launch will run: world size, mesh, global batch.
 
 Shared by ``hf-gradfix config check`` / ``launch`` (:mod:`hf_gradfix.cli`) and ``hf-gradfix plan --config``
-(:mod:`hf_gradfix.plan.cli`); both import it from here (downward), and the run time applies the same
+(:mod:`hf_gradfix.plan_cli`); both import it from here (downward), and the run time applies the same
 ``parallel`` rule (:func:`parallel_requested`).
 
 >>> import tempfile, os
@@ -118,7 +118,7 @@ class ResolvedConfig:
                 f"expert gradients cover every data rank's tokens once, averaged over the {self.mesh.dp} data ranks"
             ))
         if self.mesh.pp > 1:
-            from ..plan.pipeline import PipelineSpec, bubble_fraction  # one formula for config check and plan
+            from ..parallel.pipeline_schedule import PipelineSpec, bubble_fraction  # one formula for config check and plan
 
             par = self.gradfix.parallel
             bubble = bubble_fraction(PipelineSpec(self.mesh.pp, par.pp_schedule, self.mesh.pp_virtual_stages,
@@ -139,7 +139,7 @@ class ResolvedConfig:
         return out
 
 
-#: the bubble formula of each schedule, as hf_gradfix.plan.pipeline.bubble_fraction computes it (m >= p)
+#: the bubble formula of each schedule, as hf_gradfix.parallel.pipeline_schedule.bubble_fraction computes it (m >= p)
 _BUBBLE_FORMULA = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved_1f1b": "(p-1)/(v*m+p-1)",
                    "zero_bubble": "(p-1)/(3*v*m+p-1)"}
 

@@ -515,6 +515,37 @@ def _short(label: str) -> str:
     return _SHORT.get(label) or label.replace("forward layer ", "F").replace("backward layer ", "B")
 
 
+#: the GPU's size is drawn to scale when it is at most this many times the plotted data; above that the y axis
+#: would squash the step into a flat line, so the size is written inside the axes instead
+GPU_IN_SCALE = 4.0
+
+
+def _with_gpu_in_scale(top: float, gpu_memory: float | None) -> float:
+    """The y range's top: the data's, raised to the GPU's size when that is drawn as a line (so it is inside the axes)."""
+    return max(top, gpu_memory) if gpu_memory and gpu_memory <= GPU_IN_SCALE * top else top
+
+
+def draw_gpu_reference(axes: list, gpu_memory: float | None, top: float, div: float, unit: str, ymax: float) -> list:
+    """The GPU's size on ``axes``: a dashed line inside the y range when it is in scale (``top`` includes it,
+    :func:`_with_gpu_in_scale`), else one line of text inside the first axes saying how far above it is.
+    Returns the legend handles."""
+    if not gpu_memory:
+        return []
+    label = f"GPU {gpu_memory / div:.3g} {unit}"
+    if gpu_memory <= top:
+        line = None
+        for a in axes:
+            line = a.axhline(gpu_memory / div, color="r", ls="--", lw=1, label=label)
+        return [line]
+    # bottom left: the step's start (weights only, flat), where the peak's note and the phase bands never are
+    size = next(f"{gpu_memory / d:.3g} {u}" for u, d in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))
+                if gpu_memory >= d or d == 1)
+    axes[0].text(0.01, 0.02, f"GPU {size}: above this scale ({gpu_memory / top:,.0f} x the highest value plotted)",
+                 transform=axes[0].transAxes, ha="left", va="bottom", fontsize=8, color="r",
+                 bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="r", lw=0.8, alpha=0.9))
+    return []
+
+
 def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, int] | None = None,
                          compare: MemoryTimeline | None = None, gpu_memory: float | None = None,
                          title: str | None = None, compare_label: str = "predicted (fake-tensor trace)") -> str:
@@ -534,6 +565,7 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
         raise ValueError("plot_memory_timeline: the timeline has no samples")
     top = max([tl.peak] + ([sum(estimate.values())] if estimate else []) + ([compare.peak] if compare else [])
               + ([max(tl.allocated)] if tl.allocated else []))
+    top = _with_gpu_in_scale(top, gpu_memory)
     unit, div = next((u, d) for u, d in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))
                      if top >= 2 * d or d == 1)
     xs, events = _event_x(tl)
@@ -612,10 +644,7 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
                 arrowprops=dict(arrowstyle="->", color="k", lw=0.8),
                 bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="#666666"))
     ax.plot([px], [py], marker="o", color="k", ms=4)
-    if gpu_memory:
-        for a in (ax, axb) if axb is not None else (ax,):
-            gl = a.axhline(gpu_memory / div, color="r", ls="--", lw=1, label=f"GPU {gpu_memory / div:.3g} {unit}")
-        lines.append(gl)
+    lines += draw_gpu_reference([a for a in (ax, axb) if a is not None], gpu_memory, top, div, unit, ymax)
     extra = []
     if axb is not None:
         comps = [c for c in ("parameters", "master_weights", "gradients", "optimizer_state", "activations",

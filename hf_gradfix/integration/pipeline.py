@@ -581,6 +581,6 @@ def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor
 
 def bubble(plan: PipelinePlan, micro_batches: int) -> float:
     """The schedule's idle share for a window of ``micro_batches`` (the planner's formula)."""
-    from ..plan.pipeline import PipelineSpec, bubble_fraction
+    from ..parallel.pipeline_schedule import PipelineSpec, bubble_fraction
 
     return bubble_fraction(PipelineSpec(plan.dims.pp, plan.schedule, plan.dims.pp_virtual_stages, micro_batches))

@@ -1,5 +1,7 @@
 """``hf-gradfix plan``: per-rank training memory for a model and a mesh, closed form and simulated.
 
+The command line is :mod:`hf_gradfix.plan_cli` (``plan_main``), beside the other CLI modules.
+
 >>> from hf_gradfix.plan import estimate, Settings, load_model_config   # doctest: +SKIP
 """
 
@@ -7,10 +9,5 @@ from .estimate import (GPU_MEMORY, TINY_MODELS, Plan, PlanError, Settings, estim
                        parse_memory, playbook_activation_bytes, playbook_model_state_bytes)
 
 __all__ = ["GPU_MEMORY", "TINY_MODELS", "Plan", "PlanError", "Settings", "estimate", "load_model_config", "param_table",
-           "parse_memory", "playbook_activation_bytes", "playbook_model_state_bytes", "plan_main"]
+           "parse_memory", "playbook_activation_bytes", "playbook_model_state_bytes"]
 
-
-def plan_main(argv=None) -> int:
-    from .cli import plan_main as _main
-
-    return _main(argv)

@@ -169,7 +169,7 @@ def fake_kernel_mode():
 
 def _tp_blocks(model, config) -> set[str]:
     """Names of modules that own a tp-planned child (attention, MLP): tensors created inside them are split."""
-    from .estimate import _tp_style
+    from .common import _tp_style
 
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     out = set()
@@ -215,7 +215,7 @@ def data_dependent_refused(config):
     DataDependentOutputException = private("torch._subclasses.fake_tensor", "DataDependentOutputException", feature=_TRACE)
     DynamicOutputShapeException = private("torch._subclasses.fake_tensor", "DynamicOutputShapeException", feature=_TRACE)
 
-    from .estimate import PlanError
+    from .common import PlanError
 
     try:
         yield

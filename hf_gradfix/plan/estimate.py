@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HfGradfixError, model_load_error
-
-GiB = 1024**3
+# the planner's bottom module (no imports back up): estimate, activations and rl share these
+from .common import GiB, PlanError, _fmt, _tp_style
 
 __all__ = [
     "PlanError",
@@ -60,10 +60,6 @@ __all__ = [
     "playbook_model_state_bytes",
     "playbook_activation_bytes",
 ]
-
-
-class PlanError(HfGradfixError, ValueError):
-    """Input the planner cannot use (unknown model, bad mesh, bad size); the message says what to change."""
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -237,19 +233,6 @@ class ParamInfo:
         return math.prod(self.shape)
 
 
-def _tp_style(name: str, plan: dict) -> str | None:
-    short = name[len("model."):] if name.startswith("model.") else name
-    module = short.rsplit(".", 1)[0]
-    for pattern, style in plan.items():
-        rx = "^" + re.escape(pattern).replace(r"\*", r"\d+") + "$"
-        if re.match(rx, module):
-            if "colwise" in style:
-                return "colwise"
-            if "rowwise" in style:
-                return "rowwise"
-    return None
-
-
 def build_meta_model(config):
     import torch
     from transformers import AutoModelForCausalLM
@@ -377,7 +360,7 @@ class Settings:
             raise PlanError(f"activation_model={self.activation_model!r}: traced | formula | playbook")
         if self.attention not in ("fused", "eager"):
             raise PlanError(f"--attention {self.attention!r}: fused (FlashAttention / SDPA) | eager")
-        from .pipeline import SCHEDULES
+        from ..parallel.pipeline_schedule import SCHEDULES
 
         if self.pp_schedule not in SCHEDULES:
             raise PlanError(f"--pp-schedule {self.pp_schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -486,13 +469,6 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------------------------- formulas
-def _fmt(b: float) -> str:
-    for unit, div in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
-        if b >= div:
-            return f"{b / div:.2f} {unit}"
-    return f"{b:.0f} B"
-
-
 def playbook_model_state_bytes(n: float, *, zero: int = 0, dp: int = 1, grad_fp32: bool = False) -> dict:
     """The Playbook's mixed-precision model state: 2N weights, 2N grads, 4N master + 8N Adam (k = 12)
     [+4N fp32 grads], divided by ``dp`` per ZeRO stage.
@@ -574,7 +550,7 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     With pipeline parallelism (``settings.pp > 1``, or a ``mesh`` that carries ``pp``) ``mesh`` holds the other
     degrees over ``world / pp`` ranks; every stage is planned and the worst one returned, each stage's summary in
     ``extra["stages"]`` (``pipeline.py`` has the split rule, the schedules' in-flight counts and the bubble)."""
-    from . import pipeline as pl
+    from ..parallel import pipeline_schedule as pl
 
     settings.check()
     if settings.rl is not None and settings.seq_len != settings.rl.seq_len:

@@ -83,7 +83,7 @@ class RLRun:
         return float(self.completion_len if self.mean_completion_len is None else self.mean_completion_len)
 
     def check(self) -> None:
-        from .estimate import PlanError
+        from .common import PlanError
 
         if self.trainer not in TRAINERS:
             raise PlanError(f"--rl {self.trainer!r}: choose one of {', '.join(TRAINERS)}")
@@ -262,6 +262,6 @@ def plan_phases(config, rl: RLRun, *, micro_batch: int, grad_accum: int, rows: i
 
 
 def _fmt(b: float) -> str:
-    from .estimate import _fmt as fmt
+    from .common import _fmt as fmt
 
     return fmt(b)

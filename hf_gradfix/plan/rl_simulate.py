@@ -92,10 +92,9 @@ def check_rl_traceable(mesh, settings: Settings) -> None:
     if settings.deepspeed or (settings.zero or 0) > 0 or settings.offload_optimizer:
         raise PlanError(f"{flag} and DeepSpeed (--deepspeed / --zero {settings.zero or 0} / --offload-optimizer): "
                         f"ZeRO partitions are not traced for RL steps; drop them to trace one replica or {closed}")
-    if settings.dtype not in ("fp32", "bf16-pure", "amp-bf16"):
-        raise PlanError(f"--dtype {settings.dtype} with --simulate / --timeline: the trace runs what torch runs: fp32, "
-                        f"bf16-pure or amp-bf16 (the default bf16 is the closed form's Megatron-style split); pass "
-                        f"one of them")
+    from .trace_setup import check_traced_dtype
+
+    check_traced_dtype(settings.dtype)
     if settings.lowrank_grads:
         raise PlanError(f"{flag} and --lowrank-grads: GaLore's low-rank accumulation is not traced for RL steps; "
                         f"drop --lowrank-grads or {closed}")
@@ -196,7 +195,7 @@ def simulate_rl(config, mesh, settings: Settings, *, kernel: str = "triton", pro
     from ..diagnostics.memory_timeline import timeline_tracker_class
     from .activations import (data_dependent_refused, decoder_layers, fake_kernel_mode, prepare_config,
                               set_trace_attention)
-    from .simulate import _MAP, TRACED_MICRO_BATCHES, _make_optimizer
+    from .trace_setup import _MAP, TRACED_MICRO_BATCHES, _make_optimizer
 
     FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode", feature=_SIM)
     MemTracker = private("torch.distributed._tools.mem_tracker", "MemTracker", feature=_SIM)
@@ -526,10 +525,10 @@ def plot_rl_timeline(tl, path: str, *, estimate: dict | None = None, gpu_memory:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from ..diagnostics.memory_timeline import _COLORS, CATEGORIES, _event_x
+    from ..diagnostics.memory_timeline import _COLORS, CATEGORIES, _event_x, _with_gpu_in_scale, draw_gpu_reference
 
     xs, events = _event_x(tl)
-    top = max([tl.peak] + ([sum(estimate.values())] if estimate else []))
+    top = _with_gpu_in_scale(max([tl.peak] + ([sum(estimate.values())] if estimate else [])), gpu_memory)
     unit, div = next((u, d) for u, d in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))
                      if top >= 2 * d or d == 1)
     cats = [c for c in CATEGORIES if any(tl.series[c])]
@@ -570,11 +569,7 @@ def plot_rl_timeline(tl, path: str, *, estimate: dict | None = None, gpu_memory:
                 arrowprops=dict(arrowstyle="->", color="k", lw=0.8),
                 bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="#666666"))
     ax.plot([px], [py], marker="o", color="k", ms=4)
-    lines = []
-    if gpu_memory:
-        for a in (ax, axb):
-            gl = a.axhline(gpu_memory / div, color="r", ls="--", lw=1, label=f"GPU {gpu_memory / div:.3g} {unit}")
-        lines.append(gl)
+    lines = draw_gpu_reference([ax, axb], gpu_memory, top, div, unit, ymax)
     ax.set_xticks([])
     ax.set_xlabel("the RL step's events: generation (prefill, decode), the no-grad log-prob forwards, each traced "
                   "training micro-batch (forward, backward), the optimizer step", fontsize=8)

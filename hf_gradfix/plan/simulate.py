@@ -26,66 +26,12 @@ from typing import Any
 
 from ..torch_private import private
 from .estimate import PlanError, Settings
+# shared with rl_simulate, which must not import this module (simulate() dispatches to it)
+from .trace_setup import _MAP, TRACED_MICRO_BATCHES, _make_optimizer, check_traced_dtype
 
 _SIM = "hf-gradfix plan --simulate"  # what needs torch's private fake-tensor and memory-tracker APIs
 
 __all__ = ["TRACED_MICRO_BATCHES", "simulate"]
-
-#: micro-batches traced in the recorded step under gradient accumulation (``grad_accum`` when smaller): the first
-#: runs without gradients, every later one with the accumulated gradients alive, all of them alike
-TRACED_MICRO_BATCHES = 4
-
-# tracker category -> plan component
-_MAP = {
-    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "comm_buffers",
-    "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "comm_buffers",
-    "Activation": "activations", "Temp": "temporaries", "Optstate": "optimizer_state", "OptState": "optimizer_state", "Other": "other",
-    "All Gather": "comm_buffers", "Reduce Scatter": "comm_buffers",
-}
-
-
-def _make_optimizer(model, settings: Settings):
-    import torch
-
-    name = settings.optimizer
-    if name == "adamw":
-        # the Trainer's default optimizer on torch >= 2.8 ("adamw_torch_fused"): updates in place, no temporaries
-        # (the foreach path would hold one moment-sized temporary at the step, the for-loop two of the largest weight)
-        from torch.distributed.tensor import DTensor
-
-        # one fused call may not mix DTensors (TP-sharded weights) and plain tensors (the rest): two groups
-        params = list(model.parameters())
-        groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
-                              [p for p in params if not isinstance(p, DTensor)]) if g]
-        return torch.optim.AdamW([{"params": g} for g in groups], lr=1e-4, fused=True)
-    if name in ("galore_adamw", "apollo_adamw", "apollo_mini"):
-        from ..optim import ApolloAdamW, GaLoreAdamW, apollo_mini
-
-        kw = dict(targets=settings.targets, exclude=list(settings.exclude), min_size=settings.min_size,
-                  proj_side=settings.proj_side)
-        if name == "galore_adamw":
-            from ..optim import projection as proj
-            from ..optim.lowrank import _full
-
-            class _TracedGaLore(GaLoreAdamW):
-                """GaLoreAdamW whose basis refresh skips the finiteness check (a data-dependent branch that fake
-                tensors cannot take); the stored basis has the real one's shape and dtype."""
-
-                def _new_basis(self, p, state, group, plan):
-                    g32 = _full(p.grad).float()
-                    basis = proj.top_basis(g32, group["rank"], plan.side, method=self._method(group, tuple(g32.shape)),
-                                           oversample=group["oversample"], niter=group["niter"])
-                    return proj.canonicalize_signs(basis)
-
-            return _TracedGaLore(model, lr=1e-4, rank=settings.rank, **kw)
-        if name == "apollo_adamw":
-            return ApolloAdamW(model, lr=1e-4, rank=settings.rank, **kw)
-        return apollo_mini(model, lr=1e-4, **kw)
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-4)
-    raise PlanError(f"--simulate supports adamw, galore_adamw, apollo_adamw, apollo_mini and sgd; not {name!r} "
-                    "(8-bit optimizers need bitsandbytes' CUDA kernels, which fake tensors on CPU cannot run)")
-
 
 def _apply_tp(model, config, tp_mesh) -> None:
     """DTensor TP of every decoder layer from the config's ``base_model_tp_plan`` (colwise / rowwise)."""
@@ -164,10 +110,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     if mesh.cp > 1:
         raise PlanError("--simulate: context parallelism is not simulated (cp > 1): torch's ring attention has no "
                         "sharding rule for the CPU SDPA kernel that fake tensors run; use the closed form")
-    if settings.dtype not in ("fp32", "bf16-pure", "amp-bf16"):
-        raise PlanError(f"--simulate traces what torch runs: fp32, bf16-pure, or amp-bf16 (autocast; FSDP2's "
-                        f"MixedPrecisionPolicy when sharded). --dtype {settings.dtype} is the Playbook's Megatron-style "
-                        f"split (bf16 weights + fp32 master), closed form only")
+    check_traced_dtype(settings.dtype)
     amp = settings.dtype == "amp-bf16"
     dtype = torch.bfloat16 if settings.dtype == "bf16-pure" else torch.float32
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ be checked and re-fitted:
   micro-batch's backward (2/3 of its compute).
 * pipeline parallelism (``pp`` stages, outermost in the mesh): each rank computes ``1 / pp`` of the layers; the
   accumulation window's micro-batches run through the schedule and the step stretches by ``1 / (1 - bubble)``
-  (``bubble``: :func:`hf_gradfix.plan.pipeline.bubble_fraction`); each micro-batch sends its layer output to
+  (``bubble``: :func:`hf_gradfix.parallel.pipeline_schedule.bubble_fraction`); each micro-batch sends its layer output to
   the next stage and its gradient back (one hidden state each way per stage boundary, on the critical path).
 * bandwidth: NVLink inside a node (``gpus_per_node``), the network across nodes; a group that spans nodes runs at
   the network's speed.

@@ -1,4 +1,11 @@
-"""``hf-gradfix plan``: the command line (closed form, ``--simulate``, ``--suggest``, ``--json``, ``--plot``)."""
+"""``hf-gradfix plan``: the command line (closed form, ``--simulate``, ``--suggest``, ``--json``, ``--plot``).
+
+It sits beside the other command-line modules (``cli.py``, ``verify_cli.py``), above the capabilities: the
+planner itself (:mod:`hf_gradfix.plan`) never imports it.
+
+>>> build_parser().parse_args(["--model", "tiny-llama", "--tp", "2"]).tp
+2
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import sys
 import time
 from typing import Sequence
 
-from .estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model_config, param_table, parse_memory
+from .plan.estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model_config, param_table, parse_memory
 
 __all__ = ["plan_main", "build_parser", "suggest"]
 
@@ -55,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "packing.token_budget when packing is on, else 2048; with --rl: --prompt-len + --completion-len)")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch and rank, 1 .. 2**20")
     ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps, 1 .. 2**20")
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "bf16-pure", "amp-bf16"],
                     help="bf16/fp16: the Playbook's mixed precision (bf16 weights + fp32 master, 16N); amp-bf16: torch "
-                         "autocast / FSDP2 MixedPrecisionPolicy as the Trainer runs it; bf16-pure: no master copy")
+                         "autocast / FSDP2 MixedPrecisionPolicy as the Trainer runs it; bf16-pure: no master copy "
+                         "(default: bf16; amp-bf16 with --simulate / --timeline, which trace what torch runs)")
     ap.add_argument("--attention", default="fused", choices=["fused", "eager"],
                     help="fused: FlashAttention 2 / SDPA (no s x s scores saved); eager: the model's eager path")
     ap.add_argument("--grad-fp32", action="store_true", help="fp32 gradient accumulation buffer (the Playbook's 20N)")
@@ -70,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--recompute", choices=["none", "full"],
                     help="activation recomputation (default: none; full with --rl, as GRPOConfig / RLOOConfig's "
                          "gradient_checkpointing)")
+    for flag, what in (("--dp-replicate", "data-parallel replicas (HSDP's outer dimension)"),
+                       ("--dp-shard", "FSDP2 shard degree (default: the rest of the world)"),
+                       ("--tp", "tensor-parallel degree"), ("--cp", "context-parallel degree")):
+        ap.add_argument(flag, type=int, help=f"{what}, 1 .. 2**20: parallel.{flag[2:].replace('-', '_')} on the command "
+                        "line. With --config: a key the file does not set is taken from the flag, one it sets to "
+                        "another value is refused (keep one of them); without --num-gpus the world is the degrees' "
+                        "product")
     ap.add_argument("--pp", type=int, help="pipeline stages, 1 .. 2**20 (default: the --config's parallel.pp, else 1); "
                     "the other degrees share world / pp ranks, the schedule's micro-batches are --grad-accum's")
     ap.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
@@ -125,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also trace one step under fake tensors (rank 0); needs --dtype fp32, bf16-pure or amp-bf16 "
                          "(what torch runs): the default bf16 (and fp16) is the closed form's Megatron-style split "
                          "and is refused")
-    ap.add_argument("--suggest", action="store_true", help="list layouts that fit, best expected throughput first")
+    ap.add_argument("--suggest", action="store_true", help="list layouts that fit, best expected throughput first, "
+                    "and the hf_gradfix YAML section and plan command of the best one (needs --num-gpus, a --config "
+                    "with num_processes, or mesh flags, and --gpu / --gpu-memory)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--plot", metavar="FILE.png", help="the closed form's components: one stacked bar (ranks alike)")
     ap.add_argument("--timeline", metavar="FILE.png",
@@ -170,7 +187,7 @@ def _schedule_name(value) -> str:
 
 
 def _mesh_and_settings(ns, config):
-    from ..parallel import ParallelDims
+    from .parallel import ParallelDims
 
     opt_name, rank, side, targets, exclude, min_size = "adamw", 128, "auto", None, (), 0
     lowrank, gap = False, 200
@@ -193,8 +210,8 @@ def _mesh_and_settings(ns, config):
     if not seq_given:
         ns.seq_len = 2048
     if ns.config:
-        from ..config.loader import read_config_file
-        from ..config.resolve import resolve_config
+        from .config.loader import read_config_file
+        from .config.resolve import resolve_config
 
         cf = read_config_file(ns.config)
         par = cf.gradfix.parallel
@@ -223,6 +240,8 @@ def _mesh_and_settings(ns, config):
         rc = resolve_config(ns.config, num_processes=num_processes, micro_batch=ns.micro_batch, seq_len=ns.seq_len,
                             grad_accum=ns.grad_accum, model_config=config)
         mesh = rc.mesh
+        if _mesh_flags(ns):
+            mesh = _with_mesh_flags(ns, rc, cf, config)
         # parallel.ep (resolve_config has checked the file's own); --ep on a file without it: the same checks
         ep_cfg = int(getattr(par, "ep", 1) or 1)
         if ns.ep is not None and ep_cfg > 1 and ns.ep != ep_cfg:
@@ -244,7 +263,11 @@ def _mesh_and_settings(ns, config):
             raise PlanError(f"--pp {pp} with DeepSpeed ({ns.config}): DeepSpeed's own pipeline engine is not "
                             "planned; plan pp with FSDP2 / DDP or drop --pp")
     else:
-        n = ns.num_gpus or 1
+        flags = _mesh_flags(ns)
+        n = ns.num_gpus or math.prod([flags.get("dp_shard", 1), *(v for k, v in flags.items() if k != "dp_shard"), pp])
+        if flags and deepspeed:
+            raise PlanError(f"--{next(iter(flags)).replace('_', '-')} with --deepspeed: DeepSpeed ZeRO partitions over "
+                            "every process (one data-parallel group); drop the mesh flags, or --deepspeed")
         if n % pp:
             raise PlanError(f"--pp {pp}: does not divide the world size {n} (--num-gpus); use a divisor of {n}")
         if pp > 1 and deepspeed:
@@ -252,7 +275,8 @@ def _mesh_and_settings(ns, config):
                             "FSDP2 / DDP (drop --deepspeed) or drop --pp")
         n //= pp  # the other degrees share world / pp ranks
         # DeepSpeed partitions over every process (a replica each); accelerate's default stage is 2
-        mesh = ParallelDims(n, dp_replicate=n, dp_shard=1) if deepspeed else ParallelDims(n)
+        mesh = (ParallelDims(n, dp_replicate=n, dp_shard=1) if deepspeed
+                else ParallelDims(n, **{"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1, **flags}))
         zero = 2 if deepspeed and zero is None else zero
         if (ns.ep or 1) > 1:
             if deepspeed:
@@ -295,10 +319,42 @@ def _mesh_and_settings(ns, config):
     return mesh, s
 
 
+def _with_mesh_flags(ns, rc, cf, config):
+    """The --config's mesh with the mesh flags applied: a flag fills a degree the file does not set and may repeat
+    one it sets; a flag that contradicts the file is refused (one rule, as for --pp and --ep).  The file sets the
+    keys of its ``hf_gradfix.parallel`` section, or all four degrees through accelerate's ``parallelism_config``."""
+    from .parallel import ParallelDims, ParallelDimsError
+
+    mesh, flags = rc.mesh, _mesh_flags(ns)
+    first = f"--{next(iter(flags)).replace('_', '-')} {next(iter(flags.values()))}"
+    if rc.deepspeed is not None:
+        raise PlanError(f"{first} with {ns.config} (DeepSpeed): ZeRO partitions over every process (one data-parallel "
+                        "group); drop the mesh flags, or use an FSDP / DDP config")
+    degrees = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1}
+    if rc.mesh_source.startswith("accelerate"):  # parallelism_config: every degree given (a missing one is 1)
+        where, set_by_file = "accelerate's parallelism_config", {k: getattr(mesh, k) for k in degrees}
+    else:
+        raw = (cf.section or {}).get("parallel") if isinstance(cf.section, dict) else None
+        where, set_by_file = "parallel", {k: v for k, v in (raw or {}).items() if k in degrees}
+    degrees.update(set_by_file)
+    for key, value in flags.items():
+        if key in set_by_file and set_by_file[key] != value:
+            raise PlanError(f"--{key.replace('_', '-')} {value}: {ns.config} sets {where} {key}={set_by_file[key]}; keep "
+                            f"one of them (drop --{key.replace('_', '-')}, or edit the file)")
+        degrees[key] = value
+    try:
+        dims = ParallelDims(mesh.world_size, **degrees, pp=mesh.pp, pp_virtual_stages=mesh.pp_virtual_stages,
+                            ep=mesh.ep)
+    except ParallelDimsError as err:
+        raise PlanError(f"{first} with {ns.config}: {err}") from None
+    dims.check_model(config)
+    return dims
+
+
 def _with_ep(mesh, ep: int, config):
     """``mesh`` with expert parallelism ``ep`` (ParallelDims checks that ep divides the shard group, check_model that
     it divides the model's routed experts)."""
-    from ..parallel import ParallelDims
+    from .parallel import ParallelDims
 
     dims = ParallelDims(mesh.world_size, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
                         pp=mesh.pp, pp_virtual_stages=mesh.pp_virtual_stages, ep=ep)
@@ -309,7 +365,7 @@ def _with_ep(mesh, ep: int, config):
 def _check_ep_flags(ns, ep: int, mesh, pp: int, packing: bool, config_optimizer: str, fsdp_plugin: bool) -> None:
     """``--ep`` against the other choices, in :func:`hf_gradfix.parallel.ep.check_combination`'s words (config check's
     line) and the planner's own for what only the planner has (--suggest, --simulate)."""
-    from ..parallel.ep import check_combination
+    from .parallel.ep import check_combination
 
     if ns.optimizer is not None:
         opt, key = (ns.optimizer if ns.optimizer.startswith(("galore", "apollo")) else "none"), "--optimizer"
@@ -325,7 +381,7 @@ _RL_ONLY = ("prompt_len", "completion_len", "num_generations", "steps_per_genera
 
 def _rl_run(ns, config_packed: bool):
     """The RL run of the command line (None without --rl); its flags without --rl are refused."""
-    from .rl import DEFAULT_BETA, RLRun
+    from .plan.rl import DEFAULT_BETA, RLRun
 
     if ns.rl is None:
         given = [k for k in _RL_ONLY if getattr(ns, k) is not None]
@@ -364,9 +420,10 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
     named): a model, not a measurement.  Each row carries its predicted peak, tokens/s/GPU and MFU."""
     from dataclasses import replace
 
-    from ..parallel import ParallelDims, ParallelDimsError
-    from .pipeline import PipelineSpec, bubble_fraction, check_pipeline
-    from .throughput import GPU_SPECS, layout_throughput
+    from .parallel import ParallelDims, ParallelDimsError
+    from .parallel.pipeline import PipelineError, check_combination as check_pp_combination
+    from .parallel.pipeline_schedule import PipelineSpec, bubble_fraction, check_pipeline
+    from .plan.throughput import GPU_SPECS, layout_throughput
 
     spec = GPU_SPECS.get((gpu or "h100").lower().replace(" ", ""), GPU_SPECS["h100"])
     params = params if params is not None else param_table(config)
@@ -400,6 +457,10 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                         mesh.check_model(config)
                     except ParallelDimsError:
                         continue
+                    try:  # what the run refuses under pp (cp, tp x dp_shard, packing): not a layout to suggest
+                        check_pp_combination(pp=pp, tp=tp, cp=cp, dp_shard=rest // rep, packing=base.packing)
+                    except PipelineError:
+                        continue
                     for schedule, virtual in pipes:
                         bubble = bubble_fraction(PipelineSpec(pp, schedule, virtual, base.grad_accum))
                         for mb in (1, 2, 4, 8):
@@ -409,6 +470,8 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                                 if base.optimizer.startswith("galore"):
                                     variants.insert(1, (base.optimizer, True))
                                 for opt, lowrank in variants:
+                                    if pp > 1 and opt.startswith(("galore", "apollo")):
+                                        continue  # the run refuses low-rank optimizers under pp (check_combination)
                                     s = replace(base, micro_batch=mb, recompute=rc, optimizer=opt, zero=None,
                                                 lowrank_grads=lowrank, pp=pp, pp_schedule=schedule,
                                                 pp_virtual_stages=virtual)
@@ -429,7 +492,7 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
                                                  "dp_replicate": rep, "dp_shard": rest // rep, "tp": tp, "cp": cp,
                                                  "micro_batch": mb, "recompute": rc, "optimizer": opt,
                                                  "lowrank_grads": lowrank,
-                                                 "peak_gib": round(p.peak / GiB, 2),
+                                                 "peak_gib": round(p.peak / GiB, 2), "peak_bytes": p.peak,
                                                  "tokens_per_s_per_gpu": round(t["tokens_per_s_per_gpu"]),
                                                  "mfu": round(t["mfu"], 3),
                                                  "global_batch_tokens": p.global_batch_tokens})
@@ -438,8 +501,79 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
     return rows[:limit]
 
 
+def suggestion_yaml(row: dict, num_gpus: int) -> str:
+    """The accelerate YAML (``num_processes`` and the ``hf_gradfix`` section) that runs a :func:`suggest` row; the
+    micro-batch and recomputation are the Trainer's (``per_device_train_batch_size``, ``gradient_checkpointing``).
+
+    >>> print(suggestion_yaml({"dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 1, "pp": 1, "optimizer": "adamw",
+    ...                        "lowrank_grads": False}, 8))
+    distributed_type: MULTI_GPU
+    num_processes: 8
+    hf_gradfix:
+      parallel:
+        dp_replicate: 1
+        dp_shard: 4
+        tp: 2
+        cp: 1
+    """
+    # hf-gradfix launch builds the mesh itself from the section (accelerate's own ND keys are not needed)
+    lines = [f"distributed_type: {'MULTI_GPU' if num_gpus > 1 else 'NO'}", f"num_processes: {num_gpus}", "hf_gradfix:",
+             "  parallel:"]
+    lines += [f"    {k}: {row[k]}" for k in ("dp_replicate", "dp_shard", "tp", "cp")]
+    if row.get("pp", 1) > 1:
+        lines += [f"    pp: {row['pp']}", f"    pp_schedule: {row['pp_schedule']}"]
+        if row.get("pp_virtual_stages", 1) > 1:
+            lines.append(f"    pp_virtual_stages: {row['pp_virtual_stages']}")
+    if row.get("optimizer", "adamw") not in ("adamw", "sgd", "adamw8bit"):  # the Trainer's own optim otherwise
+        lines += ["  optimizer:", f"    name: {row['optimizer']}"]
+        if row.get("lowrank_grads"):
+            lines.append("    lowrank_grads: true")
+    return "\n".join(lines)
+
+
+def suggestion_command(row: dict, ns, num_gpus: int) -> str:
+    """The ``hf-gradfix plan`` command line that plans a :func:`suggest` row on its own."""
+    argv = ["hf-gradfix", "plan", "--model", ns.model, "--num-gpus", str(num_gpus)]
+    for k in ("dp_replicate", "dp_shard", "tp", "cp"):
+        argv += [f"--{k.replace('_', '-')}", str(row[k])]
+    if row.get("pp", 1) > 1:
+        argv += ["--pp", str(row["pp"]), "--pp-schedule", row["pp_schedule"]]
+        if row.get("pp_virtual_stages", 1) > 1:
+            argv += ["--pp-virtual-stages", str(row["pp_virtual_stages"])]
+    argv += ["--seq-len", str(ns.seq_len), "--micro-batch", str(row["micro_batch"]), "--grad-accum", str(ns.grad_accum),
+             "--recompute", row["recompute"], "--dtype", ns.dtype, "--optimizer", row["optimizer"]]
+    if row.get("lowrank_grads"):
+        argv.append("--lowrank-grads")
+    for flag in ("rank", "update_proj_gap"):
+        if getattr(ns, flag) is not None and row["optimizer"].startswith(("galore", "apollo")):
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(ns, flag))]
+    if ns.attention != "fused":
+        argv += ["--attention", ns.attention]
+    if ns.grad_fp32:
+        argv.append("--grad-fp32")
+    if ns.packing:
+        argv.append("--packing")
+    argv += ["--gpu", ns.gpu] if ns.gpu else ["--gpu-memory", str(ns.gpu_memory)]
+    import shlex
+
+    return shlex.join(argv)
+
+
+def suggestion_text(row: dict, ns, num_gpus: int) -> str:
+    """What to paste and type for the best layout (printed after the table)."""
+    yaml_text = suggestion_yaml(row, num_gpus)
+    trainer = [f"per_device_train_batch_size={row['micro_batch']}"]
+    if row["recompute"] == "full":
+        trainer.append("gradient_checkpointing=True")
+    return ("\nto use the first layout, paste into your accelerate config (run.yaml):\n"
+            + "\n".join("  " + line for line in yaml_text.splitlines())
+            + f"\nwith the Trainer's {', '.join(trainer)} (gradient_accumulation_steps={ns.grad_accum}), then check "
+            "and launch it:\n  hf-gradfix config check run.yaml\n  hf-gradfix launch --config run.yaml train.py\n"
+            f"or plan it on its own:\n  {suggestion_command(row, ns, num_gpus)}")
+
+
 def _gpu_specs() -> dict:
-    from .throughput import GPU_SPECS
+    from .plan.throughput import GPU_SPECS
 
     return GPU_SPECS
 
@@ -475,7 +609,8 @@ def plot_plan(plans: list, path: str, labels: list[str] | None = None, gpu_memor
 _FLAG_BOUNDS = {
     "--num-gpus": ("num_gpus", 2**20), "--seq-len": ("seq_len", 2**24), "--micro-batch": ("micro_batch", 2**20),
     "--grad-accum": ("grad_accum", 2**20), "--rank": ("rank", 65536), "--update-proj-gap": ("update_proj_gap", 2**31 - 1),
-    "--pp": ("pp", 2**20), "--pp-virtual-stages": ("pp_virtual_stages", 2**20), "--ep": ("ep", 2**20),
+    "--pp": ("pp", 2**20), "--dp-replicate": ("dp_replicate", 2**20), "--dp-shard": ("dp_shard", 2**20),
+    "--tp": ("tp", 2**20), "--cp": ("cp", 2**20), "--pp-virtual-stages": ("pp_virtual_stages", 2**20), "--ep": ("ep", 2**20),
     "--prompt-len": ("prompt_len", 2**24), "--completion-len": ("completion_len", 2**24),
     "--num-generations": ("num_generations", 2**24), "--steps-per-generation": ("steps_per_generation", 2**20),
 }
@@ -495,7 +630,13 @@ def _check_flags(ns) -> None:
     for flag, path in (("--plot", ns.plot), ("--timeline", ns.timeline)):
         if path is None:
             continue
+        import importlib.util
         import os
+
+        # optional imports first: before the model is built or a step traced (minutes for big configs)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise PlanError(f"{flag} {path}: needs matplotlib, which is not installed: pip install matplotlib "
+                            f"(or drop {flag})")
 
         folder = os.path.dirname(os.path.abspath(path))
         ext = os.path.splitext(path)[1].lower().lstrip(".")
@@ -508,12 +649,44 @@ def _check_flags(ns) -> None:
             raise PlanError(f"{flag} {path}: is a folder; give a file name such as {os.path.join(path, 'plan.png')}")
 
 
+def _decide_defaults(ns) -> None:
+    """Defaults that depend on other flags, decided (and refusals made) before any work: the dtype a trace can run,
+    and the world size ``--suggest`` lays out."""
+    traced = ns.simulate or ns.timeline is not None
+    flag = "--timeline" if ns.timeline is not None else "--simulate"
+    ns.dtype_note = None
+    if ns.dtype is None:
+        ns.dtype = "amp-bf16" if traced else "bf16"
+        if traced:  # said when the trace starts: a refusal before it stays one line
+            ns.dtype_note = (f"hf-gradfix plan: {flag} traces what torch runs: planning with --dtype amp-bf16 (the "
+                             "Trainer's bf16=True); pass --dtype fp32 or bf16-pure for another")
+    elif traced:
+        from .plan.trace_setup import check_traced_dtype
+
+        check_traced_dtype(ns.dtype)  # the library's own line, before any work
+    if ns.suggest and not (ns.gpu or ns.gpu_memory):
+        raise PlanError("--suggest: how much memory per GPU? add --gpu NAME (e.g. h100) or --gpu-memory SIZE "
+                        "(e.g. 80GiB)")
+    if ns.suggest and ns.num_gpus is None and not _mesh_flags(ns) and not ns.config:
+        raise PlanError("--suggest: how many GPUs? add --num-gpus N (the world size to lay out), or a --config with "
+                        "num_processes")
+
+
+_MESH_FLAGS = ("dp_replicate", "dp_shard", "tp", "cp")
+
+
+def _mesh_flags(ns) -> dict:
+    """The mesh degrees given on the command line (parallel keys -> values)."""
+    return {k: getattr(ns, k) for k in _MESH_FLAGS if getattr(ns, k, None) is not None}
+
+
 def plan_main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(argv) if argv is not None else None)
-    from ..errors import HfGradfixError
+    from .errors import HfGradfixError
 
     try:
         _check_flags(ns)
+        _decide_defaults(ns)
         config = load_model_config(ns.model)
         gpu = parse_memory(ns.gpu_memory or ns.gpu) if (ns.gpu_memory or ns.gpu) else None
         mesh, s = _mesh_and_settings(ns, config)
@@ -534,9 +707,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             raise PlanError(f"--simulate / --timeline with pp={plan.mesh['pp']}: the fake-tensor step traces one rank "
                             "without pipeline stages; drop them (the closed form above plans every stage)")
         if ns.simulate or ns.timeline:
-            from .simulate import simulate
+            from .plan.simulate import simulate
 
             started = time.perf_counter()
+            if ns.dtype_note:
+                print(ns.dtype_note, file=sys.stderr, flush=True)
             print(f"hf-gradfix plan: simulating one training step of rank 0 under fake tensors "
                   f"({mesh.world_size} rank(s)) ...", file=sys.stderr, flush=True)
             sim = simulate(config, mesh, s, progress=lambda line: print(
@@ -544,7 +719,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}
             out["simulated"]["timeline"] = sim["timeline"].to_dict()
             if ns.timeline and s.rl is not None:
-                from .rl_simulate import plot_rl_timeline
+                from .plan.rl_simulate import plot_rl_timeline
 
                 plot_rl_timeline(sim["timeline"], ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
                     f"{ns.model}: one {s.rl.trainer.upper()} optimizer step ({s.rl.forwards} forwards), rank 0 of "
@@ -561,7 +736,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         rows = None
         if ns.suggest:
             if gpu is None:
-                raise PlanError("--suggest needs --gpu-memory or --gpu")
+                raise PlanError("--suggest: how much memory per GPU? add --gpu NAME (e.g. h100) or --gpu-memory SIZE "
+                                "(e.g. 80GiB)")
             rows = suggest(config, ns.num_gpus or plan.mesh["world_size"], gpu, s, params=params, gpu=ns.gpu)
             out["suggest"] = rows
         if ns.plot:
@@ -575,10 +751,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out, indent=2, default=str))
         return 0
     print(plan.table())
+    # one unit for every figure of this output: the table's (GiB, or MiB for a plan under a quarter GiB)
+    unit, div = ("GiB", GiB) if plan.peak >= GiB / 4 else ("MiB", 1024**2)
     if sim is not None and s.rl is not None:
         _print_rl_simulated(plan, sim, mesh)
     elif sim is not None:
-        unit, div = ("GiB", GiB) if plan.peak >= GiB / 4 else ("MiB", 1024**2)
         print(f"\nsimulated step (fake tensors, rank 0 of {mesh.world_size}, {sim['seconds']:.1f} s): traced peak "
               f"{sim['peak'] / div:.3f} {unit} during the {sim['phase']}")
         print(f"  {'component':<17}{'closed form':>12}{'traced max':>12}{'at peak':>10}{'after step':>11}   ({unit})")
@@ -595,20 +772,22 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         print(f"\nlayouts that fit ({len(rows)} shown, best expected throughput/GPU first; an analytic model "
               f"for {(ns.gpu or 'h100') if (ns.gpu or 'h100').lower() in _gpu_specs() else 'h100'}, not measured):")
         print(f"  {'pp':>2} {'schedule':>18} {'bubble':>6} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'mb':>3} "
-              f"{'recompute':>9} {'optimizer':>22} {'peak GiB':>9} {'tok/s/GPU':>10} {'MFU':>5}")
+              f"{'recompute':>9} {'optimizer':>22} {'peak ' + unit:>9} {'tok/s/GPU':>10} {'MFU':>5}")
         for r in rows:
             sched = "-" if r["pp"] == 1 else r["pp_schedule"] + (f" v{r['pp_virtual_stages']}"
                                                                  if r["pp_virtual_stages"] > 1 else "")
             print(f"  {r['pp']:>2} {sched:>18} {100 * r['bubble']:>5.1f}% "
                   f"{r['dp_replicate']:>6} {r['dp_shard']:>8} {r['tp']:>3} {r['cp']:>3} {r['micro_batch']:>3} "
-                  f"{r['recompute']:>9} {r['optimizer'] + ('+lowrank_grads' if r.get('lowrank_grads') else ''):>22} {r['peak_gib']:>9} {r['tokens_per_s_per_gpu']:>10,} "
+                  f"{r['recompute']:>9} {r['optimizer'] + ('+lowrank_grads' if r.get('lowrank_grads') else ''):>22} {r['peak_bytes'] / div:>9.3f} {r['tokens_per_s_per_gpu']:>10,} "
                   f"{r['mfu']:>5.2f}")
         if not rows:
             print("  none: more GPUs, a bigger GPU, or a smaller sequence")
+        else:
+            print(suggestion_text(rows[0], ns, num_gpus=ns.num_gpus or plan.mesh["world_size"]))
     if ns.plot:
         print(f"\nplot written to {ns.plot}")
     if ns.timeline:
-        print(f"timeline written to {ns.timeline} (peak {sim['timeline'].peak / 1024**2:,.1f} MiB: "
+        print(f"timeline written to {ns.timeline} (traced peak {sim['timeline'].peak / div:.3f} {unit}: "
               f"{sim['timeline'].peak_label})")
     return 0 if plan.fits in (None, True) else 1
 
