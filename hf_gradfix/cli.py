@@ -211,6 +211,12 @@ def launch(argv: Sequence[str]) -> int:
                 os.environ[ENV_VAR] = ours  # inherited by every rank
                 os.environ[ORIGIN_ENV_VAR] = str(path)  # named in the start line and in conflict messages
             os.environ.update(_cpu_launch_env(acc, resolved))
+            if resolved.deepspeed is not None:  # issue 39: minutes of silence otherwise, on a first CPU launch
+                from .integration.first_run import deepspeed_cpu_build_notice
+
+                notice = deepspeed_cpu_build_notice()
+                if notice:
+                    print(notice, file=sys.stderr, flush=True)
             if resolved.mesh.cp > 1:
                 # accelerate refuses parallelism_config cp > 1 without its FSDP plugin; hf_gradfix shards the
                 # model itself (FSDP2 over dp_shard x cp), as axolotl does

@@ -319,6 +319,10 @@ def _resolve_aux(trainer: Trainer, state: GradFixState, holder: dict) -> None:
         state.aux_coef = float(config_coef)
 
 
+# what stock transformers 5 already does for a loss that honours num_items_in_batch (the start line says "unchanged")
+_STOCK_EXACT = "passing the exact global count"
+
+
 def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -> None:
     w = _dp_world(trainer)
     model_name = _model_name(trainer.model)
@@ -330,9 +334,9 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
         elif getattr(trainer, "model_accepts_loss_kwargs", True) is False:
             fixes.append(f"model honours num_items_in_batch although accepts_loss_kwargs=False, {m.reason}: passing the count")
         else:
-            fixes.append(f"model honours num_items_in_batch, {m.reason}: passing the exact global count")
+            fixes.append(f"model honours num_items_in_batch, {m.reason}: {_STOCK_EXACT}")
     if state.func is not None:
-        how = "passing the global count" if state.func.honors_num_items else "rescaling its per-micro-batch mean"
+        how = _STOCK_EXACT if state.func.honors_num_items else "rescaling its per-micro-batch mean"
         verb = "honours" if state.func.honors_num_items else "ignores"
         fixes.append(f"compute_loss_func {verb} num_items_in_batch, {state.func.reason}: {how}")
     if trainer.label_smoother is not None and m is not None:
@@ -353,25 +357,31 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
     if not state.chain_is_default and owner is not None:
         c = state.chain
         if c.honors_num_items:
-            fixes.append(f"{owner.__name__}.compute_loss honours num_items_in_batch, {c.reason}: passing the global count")
+            fixes.append(f"{owner.__name__}.compute_loss honours num_items_in_batch, {c.reason}: {_STOCK_EXACT}")
         else:
             fixes.append(f"{owner.__name__}.compute_loss ignores num_items_in_batch, {c.reason}: rescaling its per-micro-batch mean")
-    if state.config.loss.eval_token_mean:
+    # only where this run evaluates: the start line of a train-only run lists what its training changed
+    if state.config.loss.eval_token_mean and getattr(trainer, "eval_dataset", None) is not None:
         fixes.append("eval_loss = exact target mean over the eval set and all ranks")
     if state.packing_line:
         fixes.append(state.packing_line)
     if state.optimizer_line:
         fixes.append(state.optimizer_line)
     if state.config.log_fixes:
-        logger.info(
+        from .start_line import log_on_own_line, split_changes, summary
+
+        # transformers 5 passes the window's global count itself: a loss that honours it was already exact
+        stock_exact = (_STOCK_EXACT,) if transformers_major() >= 5 else ()
+        log_on_own_line(
+            logger,
             "hf_gradfix (%s; settings from: %s) on %s with %s: loss = sum over the optimizer window / global target "
-            "count (all micro-batches, %d data-parallel rank(s)). Fixes: %s.",
+            "count (all micro-batches, %d data-parallel rank(s)). %s.",
             state.source,
             state.settings_from,
             type(trainer).__name__,
             model_name,
             w,
-            "; ".join(fixes),
+            summary(*split_changes(fixes, stock_exact)),
         )
 
 

@@ -1,0 +1,62 @@
+"""Issue 39: a notice before the silent minutes of a first DeepSpeed-on-CPU launch (its all-reduce op build)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_gradfix.cli import main
+from hf_gradfix.integration.first_run import SHM_OP, extension_build_dir
+
+CONFIG = str(Path(__file__).parent.parent / "configs" / "accelerate" / "cpu_deepspeed.yaml")
+
+
+@pytest.fixture
+def launched(tmp_path, monkeypatch, capsys):
+    """``hf-gradfix launch`` as a user types it, with accelerate's launcher replaced by a marker (the op build happens
+    in the ranks it would start): returns the launcher's stderr up to and including that marker."""
+    import sys
+
+    import accelerate.commands.launch as accelerate_launch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.delenv("HF_GRADFIX_CONFIG", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: print("<ranks start>", file=sys.stderr))
+    script = tmp_path / "train.py"
+    script.write_text("")
+
+    def run() -> str:
+        assert main(["launch", "--config_file", CONFIG, str(script)]) == 0
+        return capsys.readouterr().err
+
+    return run
+
+
+def test_first_deepspeed_cpu_launch_announces_the_op_build_before_the_ranks_start(launched, tmp_path):
+    err = launched()
+    assert "<ranks start>" in err
+    before = err[: err.index("<ranks start>")]
+    assert f"compiles its shared-memory all-reduce op ({SHM_OP})" in before and "minutes" in before, err
+    assert str(tmp_path / "ext" / SHM_OP) in before, err  # where the build is cached
+
+
+def test_a_cached_op_is_not_announced(launched, tmp_path, monkeypatch):
+    # torch.utils.cpp_extension's cache: <TORCH_EXTENSIONS_DIR>/<name>/<name>.so, loaded in seconds when present
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    built = Path(extension_build_dir(SHM_OP))
+    assert built == tmp_path / "ext" / SHM_OP
+    built.mkdir(parents=True)
+    (built / f"{SHM_OP}.so").write_bytes(b"")
+    err = launched()
+    assert "<ranks start>" in err and SHM_OP not in err, err
+
+
+def test_build_dir_is_the_one_torch_builds_into(tmp_path, monkeypatch):
+    # ground truth: torch.utils.cpp_extension's own (private) rule, with its default root moved under tmp_path
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(cpp, "get_default_build_root", lambda: str(tmp_path))
+    assert extension_build_dir(SHM_OP) == cpp._get_build_directory(SHM_OP, verbose=False)
