@@ -174,9 +174,13 @@ row("plan --simulate ~1e13 parameters", "hang", "cli", {"files": {"big.json": js
     "argv": ["plan", "--model", "big.json", "--simulate"]}, "refuse", "--simulate")
 
 # --- misleading
-for leave in ("catch_and_exit", "exit_in_step"):  # the script catches verify's stop, or sys.exit(0)s inside the step
-    row(f"verify: script {leave}", "misleading", "cli", {"argv": ["verify", "--", "python", str(ROOT / 'tests' / 'verify_scripts' / 'train_user.py'), "--output_dir", "out",
-        "--leave", leave]}, "accept", "EXACT")
+USER_SCRIPT = str(ROOT / "tests" / "verify_scripts" / "train_user.py")
+# the script catches verify's stop and exits 0 (the comparison ran first: its report must stand), or sys.exit(0)s
+# inside step 1 before the comparison (nothing was checked: exit 2, saying where it left, not "never called train()")
+row("verify: script catch_and_exit", "misleading", "cli", {"argv": ["verify", "--", "python", USER_SCRIPT, "--output_dir",
+    "out", "--leave", "catch_and_exit"]}, "accept", "EXACT")
+row("verify: script exit_in_step", "misleading", "cli", {"argv": ["verify", "--", "python", USER_SCRIPT, "--output_dir",
+    "out", "--leave", "exit_in_step"]}, "refuse", "before verify could compare")
 row("40,000 unknown keys", "misleading", "cli", {"file": CPU + "hf_gradfix:\n" + "".join(f"  k{i}: 1\n" for i in range(40000)),
     "argv": ["config", "check", "{file}"], "max_lines": 30}, "refuse", "unknown key")
 
