@@ -286,7 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``hf-gradfix`` argument parser (``launch`` and ``plan`` parse their own arguments)."""
     parser = argparse.ArgumentParser(prog="hf-gradfix", description=_TOP_DESCRIPTION, epilog=_TOP_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"hf-gradfix {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("env", help="versions of the stack and the device, for a bug report (like accelerate env)")
     sub.add_parser("launch", help="accelerate launch with a YAML that carries an hf_gradfix: section (same arguments)")
     sub.add_parser("plan", help="per-rank memory for a model and a configuration (closed form, --simulate, --suggest)")
     sub.add_parser("verify", help="prove a run exact: your script's gradients vs the one-process ground truth "
@@ -339,6 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = parser.parse_args(argv)
         if ns.command == "config" and ns.config_command == "check":
             return _cmd_config_check(ns)
+        if ns.command == "env":
+            from .env_report import environment_lines
+
+            print("Copy-and-paste the text below in your GitHub issue\n")
+            print("\n".join(environment_lines()))
+            return 0
         parser.error("unknown command")
     except HfGradfixError as err:
         print(f"hf-gradfix {command}: {err}", file=sys.stderr)

@@ -147,3 +147,33 @@ def test_a_trainer_launched_as_several_processes_but_running_alone_is_refused(tm
     assert state_of(trainer) is None
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert install(trainer, load_config({}), source="test") is state_of(trainer)
+
+
+def test_version_and_env_for_a_bug_report(tmp_path):
+    """``hf-gradfix --version`` and ``hf-gradfix env`` (like accelerate's and TRL's): typed from outside the clone,
+    the versions named are the installed ones (read here from importlib.metadata, not from the report's code)."""
+    from importlib import metadata
+
+    import hf_gradfix
+
+    env = {**os.environ, "PYTHONPATH": str(H.REPO_ROOT)}
+    version = subprocess.run([sys.executable, "-m", "hf_gradfix", "--version"], capture_output=True, text=True,
+                             env=env, cwd=tmp_path, timeout=600)
+    assert version.returncode == 0 and version.stdout.strip() == f"hf-gradfix {hf_gradfix.__version__}", version
+    report = subprocess.run([sys.executable, "-m", "hf_gradfix", "env"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=600)
+    assert report.returncode == 0, report.stderr
+    for name in ("torch", "transformers", "accelerate"):
+        assert f"- {name}: {metadata.version(name)}\n" in report.stdout, report.stdout
+    assert "- device: " in report.stdout and "- lock: " in report.stdout
+
+
+def test_lock_drift_names_what_differs(tmp_path):
+    from importlib import metadata
+
+    from hf_gradfix.env_report import lock_drift
+
+    lock = tmp_path / "lock.txt"
+    lock.write_text(f"torch=={metadata.version('torch')}\npyyaml==0.0.1  # a pin nobody has\n")
+    assert lock_drift(lock) == [f"pyyaml: installed {metadata.version('pyyaml')}, locked 0.0.1"]
+    assert lock_drift(tmp_path / "none.txt") is None
