@@ -557,12 +557,31 @@ def test_quickstart_install_line_covers_what_its_snippets_import():
     for page in (root / "docs" / "quickstart.md", root / "README.md"):
         text = page.read_text()
         install = " ".join(line for line in text.splitlines() if line.startswith("pip install -e"))
-        extras = {"peft": "peft"} if "[peft]" in install else {}
+        chosen = set(re.findall(r"\[([a-z0-9,]+)\]", install)[0].split(",")) if "[" in install else set()
+        extras = {name: name for name in chosen}
         snippets = "\n".join(re.findall(r"```python\n(.*?)```", text, flags=re.S))
         imported = set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", snippets, flags=re.M))
         missing = [m for m in imported if m not in deps and m not in extras and m not in install.split()
                    and m not in sys.stdlib_module_names]
         assert not missing, (page.name, missing, install)
+
+
+def test_readme_and_quickstart_share_one_install_text_and_its_extras_exist():
+    """One install text for README and quickstart (they differed: unpinned torch vs 2.13.0, . vs .[peft]); every extra
+    they name is an extra of pyproject.toml."""
+    import pathlib
+    import re
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    texts = [[line for line in (root / page).read_text().splitlines() if line.startswith("pip install")]
+             for page in ("README.md", "docs/quickstart.md")]
+    readme = [line for line in texts[0] if "[docs]" not in line]  # README's docs section installs the docs extra
+    assert readme == texts[1] and len(readme) == 2, texts
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = re.findall(r"\[([a-z0-9,]+)\]", readme[1])[0].split(",") + re.findall(r"extras: (.*)$", readme[1])[0].replace(
+        "plot (matplotlib: plan --timeline, verify --plot)", "plot").split(", ")
+    assert {n.strip() for n in named} <= set(extras), (named, sorted(extras))
 
 
 def test_verify_model_with_a_malicious_pickle_is_one_line_and_never_runs_it(tmp_path, capsys):
