@@ -282,6 +282,31 @@ examples:
   hf-gradfix plan --model llama-3.1-8b --config run.yaml --seq-len 4096 --micro-batch 2 --gpu h100"""
 
 
+def _cmd_configs(ns: argparse.Namespace) -> int:
+    """``hf-gradfix configs list | show NAME | copy NAME [DEST]``."""
+    from .config.shipped import shipped_names, shipped_path
+
+    if ns.configs_command == "list":
+        for name, path in shipped_names().items():
+            first = next((line.lstrip("# ").strip() for line in path.read_text(encoding="utf-8").splitlines()
+                          if line.startswith("#") and line.strip("# ")), "")
+            print(f"{name:34s} {first[:90]}")
+        return 0
+    path = shipped_path(ns.name)
+    if path is None:
+        raise InvalidArgumentError(f"{ns.name!r}: no shipped configuration of that name; hf-gradfix configs list names "
+                                   "them all")
+    if ns.configs_command == "show":
+        print(path.read_text(encoding="utf-8"), end="")
+        return 0
+    dest = os.path.join(ns.dest, path.name) if os.path.isdir(ns.dest) else ns.dest
+    if os.path.exists(dest):
+        raise InvalidArgumentError(f"{dest}: exists; copy refuses to overwrite (give another DEST)")
+    shutil.copyfile(path, dest)
+    print(f"copied {ns.name} to {dest}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-gradfix`` argument parser (``launch`` and ``plan`` parse their own arguments)."""
     parser = argparse.ArgumentParser(prog="hf-gradfix", description=_TOP_DESCRIPTION, epilog=_TOP_EPILOG,
@@ -291,6 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hf-gradfix {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("env", help="versions of the stack and the device, for a bug report (like accelerate env)")
+    shipped = sub.add_parser("configs", help="the configurations shipped with hf_gradfix: list, show NAME, copy NAME [DEST]",
+                             description="The configurations installed with the package. Wherever a config file is "
+                             "read, a shipped one can be given by name (e.g. --config_file cpu_pp).")
+    shipped_sub = shipped.add_subparsers(dest="configs_command", required=True, metavar="SUBCOMMAND")
+    shipped_sub.add_parser("list", help="every shipped configuration by name, with its first comment line")
+    show = shipped_sub.add_parser("show", help="print one")
+    show.add_argument("name")
+    copy = shipped_sub.add_parser("copy", help="copy one into a file or folder to edit it (never overwrites)")
+    copy.add_argument("name")
+    copy.add_argument("dest", nargs="?", default=".")
     sub.add_parser("launch", help="accelerate launch with a YAML that carries an hf_gradfix: section (same arguments)")
     sub.add_parser("plan", help="per-rank memory for a model and a configuration (closed form, --simulate, --suggest)")
     sub.add_parser("verify", help="prove a run exact: your script's gradients vs the one-process ground truth "
@@ -343,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = parser.parse_args(argv)
         if ns.command == "config" and ns.config_command == "check":
             return _cmd_config_check(ns)
+        if ns.command == "configs":
+            return _cmd_configs(ns)
         if ns.command == "env":
             from .env_report import environment_lines
 

@@ -191,7 +191,7 @@ def test_command_line_numbers_are_checked(tmp_path, capsys):
         (["config", "check", path, "--num-processes", "0"], "--num-processes 0"),
         (["config", "check", path, "--micro-batch", "-1", "--seq-len", "8"], "--micro-batch -1"),
         (["config", "check", path, "--grad-accum", "0"], "--grad-accum 0"),
-        (["launch", "--config_file", path, "--num_processes", "0", "x.py"], "--num-processes 0"),
+        (["launch", "--config_file", path, "--num_processes", "0", "x.py"], "--num_processes 0"),  # the flag as typed
     ):
         code, err = _cli(argv, capsys)
         assert code == 2 and fragment in err and "Traceback" not in err, err

@@ -177,3 +177,46 @@ def test_lock_drift_names_what_differs(tmp_path):
     lock.write_text(f"torch=={metadata.version('torch')}\npyyaml==0.0.1  # a pin nobody has\n")
     assert lock_drift(lock) == [f"pyyaml: installed {metadata.version('pyyaml')}, locked 0.0.1"]
     assert lock_drift(tmp_path / "none.txt") is None
+
+
+def test_shipped_configs_by_name_from_outside_the_clone(tmp_path):
+    """Typed where a user stands (a folder outside the clone): config check / launch take a shipped configuration by
+    name; configs list names every shipped file; show prints it; copy writes an editable copy and never overwrites.
+    A CPU file is reported as running on the CPU."""
+    env = {**os.environ, "PYTHONPATH": str(H.REPO_ROOT)}
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "hf_gradfix", *argv], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=600)
+
+    shipped = sorted(p.relative_to(H.REPO_ROOT / "hf_gradfix" / "configs").with_suffix("").as_posix()
+                     for p in (H.REPO_ROOT / "hf_gradfix" / "configs").rglob("*") if p.suffix in (".yaml", ".json"))
+    listed = run("configs", "list")
+    assert listed.returncode == 0 and [line.split()[0] for line in listed.stdout.splitlines()] == shipped
+    check = run("config", "check", "cpu_pp")
+    assert check.returncode == 0, check.stderr
+    assert "launch            MULTI_GPU, 2 process(es) on the CPU" in check.stdout and "pp=2" in check.stdout
+    assert run("config", "check", "accelerate/fsdp2").returncode == 0
+    missing = run("config", "check", "cpu_ppp")
+    assert missing.returncode == 2 and "the name of a shipped configuration" in missing.stderr and "cpu_pp" in missing.stderr
+    shown = run("configs", "show", "cpu_pp")
+    assert shown.stdout == (H.REPO_ROOT / "configs" / "cpu_pp.yaml").read_text()
+    assert run("configs", "copy", "cpu_pp").returncode == 0
+    assert (tmp_path / "cpu_pp.yaml").read_text() == shown.stdout
+    again = run("configs", "copy", "cpu_pp")
+    assert again.returncode == 2 and "refuses to overwrite" in again.stderr
+
+
+def test_the_wheel_carries_the_shipped_configs(tmp_path):
+    """package data: a wheel built from the tree holds every shipped configuration (what pip install gets)."""
+    import zipfile
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                           str(tmp_path), str(H.REPO_ROOT)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.skip(f"no wheel build here: {proc.stderr[-300:]}")
+    wheel = next(tmp_path.glob("*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for path in (H.REPO_ROOT / "hf_gradfix" / "configs").rglob("*"):
+        if path.suffix in (".yaml", ".json"):
+            assert path.relative_to(H.REPO_ROOT).as_posix() in names, path

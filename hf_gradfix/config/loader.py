@@ -611,6 +611,10 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
     path = os.path.expanduser(raw)
     shown = raw
     from ..files import not_a_regular_file
+    from .shipped import shipped_names, shipped_path
+
+    if not os.path.exists(path) and shipped_path(raw) is not None:  # a shipped configuration, by name
+        path = str(shipped_path(raw))
 
     kind = not_a_regular_file(path)
     if kind is not None and not os.path.isdir(path):  # a FIFO blocks open() until a writer comes; a device never ends
@@ -634,7 +638,9 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
                 f"{ENV_VAR}={raw!r}: config file not found{extra}; "
                 f"fix the path or unset {ENV_VAR} to use the defaults"
             ) from None
-        raise ConfigError(f"config file not found: {raw}{extra}") from None
+        names = ", ".join(n for n in shipped_names() if "/" not in n)
+        raise ConfigError(f"config file not found: {raw}{extra}; give a file, or the name of a shipped "
+                          f"configuration ({names}, accelerate/...: hf-gradfix configs list)") from None
     except IsADirectoryError:
         raise ConfigError(_env_note(f"config path is a directory, not a YAML file: {raw}", via_env)) from None
     except UnicodeDecodeError as err:

@@ -89,7 +89,8 @@ class ResolvedConfig:
         opt = g.optimizer
         out = [
             f"config            {self.path}",
-            f"launch            {self.distributed_type}, {self.world_size} process(es)",
+            f"launch            {self.distributed_type}, {self.world_size} process(es)"
+            + (" on the CPU (use_cpu: true; gloo)" if self.use_cpu else ""),
             f"mesh              {self.mesh.describe()} [from {self.mesh_source}]",
             f"loss              {'exact token mean over the window and ' + str(self.mesh.dp_cp) + ' rank(s) holding different tokens' if g.loss.enabled else 'left to transformers'}",
             f"packing           {'rows of <= %d tokens (%s)' % (g.packing.token_budget, g.packing.mode) if g.packing.enabled else 'off'}",
