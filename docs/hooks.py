@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CLI_COMMANDS: list[list[str]] = [[], ["launch"], ["config", "check"], ["verify"], ["plan"]]
+CLI_COMMANDS: list[list[str]] = [[], ["launch"], ["config", "check"], ["configs"], ["env"], ["verify"], ["plan"]]
 
 
 def _type_name(tp: typing.Any) -> str:
