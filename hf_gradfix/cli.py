@@ -184,13 +184,17 @@ def launch(argv: Sequence[str]) -> int:
     args = _launch_parser().parse_args(list(argv))
     _check_launch_numbers(args)
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-    tmp = None
+    tmp, summary = None, None
     saved_env = {k: os.environ.get(k) for k in (ENV_VAR, ORIGIN_ENV_VAR, "ACCELERATE_USE_CPU", "DS_ACCELERATOR",
                                                 "ACCELERATE_ALLOW_CP_STANDALONE")}
     try:
         if path is not None:
             # validate everything (file, accelerate keys, section, mesh) before any process starts
             resolved = resolve_config(path, num_processes=args.num_processes, for_launch=True)
+            summary = (f"hf-gradfix launch: {resolved.distributed_type}, {resolved.mesh.describe()} "
+                       f"[{resolved.mesh_source}]; loss "
+                       f"{'exact over the window' if resolved.gradfix.loss.enabled else 'left to transformers'}"
+                       f"{', packing' if resolved.gradfix.packing.enabled else ''} ({path})")
             acc, section = split_config(path)
             tmp = tempfile.mkdtemp(prefix="hf_gradfix_launch_")
             if acc:
@@ -225,6 +229,8 @@ def launch(argv: Sequence[str]) -> int:
         if not (args.module or args.no_python) and not os.path.isfile(script):
             raise InvalidArgumentError(f"training script {script!r} not found (resolved to {os.path.abspath(script)}); "
                                        "give the path of your .py file, or -m package.module for a module")
+        if summary:  # the resolved mesh in one line, once every check passed, before any process starts
+            print(summary, file=sys.stderr, flush=True)
         try:
             launch_command(args)
         except subprocess.CalledProcessError as err:  # the script failed: its own traceback is above

@@ -63,7 +63,8 @@ def test_config_check_prints_world_mesh_and_global_batch(tmp_path, capsys):
     [
         ({"parallelism_config": {"tp_size": 2}}, "accelerate only reads keys with the 'parallelism_config_' prefix"),
         ({"hf_gradfix": {"parallel": {"dp_shard": 3, "tp": 2}}}, "= 6 processes, but the world size is 4"),
-        ({"hf_gradfix": {"parallel": {"tp": 3}}}, "does not divide the world size 4"),
+        ({"hf_gradfix": {"parallel": {"tp": 3}}}, "the degrees set (tp=3) multiply to 3, which does not divide num_processes 4; dp_shard (not set"),
+        ({"hf_gradfix": {"parallel": {"tp": 3, "dp_shard": -1}}}, "dp_shard=-1: the other degrees multiply to 3"),  # set: named
         ({"hf_gradfix": {"parallel": {"tp": 2}}, "parallelism_config": {"parallelism_config_tp_size": 4}}, "keep one of them"),
         ({"hf_gradfix": {"paralel": {"tp": 2}}}, "did you mean 'parallel'"),
         ({"hf_gradfix": {"parallel": {"tp": 0}}}, "parallel.tp: invalid value 0"),
@@ -220,3 +221,25 @@ def test_the_wheel_carries_the_shipped_configs(tmp_path):
     for path in (H.REPO_ROOT / "hf_gradfix" / "configs").rglob("*"):
         if path.suffix in (".yaml", ".json"):
             assert path.relative_to(H.REPO_ROOT).as_posix() in names, path
+
+
+def test_launch_prints_the_resolved_mesh_once_and_config_check_explains_plain_accelerate(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """launch: one line with the engine, the mesh and where it came from, after every check and before any process;
+    config check on a file with the section says how to launch it (plain accelerate stops on the section: measured
+    here with accelerate's own config loader)."""
+    import accelerate.commands.launch as accelerate_launch
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = str(H.REPO_ROOT / "configs" / "cpu_pp.yaml")
+    with pytest.raises(Exception) as err:  # the measurement: accelerate's loader refuses the plugin's section
+        load_config_from_file(path)
+    assert "hf_gradfix" in str(err.value) or "upgrad" in str(err.value)
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: None)
+    (tmp_path / "train.py").write_text("")
+    assert main(["launch", "--config_file", path, str(tmp_path / "train.py")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hf-gradfix launch:")]
+    assert lines == [f"hf-gradfix launch: MULTI_GPU, 2 process(es): pp=2 (data-parallel 1, token groups 1, shard groups 1) "
+                     f"[hf_gradfix.parallel]; loss exact over the window ({path})"], lines
+    assert main(["config", "check", path]) == 0
+    assert f"launch this file with `hf-gradfix launch --config_file {path} train.py`" in capsys.readouterr().out

@@ -216,6 +216,20 @@ def resolve_config(
             mesh = ParallelDims(world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, cp=par.cp,
                                 pp=par.pp, pp_virtual_stages=par.pp_virtual_stages, ep=par.ep)
         except ParallelDimsError as err:  # the file and the key as every other line names them
+            given = (section or {}).get("parallel") if isinstance((section or {}).get("parallel"), dict) else {}
+            if str(err).startswith("parallel.dp_shard=-1:") and "dp_shard" not in given:
+                # the default took the blame for degrees the user set: name those and the world size's source
+                degrees = {k: v for k, v in given.items() if k in ("pp", "tp", "cp", "dp_replicate")
+                           and isinstance(v, int) and v > 0}
+                product = 1
+                for v in degrees.values():
+                    product *= v
+                world_from = "--num-processes" if num_processes is not None else "num_processes"
+                raise ConfigError(
+                    f"{path}: {SECTION}.parallel: the degrees set ({', '.join(f'{k}={v}' for k, v in degrees.items())}) "
+                    f"multiply to {product}, which does not divide {world_from} {world}; dp_shard (not set: it takes "
+                    f"the rest of the world) cannot fill it. Fix: a world size that is a multiple of {product}, or "
+                    f"degrees whose product divides {world}") from None
             raise ConfigError(f"{path}: {SECTION}.{err}") from None
         source = f"{SECTION}.parallel"
         fsdp = str(acc.get("distributed_type", "")).upper() == "FSDP" or bool(acc.get("fsdp_config"))
@@ -288,5 +302,9 @@ def resolve_config(
         global_batch_tokens=global_tokens,
         deepspeed=deepspeed,
         use_cpu=bool(acc.get("use_cpu")),
-        notes=ignored_engine_sections(acc),
+        notes=ignored_engine_sections(acc) + ([
+            f"plain `accelerate launch` stops on the {SECTION}: section (its own parser knows no such key and "
+            f"says \"try upgrading accelerate\"): launch this file with `hf-gradfix launch --config_file {path} "
+            "train.py`, which gives accelerate its keys and every rank the section"] if section is not None and acc
+            else []),
     )
