@@ -226,6 +226,11 @@ def launch(argv: Sequence[str]) -> int:
                 # model itself (FSDP2 over dp_shard x cp), as axolotl does
                 os.environ["ACCELERATE_ALLOW_CP_STANDALONE"] = "true"
         script = args.training_script  # after the file: its problems first, then the script's
+        own = [a for a in args.training_script_args if a.split("=", 1)[0] in ("--config_file", "--config-file",
+                                                                            "--num_processes", "--num-processes")]
+        if own:  # after the script, launch's options go to the script: accelerate would run without them
+            print(f"hf-gradfix launch: note: {own[0]} comes after the script {script!r}, so the script gets it, not "
+                  "launch; put launch's options before the script", file=sys.stderr, flush=True)
         if not (args.module or args.no_python) and not os.path.isfile(script):
             raise InvalidArgumentError(f"training script {script!r} not found (resolved to {os.path.abspath(script)}); "
                                        "give the path of your .py file, or -m package.module for a module")
@@ -367,6 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else ""
+    slips = {"check": "config check", "config-check": "config check", "validate": "config check",
+             "configs-list": "configs list", "run": "launch", "train": "launch", "version": "--version"}
+    if command in slips:  # the usual slips of accelerate / TRL users, named before argparse's generic error
+        print(f"hf-gradfix: {command!r} is not a command; did you mean `hf-gradfix {slips[command]}`? "
+              "(hf-gradfix --help lists them)", file=sys.stderr)
+        return 2
     if command == "config" and len(argv) > 1 and not argv[1].startswith("-"):
         command = f"config {argv[1]}"
     try:

@@ -394,7 +394,23 @@ def verify_main(argv: Sequence[str]) -> int:
                                      "  hf-gradfix verify --steps 3 --json -- python train.py --my-arg 1\n"
                                      "  hf-gradfix verify --model tiny --grad-accum 4 --steps 2   # the built-in run")
     add_verify_arguments(parser)
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # the common slip: the script's command without the `--` that separates it from verify's own options
+        start = next((i for i, a in enumerate(unknown) if not a.startswith("-")), None)
+        looks_like_command = start is not None and (os.path.basename(unknown[start]).startswith("python")
+                                                    or unknown[start].endswith(".py"))
+        if looks_like_command or (unknown and unknown[0] == "-m"):
+            if unknown[0] == "-m":
+                command_text = " ".join(unknown)
+            else:
+                command_text = " ".join(unknown[start:])
+                if not os.path.basename(unknown[start]).startswith("python"):
+                    command_text = "python " + command_text
+            print(f"hf-gradfix verify: {' '.join(unknown)!r}: a command needs `--` before it: "
+                  f"hf-gradfix verify [options] -- {command_text}", file=sys.stderr)
+            return 2
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     _one_voice(ns.all_ranks)
     for flag, value in (("--steps", ns.steps), ("--grad-accum", ns.grad_accum), ("--batch-size", ns.batch_size),
                         ("--plot-steps", ns.plot_steps)):

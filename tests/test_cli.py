@@ -243,3 +243,29 @@ def test_launch_prints_the_resolved_mesh_once_and_config_check_explains_plain_ac
                      f"[hf_gradfix.parallel]; loss exact over the window ({path})"], lines
     assert main(["config", "check", path]) == 0
     assert f"launch this file with `hf-gradfix launch --config_file {path} train.py`" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["verify", "python", "train.py"], "'python train.py': a command needs `--` before it: hf-gradfix verify [options] -- python train.py"),
+    (["verify", "train.py", "--lr", "1"], "a command needs `--` before it: hf-gradfix verify [options] -- python train.py --lr 1"),
+    (["verify", "-m", "pkg.train"], "hf-gradfix verify [options] -- -m pkg.train"),
+    (["check", "run.yaml"], "'check' is not a command; did you mean `hf-gradfix config check`?"),
+    (["version"], "did you mean `hf-gradfix --version`?"),
+])
+def test_common_cli_slips_get_a_hint(capsys, argv, fragment):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_launch_options_after_the_script_are_named(tmp_path, capsys, monkeypatch):
+    """`hf-gradfix launch train.py --config_file x.yaml`: accelerate hands --config_file to the script and launches
+    without the file; launch says so (a note: the script may take its own --config_file)."""
+    import accelerate.commands.launch as accelerate_launch
+
+    seen = {}
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.update(script_args=args.training_script_args))
+    (tmp_path / "train.py").write_text("")
+    assert main(["launch", str(tmp_path / "train.py"), "--config_file", "cpu_pp"]) == 0
+    assert seen["script_args"] == ["--config_file", "cpu_pp"]  # what accelerate does with it (measured)
+    assert "note: --config_file comes after the script" in capsys.readouterr().err
