@@ -276,12 +276,14 @@ def _para(text: str) -> str:
 
 _TOP_DESCRIPTION = """\
 hf_gradfix: exact loss normalization, packing, low-rank optimizers and ND-parallel meshes for the Hugging Face
-Trainer, configured by an hf_gradfix: section in accelerate's YAML. Four commands (hf-gradfix COMMAND --help):
+Trainer, configured by an hf_gradfix: section in accelerate's YAML. Commands (hf-gradfix COMMAND --help):
 
   launch        accelerate launch with exactly its arguments; the hf_gradfix: section reaches every rank
   config check  validate a YAML (accelerate's keys and the hf_gradfix: section) and print what it will run
+  configs       the shipped configurations: list, show NAME, copy NAME (a name works wherever a file does)
   verify        prove a run exact: configured gradients vs the one-process ground truth
   plan          per-rank memory for a model and a configuration (closed form, --simulate, --suggest)
+  env           versions of the stack and the device, for a bug report
 
 A diagnosed error is one line, "hf-gradfix COMMAND: ...", with exit code 2."""
 
