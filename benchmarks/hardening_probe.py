@@ -321,7 +321,7 @@ def render(before: dict, after: dict, before_label: str, after_label: str) -> st
             "|---|---|---|---|---|---|"]
     for r in after["rows"]:
         b = rows_b.get(r["id"], {}).get("verdict", "-")
-        last = r["last"].replace("|", "\\|")[:140]
+        last = r["last"][:140].rstrip("\\").replace("|", "\\|")  # cut, then escape: a cut escape broke the table
         out.append(f"| {r['id']} | {r['category']} | {b} | {r['verdict']} | {r['seconds']} | {last} |")
     return "\n".join(out) + "\n"
 

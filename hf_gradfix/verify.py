@@ -1500,13 +1500,6 @@ def verify(
         cfg.packing.attention = "keep"
     if inject == "mean_of_means":
         cfg.loss.enabled = False
-    planted_rule = None
-    if inject == "count_unshifted":  # a causal LM counted with the token-classification rule: the probe's verdict is
-        # replaced for this run (loss.count_rule: unshifted is refused now, since the probe contradicts it)
-        from hf_gradfix.integration import trainer_fix as _trainer_fix
-
-        planted_rule = _trainer_fix.detect_count_rule
-        _trainer_fix.detect_count_rule = lambda fn, batch, honors: (CountRule.UNSHIFTED, "planted: --inject count_unshifted")
     model = model() if callable(model) and not isinstance(model, nn.Module) else (model or tiny_model())
     vocab = int(getattr(model.config, "vocab_size", 128))
     launched = max(1, int(os.environ.get("WORLD_SIZE", "1")))  # the process group starts with the Trainer
@@ -1534,14 +1527,15 @@ def verify(
         _progress(f"building the Trainer ({launched} rank(s), GA {grad_accum}, packing {'on' if cfg.packing.enabled else 'off'}) ...")
         trainer = base(model=model, args=args, train_dataset=_ListDataset(samples), data_collator=collator,
                        callbacks=[hf_gradfix.GradFixCallback(cfg)])
+        if inject == "count_unshifted":  # a causal LM counted with the token-classification rule, planted in this
+            # trainer's state (loss.count_rule: unshifted is refused: the probe contradicts it)
+            from hf_gradfix.integration.state import state_of
+
+            state_of(trainer).planted_count_rule = CountRule.UNSHIFTED
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # keep stdout for the report
         trainer.remove_callback(transformers.trainer_callback.ProgressCallback)
         report = verify_trainer(trainer, steps=steps, tolerance=tolerance, reference_model=unsharded)
     finally:
-        if planted_rule is not None:
-            from hf_gradfix.integration import trainer_fix as _trainer_fix
-
-            _trainer_fix.detect_count_rule = planted_rule
         if output_dir is None:
             shutil.rmtree(out, ignore_errors=True)
     report.grad_accum = grad_accum

@@ -79,6 +79,7 @@ class GradFixState:
     config: GradFixConfig
     source: str
     settings_from: str = "defaults"  # the sources whose settings combined into ``config`` (hf_gradfix.config.sources)
+    planted_count_rule: Any = None  # a CountRule hf-gradfix verify --inject count_unshifted plants (a bug on purpose)
     probed: bool = False
     flags_set: bool = False
     chain_is_default: bool = True

@@ -178,6 +178,10 @@ def _probe_callable(loss_fn, batch, state: GradFixState, what: str) -> LossBehav
             "return a mean), or leave this loss to transformers with `loss: {on_undetermined: warn}`."
         ) from err
     rule = _forced_rule(state)
+    planted = getattr(state, "planted_count_rule", None)  # hf-gradfix verify --inject count_unshifted, on purpose
+    if planted is not None:
+        return LossBehaviour(honors_num_items=honors, count_rule=planted, additive_term=additive,
+                             reason=f"counts {planted.value} targets (planted by hf-gradfix verify --inject)")
     if rule is None:
         try:
             rule, why = detect_count_rule(loss_fn, batch, honors)
