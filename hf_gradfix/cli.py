@@ -60,8 +60,14 @@ def _load_model_config(spec: str | None) -> Any:
 
 
 def _cmd_config_check(ns: argparse.Namespace) -> int:
+    if ns.file and ns.config_file and ns.file != ns.config_file:
+        raise ConfigError(f"two files given ({ns.file!r} and --config_file {ns.config_file!r}); "
+                          "fix: name one")
+    if not (ns.file or ns.config_file):
+        raise ConfigError("no file given; fix: hf-gradfix config check FILE (or --config_file FILE; "
+                          "a shipped one by name: hf-gradfix configs list)")
     resolved = resolve_config(
-        ns.file,
+        ns.file or ns.config_file,
         num_processes=ns.num_processes,
         micro_batch=ns.micro_batch,
         seq_len=ns.seq_len,
@@ -356,7 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
         "  hf-gradfix config check run.yaml --micro-batch 4 --seq-len 4096 --grad-accum 8\n"
         "  hf-gradfix config check run.yaml --model config.json --json",
     )
-    check.add_argument("file", help="accelerate YAML, with or without an hf_gradfix: section")
+    check.add_argument("file", nargs="?", help="accelerate YAML, with or without an hf_gradfix: section")
+    # accelerate's habit (accelerate launch / env / test --config_file FILE): the same file, named as launch names it
+    check.add_argument("--config_file", "--config-file", dest="config_file", default=None, metavar="FILE",
+                       help="the same file, as `hf-gradfix launch --config_file FILE` names it")
     check.add_argument("--num-processes", type=int, default=None, help="override num_processes from the file")
     check.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch")
     check.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
@@ -412,6 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"hf-gradfix {command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `hf-gradfix configs list | head`: the reader left; quiet, like the shell tools
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit would raise again (its docs' recipe)
+        return 141
     return 2
 
 

@@ -35,6 +35,11 @@ TF457_TESTS=(tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_
     tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py tests/test_lock.py
     tests/test_pipeline.py tests/test_stock_parity.py tests/test_trainer_matrix.py tests/test_moe.py
     tests/test_packing_hybrid.py)
+# The 5.x suite runs as two pytest processes: these files after the 4.57 phase (in its stream), the rest beside them
+# from the start, so that both cores stay busy to the end (one 5.x process left the second core mostly idle for the
+# last 20 minutes). Chosen from per-file times (HF_GRADFIX_TIMINGS_DIR=DIR writes them; docs/testing.md): the two
+# streams should end together. Every file runs exactly once: the first stream ignores these.
+TF5_SECOND_STREAM=(tests/test_deepspeed.py tests/test_context_parallel.py tests/test_verify.py)
 # --quick: pure math, configuration, the packer, the optimizers against their references, the loss fix against the
 # ground truth (harness self-check, TokenWindow), the lock and the layout; no process launches (the distributed
 # marker) and no docs build. Measured in docs/testing.md.
@@ -74,24 +79,44 @@ locked)
     # phase's output is kept in a log and printed when it ends.
     scratch=$(mktemp -d)
     log457="$scratch/tf457.log"
-    phase "2/3 + 3/3 side by side: transformers 4.57.x (loss, ecosystem, packing, optimizer-integration, ND, noise-scale tests; output at the end) and transformers 5.x (full suite; a dot per test)"
+    log5b="$scratch/tf5-second.log"
+    phase "2/3 + 3/3 side by side: (a) transformers 5.x, the full suite but ${#TF5_SECOND_STREAM[@]} files (a dot per test); (b) transformers 4.57.x (loss, ecosystem, packing, optimizer-integration, ND, noise-scale tests), then those ${#TF5_SECOND_STREAM[@]} files on 5.x, then a fresh venv from the README's install lines (output at the end)"
     status457=0
     ( HF_DATASETS_CACHE="$scratch/datasets-457" TORCHINDUCTOR_CACHE_DIR="$scratch/inductor-457" \
         "$TF457_VENV/bin/python" -m pytest -q -p no:cacheprovider -rfE "${TF457_TESTS[@]}" -k "not trl" "${pytest_args[@]}" \
-        >"$log457" 2>&1; echo $? >"$scratch/tf457.rc" ) &
+        >"$log457" 2>&1; echo $? >"$scratch/tf457.rc"
+      echo "== [test +$((SECONDS - start))s] transformers 4.57.x phase ended; the second 5.x stream starts ==" >"$log5b"
+      HF_DATASETS_CACHE="$scratch/datasets-5b" TORCHINDUCTOR_CACHE_DIR="$scratch/inductor-5b" \
+        "$TF5_VENV/bin/python" -m pytest -q -p no:cacheprovider -rfE "${TF5_SECOND_STREAM[@]}" "${pytest_args[@]}" \
+        >>"$log5b" 2>&1; echo $? >"$scratch/tf5b.rc"
+      echo "== [test +$((SECONDS - start))s] the second 5.x stream ended ==" >>"$log5b"
+      # A fresh venv from the README's Install lines alone runs the README / quickstart snippets, the plan
+      # --timeline example and the first CLI commands (~4 min, mostly pip; HF_GRADFIX_SKIP_FRESH_INSTALL=1 skips).
+      if [ "${HF_GRADFIX_SKIP_FRESH_INSTALL:-0}" = 1 ]; then
+          echo "== fresh-install check skipped (HF_GRADFIX_SKIP_FRESH_INSTALL=1) ==" >>"$log5b"; echo 0 >"$scratch/fresh.rc"
+      else
+          python3 scripts/fresh_install_check.py >>"$log5b" 2>&1; echo $? >"$scratch/fresh.rc"
+      fi ) &
     pid457=$!
     trap 'pkill -P "$pid457" 2>/dev/null; kill "$pid457" 2>/dev/null; exit 130' INT TERM
     status5=0
+    ignore_second=()
+    for f in "${TF5_SECOND_STREAM[@]}"; do ignore_second+=("--ignore=$f"); done
     HF_DATASETS_CACHE="$scratch/datasets-5" TORCHINDUCTOR_CACHE_DIR="$scratch/inductor-5" \
-        "$TF5_VENV/bin/python" -m pytest -q -p no:cacheprovider -rfE --doctest-modules hf_gradfix tests "${pytest_args[@]}" || status5=$?
-    phase "2/3 transformers 5.x phase ended (exit $status5); waiting for the 4.57.x phase"
+        "$TF5_VENV/bin/python" -m pytest -q -p no:cacheprovider -rfE --doctest-modules hf_gradfix tests \
+        "${ignore_second[@]}" "${pytest_args[@]}" || status5=$?
+    phase "2/3 transformers 5.x first stream ended (exit $status5); waiting for the 4.57.x phase and the second 5.x stream"
     wait "$pid457" || true
     status457=$(cat "$scratch/tf457.rc" 2>/dev/null || echo 1)
+    status5b=$(cat "$scratch/tf5b.rc" 2>/dev/null || echo 1)
+    status_fresh=$(cat "$scratch/fresh.rc" 2>/dev/null || echo 1)
     phase "3/3 transformers 4.57.x phase (exit $status457), its output:"
     cat "$log457"
+    phase "the second transformers 5.x stream (exit $status5b) and the fresh-install check (exit $status_fresh), their output:"
+    cat "$log5b"
     rm -rf "$scratch"
-    if [ "$status5" -ne 0 ] || [ "$status457" -ne 0 ]; then
-        phase "FAILED: transformers 5.x exit $status5, transformers 4.57.x exit $status457"
+    if [ "$status5" -ne 0 ] || [ "$status5b" -ne 0 ] || [ "$status457" -ne 0 ] || [ "$status_fresh" -ne 0 ]; then
+        phase "FAILED: transformers 5.x exit $status5 (first stream) and $status5b (second), transformers 4.57.x exit $status457, fresh install exit $status_fresh"
         exit 1
     fi
     phase "done: every phase passed"

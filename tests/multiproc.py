@@ -14,6 +14,7 @@ Worker side (after the worker set up its process group)::
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def worker_env(**extra: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank killed by a signal prints its Python stack (a native abort)
     env.update(extra)
     return env
 
@@ -77,6 +79,24 @@ def launch_cases(
     cmd = launcher + [str(TESTS_DIR / worker), "--out", str(out), flag, ",".join(names)]
     proc = subprocess.run(cmd, cwd=str(REPO_ROOT), env=env if env is not None else worker_env(),
                           capture_output=True, text=True, timeout=timeout)
+    killed = re.search(r"failed \(exitcode: -(\d+)\) local_rank: (\d+)", proc.stderr)
+    if proc.returncode != 0 and killed:
+        # A rank killed by a signal (SIGABRT inside gloo's transport, seen once in ~100 CP launches on a loaded
+        # 2-core machine; not reproduced in 10 reruns) is not a verdict on the code under test: one rerun, said
+        # aloud. A Python exception (an assertion, a refusal, a wrong number) is never retried.
+        import warnings
+
+        warnings.warn(f"{worker}: rank {killed[2]} died by signal {killed[1]}; relaunched once. Its stderr tail:\n"
+                      f"{proc.stderr[-3000:]}")
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        cmd[cmd.index("--out") + 1] = str(out)
+        if via_config is not None:
+            cmd[cmd.index("--main_process_port") + 1] = str(free_port())
+        else:
+            cmd[cmd.index("--master_port") + 1] = str(free_port())
+        proc = subprocess.run(cmd, cwd=str(REPO_ROOT), env=env if env is not None else worker_env(),
+                              capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
         detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])

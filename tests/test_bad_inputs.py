@@ -584,6 +584,25 @@ def test_readme_and_quickstart_share_one_install_text_and_its_extras_exist():
     assert {n.strip() for n in named} <= set(extras), (named, sorted(extras))
 
 
+def test_fresh_install_check_reads_the_readme_install_lines_and_every_snippet():
+    """scripts/fresh_install_check.py (CI's fresh-venv phase) runs the README's own install lines: its --dry-run
+    names exactly the README's pip lines (read here with a plain filter of the page) and a snippet count per page."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "fresh_install_check.py"), "--dry-run"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    readme = [re.split(r"\s+#", line)[0].strip() for line in (root / "README.md").read_text().splitlines()
+              if line.startswith("pip install") and "[docs]" not in line]
+    listed = [line.strip() for line in proc.stdout.splitlines()[1:1 + len(readme)]]
+    assert listed == readme, (listed, readme)
+    assert re.search(r"README\.md \([1-9]\d* python snippets\), docs/quickstart\.md \([1-9]\d* python snippets\)",
+                     proc.stdout), proc.stdout
+    assert "--timeline" in proc.stdout
+
+
 def test_verify_model_with_a_malicious_pickle_is_one_line_and_never_runs_it(tmp_path, capsys):
     """A model folder whose pytorch_model.bin unpickles os.system: torch.load(weights_only=True) refuses it; verify
     says so in one line (was UnpicklingError's traceback; 4.57 wraps it in an OSError about TF checkpoints) and the

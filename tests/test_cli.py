@@ -206,6 +206,25 @@ def test_shipped_configs_by_name_from_outside_the_clone(tmp_path):
     assert (tmp_path / "cpu_pp.yaml").read_text() == shown.stdout
     again = run("configs", "copy", "cpu_pp")
     assert again.returncode == 2 and "refuses to overwrite" in again.stderr
+    # accelerate's habit: --config_file names the file (as launch does); one file, or one clear line
+    by_flag = run("config", "check", "--config_file", "cpu_pp")
+    assert by_flag.returncode == 0 and by_flag.stdout == check.stdout, by_flag.stderr
+    both = run("config", "check", "cpu_pp", "--config_file", "cpu_cp")
+    assert both.returncode == 2 and both.stderr.strip().splitlines() == [
+        "hf-gradfix config check: two files given ('cpu_pp' and --config_file 'cpu_cp'); fix: name one"]
+    none = run("config", "check")
+    assert none.returncode == 2 and "fix: hf-gradfix config check FILE (or --config_file FILE" in none.stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`hf-gradfix configs list | head -1`: the reader leaves; no BrokenPipeError traceback, exit 141 (128 + SIGPIPE,
+    what the shell tools return). The reader here (`true`) leaves before the interpreter has started, so the first
+    write always meets a closed pipe (with `head -1` it depends on the pipe buffer's timing)."""
+    env = {**os.environ, "PYTHONPATH": str(H.REPO_ROOT)}
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m hf_gradfix configs list | true; "
+                           'echo "rc=${PIPESTATUS[0]}" >&2'], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600)
+    assert proc.stderr.strip().splitlines() == ["rc=141"], proc.stderr
 
 
 def test_the_wheel_carries_the_shipped_configs(tmp_path):
