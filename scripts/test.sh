@@ -34,7 +34,7 @@ TF457_TESTS=(tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_
     tests/test_noise_scale.py tests/test_plan.py tests/test_memory_timeline.py tests/test_ecosystem.py
     tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py tests/test_lock.py
     tests/test_pipeline.py tests/test_stock_parity.py tests/test_trainer_matrix.py tests/test_moe.py
-    tests/test_packing_hybrid.py)
+    tests/test_packing_hybrid.py tests/test_lean_head.py)
 # The 5.x suite runs as two pytest processes: these files after the 4.57 phase (in its stream), the rest beside them
 # from the start, so that both cores stay busy to the end (one 5.x process left the second core mostly idle for the
 # last 20 minutes). Chosen from per-file times (HF_GRADFIX_TIMINGS_DIR=DIR writes them; docs/testing.md): the two

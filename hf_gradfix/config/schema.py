@@ -75,6 +75,7 @@ CountRule = Literal["auto", "shifted", "unshifted", "elements"]
 OnUndetermined = Literal["error", "warn"]
 AuxLossMode = Literal["micro", "micro_batch_mean", "global", "previous", "bias", "none", "as_is"]
 OnNonFinite = Literal["warn", "skip", "error"]
+LossHead = Literal["stock", "lean"]
 
 
 @dataclass
@@ -123,6 +124,16 @@ class LossConfig:
         metadata={"min": 0.0, "max": 1.0,
                   "help": "aux_loss: bias: the bias update speed gamma (DeepSeek-V3: 0.001): after each window, "
                   "bias_e += gamma * sign(mean load - load_e) per MoE layer"},
+    )
+    head: LossHead = field(
+        default="stock",
+        metadata={
+            "help": "the causal-LM head of the plugin's own loss: 'stock' = the model's (logits materialized); "
+            "'lean' = projection and cross-entropy together, a chunk of tokens at a time (torch's "
+            "linear_cross_entropy), so a micro-batch's logits never exist; exact like every path; a model whose "
+            "logits are transformed before its loss (soft-capping, scaling) keeps the stock head, said once "
+            "(docs/loss.md)"
+        },
     )
     on_nonfinite: OnNonFinite = field(
         default="warn",

@@ -110,6 +110,7 @@ class GradFixState:
     rl: Any = None  # a TRL policy-gradient trainer's plan (hf_gradfix.integration.rl.RLPlan)
     nd: Any = None  # the ND-parallel plan (hf_gradfix.integration.nd.NDPlan) when a mesh is in force
     moe: Any = None  # routing bookkeeping of a MoE model (hf_gradfix.integration.moe.MoEState)
+    lean: Any = None  # loss.head: lean (hf_gradfix.integration.lean_head.LeanHead)
     fixes: list[str] = field(default_factory=list)
 
     @property

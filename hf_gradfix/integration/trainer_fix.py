@@ -1077,6 +1077,8 @@ class _GradFixTop:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **kwargs):
         state = state_of(self)
+        if state is not None and state.lean is not None:  # the lean head gives no logits: not where they are read
+            state.lean.logits_needed = not prediction_loss_only
         if state is not None and state.pp is not None:
             return self._gradfix_pipeline_prediction(state, inputs, prediction_loss_only)
         totals = state.eval_totals if state is not None else None
@@ -1289,7 +1291,12 @@ class _GradFixDefaultLoss(Trainer):
             from .moe import before_forward
 
             before_forward(self, state)  # global / previous router loss: the window's routing counts
-        outputs = model(**call)
+        if state.lean is not None and not state.in_probe:  # loss.head: lean (integration/lean_head.py)
+            from .lean_head import run_model
+
+            outputs = run_model(state.lean, model, call, lambda: model(**call), model.training)
+        else:
+            outputs = model(**call)
         if getattr(self.args, "past_index", -1) >= 0:  # removed in transformers 5
             self._past = outputs[self.args.past_index]
 
@@ -1406,6 +1413,11 @@ def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from:
         state.nd = nd_setup(trainer, config.parallel, packing=config.packing.enabled, optimizer=config.optimizer.name)
         if state.nd is not None:
             state.fixes.append(state.nd.line)
+    if config.loss.enabled and config.loss.head == "lean":
+        from .lean_head import LeanHead
+
+        state.lean = LeanHead()
+        state.fixes.append(state.lean.line())
     trainer.__dict__[_STATE_ATTR] = state
     wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
     # a lowrank_grads optimizer given to the constructor: its hooks' lifetime follows train() (the fixed class's)

@@ -1,0 +1,194 @@
+"""The lean loss head (``loss.head: lean``) beside the stock head and TRL's fused head: peak memory of one training
+step (forward, loss, backward) and its time, at several vocabularies and tokens per micro-batch, in one run.
+
+    python benchmarks/bench_lean_head.py                       # the CPU grid (~15 min on 2 cores), markdown table
+    python benchmarks/bench_lean_head.py --vocab 32000 --tokens 2048 --repeats 1    # one cell
+    python benchmarks/bench_lean_head.py --out benchmarks/results/lean_head.md
+
+Each (vocabulary, tokens, head) cell runs in its own process (the peak of one process is not reset by another's
+frees): a tiny Llama (hidden 64, 2 layers, fp32) whose LM head is the vocabulary's; the step is
+``model(input_ids, labels).loss.backward()`` for the stock head, the same call through the plugin's lean path
+(``hf_gradfix.integration.lean_head.run_model``, what the Trainer runs with ``loss.head: lean``) and TRL's
+``add_fused_lm_head(...)`` + ``fused_lm_head=True`` where TRL is importable. Peak memory: the process's resident set
+high-water mark during the step (``/proc/self/status`` VmHWM after resetting it through ``/proc/self/clear_refs``)
+above the resident set before it: the real allocations, the C++ kernels' own buffers included (torch's MemTracker
+sees only tensors that pass the dispatcher, not the chunked kernel's internal chunks). On a GPU, the GPU check
+records ``torch.cuda.max_memory_allocated`` instead. Time: the median of ``--repeats`` steps after one warm-up.
+A stock cell whose logits alone (tokens x vocabulary x 4 bytes, twice with their gradient) would not fit in
+``--max-gib`` is not run, and says so. Also checked in every cell: the lean loss and gradient equal the stock ones
+(relative error of the head's weight gradient), so a fast wrong head cannot appear in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GRID = [(32000, 2048), (32000, 8192), (32000, 32768), (128256, 2048), (128256, 8192), (151936, 2048),
+        (151936, 8192)]
+HIDDEN = 64
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _cell(vocab: int, tokens: int, head: str, repeats: int) -> dict:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=tokens,
+                         tie_word_embeddings=False)
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
+    ids = torch.randint(4, vocab, (1, tokens))
+    labels = ids.clone()
+    labels[:, : tokens // 4] = -100  # a prompt
+    n = torch.tensor(float((labels[:, 1:] != -100).sum()))
+    call = {"input_ids": ids, "labels": labels, "num_items_in_batch": n}
+    if head == "trl":
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model)
+
+        def step():
+            return model(input_ids=ids, labels=labels, num_items_in_batch=n, fused_lm_head=True).loss
+    elif head == "lean":
+        from hf_gradfix.integration.lean_head import LeanHead, run_model
+
+        plan = LeanHead()
+
+        def step():
+            return run_model(plan, model, call, lambda: model(**call), True).loss
+    else:
+        def step():
+            return model(**call).loss
+
+    def once():
+        model.zero_grad(set_to_none=True)
+        loss = step()
+        loss.backward()
+        return float(loss)
+
+    once()  # warm-up (allocator, kernels)
+    model.zero_grad(set_to_none=True)
+    before = _rss_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
+    t0 = time.perf_counter()
+    loss = once()
+    first = time.perf_counter() - t0
+    peak = _rss_kib("VmHWM") - before
+    times = [first]
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    grad = model.lm_head.weight.grad.double()
+    # a strided sample of the head's weight gradient: enough to compare the heads, small enough to print
+    return dict(loss=loss, peak_mib=peak / 1024, seconds=statistics.median(times),
+                grad_sample=grad.flatten()[:: max(1, grad.numel() // 4096)].tolist())
+
+
+def _run_cell(vocab, tokens, head, repeats, timeout) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    proc = subprocess.run([sys.executable, __file__, "--cell", f"{vocab},{tokens},{head},{repeats}"],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, nargs="*", help="vocabularies (default: the grid)")
+    parser.add_argument("--tokens", type=int, nargs="*", help="tokens per micro-batch (default: the grid)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-gib", type=float, default=12.0, help="skip a stock cell whose logits would not fit")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cell", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.cell:
+        vocab, tokens, head, repeats = args.cell.split(",")
+        print(json.dumps(_cell(int(vocab), int(tokens), head, int(repeats))))
+        return 0
+
+    import torch
+
+    try:
+        import trl  # noqa: F401
+
+        heads = ["stock", "lean", "trl"]
+    except ImportError:
+        heads = ["stock", "lean"]
+    grid = [(v, t) for v, t in GRID if (not args.vocab or v in args.vocab) and (not args.tokens or t in args.tokens)]
+    if args.vocab and args.tokens:
+        grid = [(v, t) for v in args.vocab for t in args.tokens]
+    rows = []
+    for vocab, tokens in grid:
+        cells = {}
+        for head in heads:
+            logits_gib = 2 * tokens * vocab * 4 / 2**30
+            if head != "lean" and logits_gib > args.max_gib:
+                cells[head] = {"error": f"not run: its logits and their gradient need {logits_gib:.1f} GiB"}
+                continue
+            cells[head] = _run_cell(vocab, tokens, head, args.repeats, args.timeout)
+            print(f"vocab {vocab} tokens {tokens} {head}: {cells[head].get('error') or 'ok'}", file=sys.stderr,
+                  flush=True)
+        rows.append((vocab, tokens, cells))
+
+    def cmp(a, b):
+        if "error" in a or "error" in b:
+            return None
+        ga, gb = torch.tensor(a["grad_sample"]), torch.tensor(b["grad_sample"])
+        return max(abs(a["loss"] - b["loss"]) / abs(b["loss"]), float((ga - gb).norm() / gb.norm()))
+
+    lines = [
+        f"Peak memory of one training step above the resident set before it (MiB), its time (s), and the ratios to "
+        f"the stock head; tiny Llama (hidden {HIDDEN}, 2 layers, fp32, CPU, torch {torch.__version__}, "
+        f"{os.environ.get('OMP_NUM_THREADS', '2')} threads); `python benchmarks/bench_lean_head.py`.",
+        "",
+        "| vocab | tokens | stock MiB | lean MiB | lean/stock mem | lean/stock time | " +
+        ("TRL fused MiB | TRL/stock mem | TRL/stock time | " if "trl" in heads else "") + "lean vs stock error |",
+        "|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if "trl" in heads else "") + "---:|",
+    ]
+    for vocab, tokens, cells in rows:
+        s, lean_cell = cells["stock"], cells["lean"]
+
+        def mib(c):
+            return c["error"] if "error" in c else f"{c['peak_mib']:.0f}"
+
+        def ratio(c, key):
+            if "error" in c or "error" in s:
+                return "-"
+            return f"{c[key] / s[key]:.2f}"
+
+        err = cmp(lean_cell, s)
+        row = [f"{vocab:,}", f"{tokens:,}", mib(s), mib(lean_cell), ratio(lean_cell, "peak_mib"),
+               ratio(lean_cell, "seconds")]
+        if "trl" in heads:
+            t = cells["trl"]
+            row += [mib(t), ratio(t, "peak_mib"), ratio(t, "seconds")]
+        row.append("-" if err is None else f"{err:.1e}")
+        lines.append("| " + " | ".join(row) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text("# The lean loss head: memory and time beside the stock head and TRL's fused head\n\n"
+                            + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
