@@ -45,10 +45,11 @@ def _stream_end_steps() -> int:
     return 2 * -(-rows // (2 * END_GA))
 
 
-def main(out: str, streaming: bool = False, stream_end: bool = False) -> None:
+def main(out: str, streaming: bool = False, stream_end: bool = False, balance: str = "tokens") -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
-    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": STREAM_BUFFER}})
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "buffer_size": STREAM_BUFFER,
+                                  "balance": balance}})
     model = H.build_model("llama", attn_implementation="sdpa")
     init = {k: v.clone() for k, v in model.state_dict().items()}
     capture = H.GradCapture()
@@ -70,4 +71,5 @@ def main(out: str, streaming: bool = False, stream_end: bool = False) -> None:
 
 if __name__ == "__main__":
     mode = sys.argv[2] if len(sys.argv) > 2 else ""
-    main(sys.argv[1], streaming=mode == "stream", stream_end=mode == "stream_end")
+    main(sys.argv[1], streaming=mode == "stream", stream_end=mode == "stream_end",
+         balance="compute" if mode == "compute" else "tokens")

@@ -146,25 +146,37 @@ def test_a_sample_longer_than_the_budget_is_an_error_not_a_truncation():
 
 
 @pytest.mark.distributed
-def test_packed_training_under_ddp_is_exact(tmp_path):
+@pytest.mark.parametrize("balance", ["tokens", "compute"])
+def test_packed_training_under_ddp_is_exact(tmp_path, balance):
+    """Two ranks, packed rows dealt by tokens or by compute (packing.balance): every window's gradient is the
+    ground truth's over the samples the sampler's plan put in it (the deal moves rows between ranks, never the
+    loss)."""
     import os
     import subprocess
     import sys
 
     import ddp_packing_worker as W
+    from hf_gradfix.packing.balance import attention_cost_coeff
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path)]
+    if balance == "compute":
+        cmd.append("compute")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     samples = W.samples()
-    sampler = PackedBatchSampler([len(s["input_ids"]) for s in samples], W.BUDGET, num_replicas=2, rank="all", seed=W.SEED)
+    lengths = [len(s["input_ids"]) for s in samples]
+    model = H.build_model("llama", attn_implementation="sdpa")
+    cost = attention_cost_coeff(model.config)[0] if balance == "compute" else None
+    sampler = PackedBatchSampler(lengths, W.BUDGET, num_replicas=2, rank="all", seed=W.SEED, cost_coeff=cost)
     sampler.set_epoch(0)
     bins = list(sampler)  # interleaved: bin i goes to rank i % 2
+    if balance == "compute":  # measured: the compute deal is another deal here, so this case tests something
+        by_tokens = list(PackedBatchSampler(lengths, W.BUDGET, num_replicas=2, rank="all", seed=W.SEED))
+        assert bins != by_tokens
     per_window = W.GA * 2
-    model = H.build_model("llama", attn_implementation="sdpa")
     model.load_state_dict(ranks[0]["init"])
     assert len(ranks[0]["grads"]) == len(bins) // per_window >= 2
     tokens = [[sum(len(samples[i]["input_ids"]) for b in bins[k * per_window + r : (k + 1) * per_window : 2] for i in b) for r in (0, 1)]

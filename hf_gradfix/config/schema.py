@@ -148,6 +148,7 @@ class LossConfig:
 PackingMode = Literal["varlen", "rows"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 PackingAttention = Literal["auto", "keep"]
+PackingBalance = Literal["tokens", "compute"]
 
 
 @dataclass
@@ -180,6 +181,15 @@ class PackingConfig:
     guard: bool = field(
         default=True,
         metadata={"help": "before training, refuse a model that mixes packed sequences (packed-vs-separate forward)"},
+    )
+    balance: PackingBalance = field(
+        default="tokens",
+        metadata={
+            "help": "how the packed rows of a step are dealt to the data-parallel ranks: 'tokens' = rows of equal "
+            "tokens side by side; 'compute' = rows of equal cost L * (c + L) summed over their documents (attention "
+            "grows with L**2; c from the model config), so no rank waits for another's long documents; the same "
+            "rows, the loss unchanged (docs/packing.md)"
+        },
     )
     buffer_size: int = field(
         default=1000,

@@ -20,9 +20,11 @@ configuration says ``packing: {enabled: true}``, whichever entry point installed
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -135,9 +137,21 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
 
     dims = _nd_dims(trainer)  # under an ND mesh accelerate splits batches over the data-parallel ranks only
     world = dims.dp if dims is not None else trainer.accelerator.num_processes
-    sampler = PackedBatchSampler(lengths, budget, num_replicas=world, rank="all", seed=trainer.args.seed)
-    sampler.set_epoch(0)
     config = getattr(trainer.model, "config", None)
+    cost_coeff, balance_how = None, "rows of equal tokens side by side"
+    if cfg.balance == "compute":
+        from ..packing.balance import attention_cost_coeff
+
+        cost_coeff, balance_how = attention_cost_coeff(config)
+        if cost_coeff is None:
+            warnings.warn(f"hf_gradfix packing.balance: compute: {balance_how}; the rows are dealt by tokens "
+                          "(set packing.balance: tokens to silence this)", stacklevel=2)
+            balance_how = "rows of equal tokens side by side (no cost model)"
+        else:
+            balance_how = f"rows of equal compute side by side, {balance_how}"
+    sampler = PackedBatchSampler(lengths, budget, num_replicas=world, rank="all", seed=trainer.args.seed,
+                                 cost_coeff=cost_coeff)
+    sampler.set_epoch(0)
     pad_id = getattr(config, "pad_token_id", None)
     collator = PackedCollator(
         cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id),
@@ -156,6 +170,17 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
         "hf_gradfix packing: %d samples -> %d rows of <= %d tokens (%s mode), fill %.2f%%, %d per rank per epoch",
         len(lengths), len(sampler), budget, cfg.mode, 100.0 * stats.fill, len(sampler) // world,
     )
+    if world > 1:
+        from ..packing.balance import attention_cost_coeff, document_cost
+
+        c = cost_coeff if cost_coeff is not None else attention_cost_coeff(config)[0]
+        cost_part = ""
+        if c is not None:
+            costs = plan.bin_costs if plan.bin_costs is not None else np.add.reduceat(
+                document_cost(np.asarray(lengths)[plan.items], c), plan.offsets[:-1])
+            cost_part = f", of compute {plan.step_imbalance(costs):.3f}"
+        logger.info("hf_gradfix packing balance: %s; epoch 0's slowest rank per step / the mean, of tokens %.3f%s",
+                    balance_how, plan.step_imbalance(), cost_part)
     return trainer.accelerator.prepare(loader)
 
 

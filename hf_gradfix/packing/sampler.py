@@ -127,6 +127,8 @@ class EpochPlan:
     added_bins: int
     repacked_bins: int
     dropped: tuple[int, ...]
+    #: compute cost per bin (``cost_coeff`` set: the sum of ``L * (c + L)`` over its documents), else None
+    bin_costs: np.ndarray | None = None
 
     @property
     def n_bins(self) -> int:
@@ -208,6 +210,21 @@ class EpochPlan:
         t = self.bin_tokens[self.schedule]
         return int((t.max(axis=1) - t.min(axis=1)).max())
 
+    def step_imbalance(self, costs: np.ndarray | None = None) -> float:
+        """The mean over steps of max / mean over ranks of ``costs`` per bin (default: tokens; pass
+        ``bin_costs`` for compute): 1.0 when every rank's bin of a step is as large as the others, so no rank waits.
+
+        >>> PackedBatchSampler([4, 4, 2, 2], budget=4, num_replicas=2).plan().step_imbalance()
+        1.0
+        """
+        values = (self.bin_tokens if costs is None else costs).astype(np.float64)
+        if not self.schedule.size:
+            return 1.0
+        per_step = values[self.schedule]
+        mean = per_step.mean(axis=1)
+        ok = mean > 0
+        return float((per_step.max(axis=1)[ok] / mean[ok]).mean()) if ok.any() else 1.0
+
     def rank_bins(self, rank: int) -> list[list[int]]:
         """The bins ``rank`` yields this epoch, in order.
 
@@ -265,8 +282,14 @@ class PackedBatchSampler(Sampler[list[int]]):
         group_size: int | None = None,
         oversize: Literal["error", "drop"] = "error",
         backend: Backend = "auto",
+        cost_coeff: float | None = None,
     ) -> None:
         super().__init__()
+        if cost_coeff is not None and (isinstance(cost_coeff, bool) or not isinstance(cost_coeff, (int, float))
+                                       or not np.isfinite(cost_coeff) or cost_coeff < 0):
+            raise InvalidArgumentError(f"cost_coeff must be None (balance tokens) or a finite number >= 0 (the c of "
+                                       f"the cost L * (c + L)), got {cost_coeff!r}")
+        self.cost_coeff = None if cost_coeff is None else float(cost_coeff)
         self.budget = _check_budget(budget)
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
             raise InvalidArgumentError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
@@ -464,6 +487,8 @@ class PackedBatchSampler(Sampler[list[int]]):
                 (self.budget, self.seed, self.shuffle, self.drop_last, self.group_size, self.oversize, self.num_replicas)
             ).encode()
         )
+        if self.cost_coeff is not None:  # another deal is another plan (token-balanced fingerprints stay as they were)
+            h.update(repr(("cost_coeff", self.cost_coeff)).encode())
         return h.hexdigest()
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
@@ -537,8 +562,17 @@ class PackedBatchSampler(Sampler[list[int]]):
                     "Use drop_last=True to leave the least-filled bins out of each epoch, fewer ranks, "
                     "or a smaller budget"
                 )
-        # 4. deal: steps of W bins of similar size; biggest bin to the lightest rank
-        schedule, loads = _deal(tokens, W)
+        # 4. deal: steps of W bins of similar size; biggest bin to the lightest rank. With cost_coeff: sized by
+        # compute (attention grows with L**2, so bins of equal tokens differ), tokens per rank then follow
+        costs = None
+        if self.cost_coeff is not None and offsets.size > 1:
+            from .balance import document_cost
+
+            costs = np.add.reduceat(document_cost(lengths[items], self.cost_coeff), offsets[:-1])
+            schedule, _ = _deal(costs, W)
+            loads = tokens[schedule].sum(axis=0).astype(np.int64)
+        else:
+            schedule, loads = _deal(tokens, W)
         K = schedule.shape[0]
         # 5. step order
         if self.shuffle and K:
@@ -554,6 +588,7 @@ class PackedBatchSampler(Sampler[list[int]]):
             added_bins=added,
             repacked_bins=repacked,
             dropped=tuple(sorted(dropped)),
+            bin_costs=costs,
         )
 
     def __repr__(self) -> str:
@@ -606,12 +641,12 @@ def _csr_replace(
 
 
 def _deal(tokens: np.ndarray, W: int) -> tuple[np.ndarray, np.ndarray]:
-    """Steps of ``W`` bins sorted by tokens (descending); within a step the largest bin goes to the rank with the
-    fewest tokens so far. Returns ``(schedule[K, W], loads[W])``."""
+    """Steps of ``W`` bins sorted by size (``tokens``, or any cost per bin; descending); within a step the largest
+    bin goes to the rank with the least so far. Returns ``(schedule[K, W], loads[W])`` (loads in ``tokens``' dtype)."""
     K = tokens.size // W
     by_size = np.lexsort((np.arange(tokens.size), -tokens))  # tokens descending, ties by id
     if W == 1:
-        return by_size.reshape(K, 1).astype(np.int64), np.array([int(tokens.sum())], dtype=np.int64)
+        return by_size.reshape(K, 1).astype(np.int64), np.array([tokens.sum()], dtype=tokens.dtype)
     chunks = by_size.reshape(K, W)
     # Sequential over steps (each step depends on the loads so far), but only the rank ORDER is computed in
     # Python; the bins are then placed with one vectorized scatter.
@@ -629,7 +664,7 @@ def _deal(tokens: np.ndarray, W: int) -> tuple[np.ndarray, np.ndarray]:
                 loads[r] += t
             perms.append(tuple(ranks))
         np.put_along_axis(schedule[s0 : s0 + block], np.array(perms, dtype=np.int64), chunks[s0 : s0 + block], axis=1)
-    return schedule, np.asarray(loads, dtype=np.int64)
+    return schedule, np.asarray(loads, dtype=tokens.dtype)
 
 
 def _lpt(items: list[int], lengths: np.ndarray, n_bins: int, budget: int) -> list[list[int]] | None:
