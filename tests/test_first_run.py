@@ -60,3 +60,56 @@ def test_build_dir_is_the_one_torch_builds_into(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setattr(cpp, "get_default_build_root", lambda: str(tmp_path))
     assert extension_build_dir(SHM_OP) == cpp._get_build_directory(SHM_OP, verbose=False)
+
+
+def test_accelerate_deepspeed_accumulation_line_is_explained_once_and_unpatch_removes_it(capsys):
+    """accelerate warns "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config has
+    N. Using DeepSpeed's value." for every Trainer under DeepSpeed with GA > 1 (transformers' Trainer runs accelerate
+    at 1 and fills DeepSpeed's value): the line gets one explanation per process, nothing is hidden, and unpatch()
+    takes the explanation off. The wording is read from the installed accelerate (a changed line fails here), and
+    the real DeepSpeed runs of tests/test_deepspeed.py show the explained line beside their exact gradients."""
+    import inspect
+    import logging
+
+    import accelerate.accelerator as accelerate_accelerator
+    from accelerate.logging import get_logger
+
+    import hf_gradfix
+    from hf_gradfix.integration import deepspeed as ds
+
+    source = inspect.getsource(accelerate_accelerator.Accelerator._prepare_deepspeed)
+    assert "Gradient accumulation steps mismatch: GradientAccumulationPlugin has" in source
+    assert "DeepSpeed config has" in source
+    from accelerate.state import PartialState
+
+    PartialState()  # accelerate's logger needs its state
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    target = logging.getLogger("accelerate.accelerator")
+    keep = Keep()
+    target.addHandler(keep)
+    ds._EXPLAINER.explained = False
+    try:
+        line = f"{ds.GA_MISMATCH}4. Using DeepSpeed's value."
+        ds.explain_accelerate_warnings()
+        ds.explain_accelerate_warnings()  # idempotent
+        assert target.filters.count(ds._EXPLAINER) == 1
+        get_logger("accelerate.accelerator").warning(line)
+        get_logger("accelerate.accelerator").warning(line)
+        # accelerate's adapter may prefix "[RANK 0] "
+        assert records[0].endswith(line + ds.GA_MISMATCH_NOTE) and records[1].endswith(line), records
+        assert ds.GA_MISMATCH_NOTE not in records[1]
+        other = "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 2, DeepSpeed config has 4."
+        ds._EXPLAINER.explained = False
+        get_logger("accelerate.accelerator").warning(other)
+        assert records[2].endswith(other) and ds.GA_MISMATCH_NOTE not in records[2]  # not the Trainer's own case
+        hf_gradfix.patch()
+        hf_gradfix.unpatch()
+        assert ds._EXPLAINER not in target.filters
+    finally:
+        target.removeHandler(keep)
+        ds.forget_accelerate_warnings()

@@ -44,8 +44,20 @@ def _needs(case: str) -> None:
 @pytest.fixture(scope="module")
 def pp_runs():
     # through the user's route: hf-gradfix launch with the shipped CPU config (its section reaches every rank)
-    runs, _ = launch_cases("pp_worker.py", ALL, nproc=2, via_config=H.REPO_ROOT / "configs/cpu_pp.yaml")
+    runs, proc = launch_cases("pp_worker.py", ALL, nproc=2, via_config=H.REPO_ROOT / "configs/cpu_pp.yaml")
+    runs["_log"] = proc.stdout + proc.stderr
     return runs
+
+
+@pytest.mark.distributed
+def test_trl_metrics_that_pp_does_not_record_are_named(pp_runs):
+    """TRL's SFTTrainer records entropy / token accuracy inside compute_loss, which the schedule replaces: the run
+    says so once (they vanished without a word)."""
+    if "pp2_sft_ga4" not in ALL:
+        pytest.skip("needs TRL")
+    log = pp_runs["_log"]
+    assert log.count("the pipeline schedule computes the loss, not") >= 1
+    assert "SFTTrainer.compute_loss" in log
 
 
 def _loss_err(logged: float, loss: float) -> float:

@@ -61,10 +61,52 @@ class DeepSpeedGuard(TrainerCallback):
         return control
 
 
+#: accelerate's line (accelerator.py, ``_prepare_deepspeed``) for every Trainer under DeepSpeed with GA > 1
+GA_MISMATCH = "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config has "
+GA_MISMATCH_NOTE = (
+    " [hf_gradfix: expected with transformers' Trainer, not an error: the Trainer runs accelerate with 1 and counts "
+    "the window itself, and hands its gradient_accumulation_steps to DeepSpeed, whose engine then marks each "
+    "window's end; the loss is exact (tests/test_deepspeed.py)]"
+)
+
+
+class _ExplainGradientAccumulationMismatch(logging.Filter):
+    """Appends :data:`GA_MISMATCH_NOTE` to accelerate's mismatch warning, once per process (it looks like an error and
+    is the normal path). Only the Trainer's own case (accelerate at 1): a DeepSpeed file that pins another value
+    than TrainingArguments is refused by transformers before this line."""
+
+    def __init__(self) -> None:
+        super().__init__("hf_gradfix.explain_ga_mismatch")
+        self.explained = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.explained:
+            message = record.getMessage()
+            if GA_MISMATCH in message:  # accelerate prefixes "[RANK r] " under a launcher
+                record.msg, record.args = message + GA_MISMATCH_NOTE, None
+                self.explained = True
+        return True
+
+
+_EXPLAINER = _ExplainGradientAccumulationMismatch()
+
+
+def explain_accelerate_warnings() -> None:
+    """Put the explanation on accelerate's logger (idempotent; :func:`forget_accelerate_warnings` takes it off)."""
+    target = logging.getLogger("accelerate.accelerator")
+    if _EXPLAINER not in target.filters:
+        target.addFilter(_EXPLAINER)
+
+
+def forget_accelerate_warnings() -> None:
+    logging.getLogger("accelerate.accelerator").removeFilter(_EXPLAINER)
+
+
 def attach(trainer: Trainer, config: GradFixConfig) -> DeepSpeedGuard | None:
     """Add the DeepSpeed checks to ``trainer`` when it runs under DeepSpeed (idempotent). Returns the guard or None."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return None
+    explain_accelerate_warnings()
     guard = trainer.__dict__.get(_ATTR)
     if guard is None:
         guard = DeepSpeedGuard(trainer)
@@ -73,4 +115,4 @@ def attach(trainer: Trainer, config: GradFixConfig) -> DeepSpeedGuard | None:
     return guard
 
 
-__all__ = ["DeepSpeedGuard", "attach", "deepspeed_engine"]
+__all__ = ["DeepSpeedGuard", "attach", "deepspeed_engine", "explain_accelerate_warnings", "forget_accelerate_warnings"]

@@ -174,6 +174,9 @@ def unpatch() -> None:
             setattr(item.owner, item.attr, item.original)
             _active.pop()
         _config, _source, _settings_from = None, None, "defaults"
+    from .deepspeed import forget_accelerate_warnings
+
+    forget_accelerate_warnings()  # the explanation added to accelerate's DeepSpeed line (deepspeed.py)
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -76,6 +76,7 @@ class PipelinePlan:
     schedule_shape: tuple = ()  # (micro-batches, rows, length) it was built for
     shape_changes: int = 0
     pending: list = field(default_factory=list)  # this window's micro-batches so far
+    metrics_noted: bool = False  # the note on a trainer's per-forward metrics pp does not record, given once
     window_count: float | None = None
     window_size: int = 0
     tokens_counted: int = 0  # num_input_tokens_seen after the last correction (transformers 4.57 counts inline)
@@ -323,6 +324,19 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
     return plan
 
 
+def _note_unrecorded_metrics(trainer, plan: PipelinePlan) -> None:
+    """Once, at the first window (a TRL trainer sets ``_metrics`` after Trainer.__init__, where the plan is made):
+    TRL's trainers record per-forward metrics inside their compute_loss, which the schedule replaces."""
+    plan.metrics_noted = True
+    if isinstance(trainer.__dict__.get("_metrics"), dict) and trainer.accelerator.is_main_process:
+        owner = next((c.__name__ for c in type(trainer).__mro__ if "compute_loss" in c.__dict__
+                      and not c.__module__.startswith(("hf_gradfix", "transformers"))), type(trainer).__name__)
+        logger.warning(
+            "hf_gradfix parallel.pp: the pipeline schedule computes the loss, not %s.compute_loss, so the metrics that "
+            "compute_loss records per forward (TRL: entropy, mean_token_accuracy, num_tokens) are not logged under "
+            "pp; the loss (exact over the window) and grad_norm are", owner)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # One optimizer window
 # ----------------------------------------------------------------------------------------------------------------
@@ -331,6 +345,8 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
 def count_window(trainer, plan: PipelinePlan, batches: list) -> float:
     """The window's target count over the data-parallel ranks (the model's shifted causal-LM rule; a collective on
     every rank). The ranks of one pipeline hold the same batches: the world sum counts each of them pp times."""
+    if not plan.metrics_noted:
+        _note_unrecorded_metrics(trainer, plan)
     local = float(sum(int(count_targets(b, CountRule.SHIFTED)) for b in batches if "labels" in b))
     tensor = torch.tensor([local, float(len(batches))], dtype=torch.float64, device=plan.device)
     import torch.distributed as dist
