@@ -327,10 +327,11 @@ def test_round_trip():
             "on_undetermined": "warn",
             "aux_loss": "as_is",
             "aux_bias_rate": 0.001,
+            "head": "stock",
             "on_nonfinite": "warn",
         },
         "packing": {"enabled": False, "token_budget": 4096, "mode": "varlen", "attention": "auto", "guard": True,
-                    "buffer_size": 1000, "rl_forwards": False},
+                    "balance": "tokens", "buffer_size": 1000, "rl_forwards": False},
         "optimizer": {
             "name": "none", "targets": None, "exclude": [], "rank": None, "update_proj_gap": 200, "scale": None,
             "proj_side": "auto", "proj_method": "auto", "on_switch": "keep", "min_size": 0, "stagger": False,
