@@ -109,9 +109,10 @@ class _Call:
     """One lean model call: the head's stand-in forward, the loss function, and what they saw."""
 
     def __init__(self, plan: LeanHead, inner: nn.Module, head: nn.Module, labels: torch.Tensor,
-                 shift_labels: torch.Tensor | None):
+                 shift_labels: torch.Tensor | None, linear: tuple[torch.Tensor, torch.Tensor | None]):
         self.plan, self.inner, self.head = plan, inner, head
         self.labels, self.shift_labels = labels, shift_labels
+        self.linear = linear  # the head's (weight, bias), merged once per call (a LoRA head's W + s * B @ A)
         self.head_calls = self.loss_calls = 0
         self.marker: torch.Tensor | None = None
         self.loss_sum: torch.Tensor | None = None
@@ -120,13 +121,11 @@ class _Call:
 
     def head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.head_calls += 1
-        linear = effective_linear(self.head)
+        linear = self.linear
         targets = self.shift_labels if self.shift_labels is not None else next_token_targets(self.labels)
-        if self.head_calls > 1 or isinstance(linear, str) or tuple(hidden.shape[:-1]) != tuple(targets.shape):
+        if self.head_calls > 1 or tuple(hidden.shape[:-1]) != tuple(targets.shape):
             if self.head_calls > 1:
                 self.mismatch = "the model calls its output layer more than once per forward"
-            elif isinstance(linear, str):
-                self.mismatch = linear
             else:
                 self.mismatch = (f"the head's input covers {tuple(hidden.shape[:-1])} positions, the labels "
                                  f"{tuple(targets.shape)} (logits_to_keep, or a model that rearranges positions)")
@@ -225,7 +224,7 @@ def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Call
             reason = linear
     if reason is None:
         shift = call.get("shift_labels")
-        lean = _Call(plan, inner, head, labels, shift if torch.is_tensor(shift) else None)
+        lean = _Call(plan, inner, head, labels, shift if torch.is_tensor(shift) else None, linear)
         try:
             with _installed(lean):
                 outputs = forward()
