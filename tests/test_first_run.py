@@ -89,27 +89,40 @@ def test_accelerate_deepspeed_accumulation_line_is_explained_once_and_unpatch_re
         def emit(self, record):
             records.append(record.getMessage())
 
+    from hf_gradfix.integration import explained_warnings
+
     target = logging.getLogger("accelerate.accelerator")
     keep = Keep()
     target.addHandler(keep)
-    ds._EXPLAINER.explained = False
+    explained_warnings.forget_all()
     try:
         line = f"{ds.GA_MISMATCH}4. Using DeepSpeed's value."
         ds.explain_accelerate_warnings()
         ds.explain_accelerate_warnings()  # idempotent
-        assert target.filters.count(ds._EXPLAINER) == 1
+        explainer = explained_warnings.installed(ds.ACCELERATE_LOGGER, ds.GA_MISMATCH)
+        assert explainer is not None and target.filters.count(explainer) == 1
         get_logger("accelerate.accelerator").warning(line)
         get_logger("accelerate.accelerator").warning(line)
         # accelerate's adapter may prefix "[RANK 0] "
         assert records[0].endswith(line + ds.GA_MISMATCH_NOTE) and records[1].endswith(line), records
         assert ds.GA_MISMATCH_NOTE not in records[1]
         other = "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 2, DeepSpeed config has 4."
-        ds._EXPLAINER.explained = False
+        explainer.explained = False
         get_logger("accelerate.accelerator").warning(other)
         assert records[2].endswith(other) and ds.GA_MISMATCH_NOTE not in records[2]  # not the Trainer's own case
         hf_gradfix.patch()
         hf_gradfix.unpatch()
-        assert ds._EXPLAINER not in target.filters
+        assert explainer not in target.filters
     finally:
         target.removeHandler(keep)
-        ds.forget_accelerate_warnings()
+        explained_warnings.forget_all()
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from hf_gradfix.integration import explained_warnings, first_run
+
+    for module in (explained_warnings, first_run):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -60,6 +60,21 @@ def test_trl_metrics_that_pp_does_not_record_are_named(pp_runs):
     assert "SFTTrainer.compute_loss" in log
 
 
+@pytest.mark.distributed
+def test_transformers_no_input_embeddings_warning_is_explained_on_the_stage_without_them(pp_runs):
+    """TRL turns gradient checkpointing on by default; on the second stage (no embedding layer) transformers 5 then
+    warns "does not expose input embeddings. Gradients cannot flow back ...". Measured in this launch: the warning is
+    there, carries the plugin's explanation, once, and the same case's gradients are exact (pp2_sft_ga4 in EXACT)."""
+    from hf_gradfix.integration import pipeline as P
+    from hf_gradfix.integration.versions import transformers_major
+
+    if "pp2_sft_ga4" not in ALL or transformers_major() < 5:
+        pytest.skip("TRL on transformers 5 (4.57 does not warn)")
+    lines = [line for line in pp_runs["_log"].splitlines() if P.NO_INPUT_EMBEDDINGS in line]
+    assert lines, "the warning was not emitted: the explanation has nothing left to explain"
+    assert sum(P.NO_INPUT_EMBEDDINGS_NOTE.strip() in line for line in lines) == 1, lines
+
+
 def _loss_err(logged: float, loss: float) -> float:
     """Relative error of a logged loss; transformers 4.57 logs it rounded to 4 decimals (its own rule)."""
     from hf_gradfix.integration.versions import transformers_major

@@ -38,6 +38,67 @@ def test_start_line_of_a_stock_exact_trl_sft_run_says_unchanged():
     assert "Fixes:" not in line, line
 
 
+def _terminal_output_of(mode: str) -> str:
+    """The run's output as a terminal receives it: stdout and stderr on a pseudo-terminal (160 columns)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env.pop("HF_GRADFIX_CONFIG", None)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+    proc = subprocess.Popen([sys.executable, str(HERE / "start_line_run.py"), mode], stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 1 << 16)
+        except OSError:  # EIO: the child's side closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(timeout=300) == 0, b"".join(chunks)[-3000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _screen(raw: str) -> list[str]:
+    """What a terminal shows: carriage returns overwrite the line from its first column, ANSI escapes dropped."""
+    import re
+
+    lines, col = [[]], 0
+    for ch in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw):
+        if ch == "\n":
+            lines.append([])
+            col = 0
+        elif ch == "\r":
+            col = 0
+        else:
+            line = lines[-1]
+            if col < len(line):
+                line[col] = ch
+            else:
+                line.append(ch)
+            col += 1
+    return ["".join(line).rstrip() for line in lines]
+
+
+def test_start_line_shows_above_the_progress_bar_on_a_terminal():
+    """On a terminal the bar is cleared, the line written and the bar redrawn below it: nothing of the bar above."""
+    screen = _screen(_terminal_output_of("override"))
+    starts = [i for i, line in enumerate(screen) if line.startswith(PREFIX)]
+    bars = [i for i, line in enumerate(screen) if "%|" in line]
+    assert len(starts) == 1 and bars, "\n".join(screen[-40:])
+    assert starts[0] < bars[0], "\n".join(screen[-40:])
+    # control: the same screen for a line that only ends the bar's line first (a file's way) shows the bar above
+    old = _screen("  0%|          | 0/4 [00:00<?, ?it/s]\r\n" + PREFIX + " on X.\r\n 25%|##   | 1/4\r 50%|#### | 2/4")
+    assert "%|" in old[0] and old[1].startswith(PREFIX)
+
+
 def test_start_line_of_a_stock_wrong_run_names_the_fix():
     line = _start_line(_stderr_of("override"))
     assert "Fixes: " in line and "_MeanOfMeansTrainer.compute_loss ignores num_items_in_batch" in line, line

@@ -24,6 +24,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..config import GradFixConfig
 from ..parallel.deepspeed import check_clipping
+from .explained_warnings import explain
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -61,7 +62,8 @@ class DeepSpeedGuard(TrainerCallback):
         return control
 
 
-#: accelerate's line (accelerator.py, ``_prepare_deepspeed``) for every Trainer under DeepSpeed with GA > 1
+#: accelerate's logger and line (accelerator.py, ``_prepare_deepspeed``) for every Trainer under DeepSpeed with GA > 1
+ACCELERATE_LOGGER = "accelerate.accelerator"
 GA_MISMATCH = "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config has "
 GA_MISMATCH_NOTE = (
     " [hf_gradfix: expected with transformers' Trainer, not an error: the Trainer runs accelerate with 1 and counts "
@@ -70,36 +72,11 @@ GA_MISMATCH_NOTE = (
 )
 
 
-class _ExplainGradientAccumulationMismatch(logging.Filter):
-    """Appends :data:`GA_MISMATCH_NOTE` to accelerate's mismatch warning, once per process (it looks like an error and
-    is the normal path). Only the Trainer's own case (accelerate at 1): a DeepSpeed file that pins another value
-    than TrainingArguments is refused by transformers before this line."""
-
-    def __init__(self) -> None:
-        super().__init__("hf_gradfix.explain_ga_mismatch")
-        self.explained = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not self.explained:
-            message = record.getMessage()
-            if GA_MISMATCH in message:  # accelerate prefixes "[RANK r] " under a launcher
-                record.msg, record.args = message + GA_MISMATCH_NOTE, None
-                self.explained = True
-        return True
-
-
-_EXPLAINER = _ExplainGradientAccumulationMismatch()
-
-
 def explain_accelerate_warnings() -> None:
-    """Put the explanation on accelerate's logger (idempotent; :func:`forget_accelerate_warnings` takes it off)."""
-    target = logging.getLogger("accelerate.accelerator")
-    if _EXPLAINER not in target.filters:
-        target.addFilter(_EXPLAINER)
-
-
-def forget_accelerate_warnings() -> None:
-    logging.getLogger("accelerate.accelerator").removeFilter(_EXPLAINER)
+    """Explain accelerate's mismatch line (it looks like an error and is the normal path), once per process. Only the
+    Trainer's own case (accelerate at 1): a DeepSpeed file that pins another value than TrainingArguments is refused
+    by transformers before this line. Idempotent; ``unpatch()`` takes it off (:mod:`.explained_warnings`)."""
+    explain(ACCELERATE_LOGGER, GA_MISMATCH, GA_MISMATCH_NOTE)
 
 
 def attach(trainer: Trainer, config: GradFixConfig) -> DeepSpeedGuard | None:
@@ -115,4 +92,4 @@ def attach(trainer: Trainer, config: GradFixConfig) -> DeepSpeedGuard | None:
     return guard
 
 
-__all__ = ["DeepSpeedGuard", "attach", "deepspeed_engine", "explain_accelerate_warnings", "forget_accelerate_warnings"]
+__all__ = ["DeepSpeedGuard", "attach", "deepspeed_engine", "explain_accelerate_warnings"]

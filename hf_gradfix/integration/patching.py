@@ -174,9 +174,9 @@ def unpatch() -> None:
             setattr(item.owner, item.attr, item.original)
             _active.pop()
         _config, _source, _settings_from = None, None, "defaults"
-    from .deepspeed import forget_accelerate_warnings
+    from .explained_warnings import forget_all
 
-    forget_accelerate_warnings()  # the explanation added to accelerate's DeepSpeed line (deepspeed.py)
+    forget_all()  # the explanations added to third-party warnings (explained_warnings.py)
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -44,6 +44,7 @@ from ..parallel.pipeline import (
     window_loss_fn,
 )
 from .checkpoint import PIPELINE  # the checkpoint layout pp and ep share
+from .explained_warnings import explain
 from .versions import transformers_major
 
 logger = logging.getLogger("hf_gradfix")
@@ -319,9 +320,23 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
         trainer.is_tp_enabled = True
         _route_clipping_457(trainer, plan)
     _prepare_data_loader_for(trainer, dims, rank)
+    if not any(m.is_first for m in modules):
+        explain(TRANSFORMERS_MODELING_LOGGER, NO_INPUT_EMBEDDINGS, NO_INPUT_EMBEDDINGS_NOTE)
     if trainer.accelerator.is_main_process:
         logger.info("hf_gradfix: %s", plan.line)
     return plan
+
+
+#: transformers 5's warning (``PreTrainedModel.enable_input_require_grads``, called by gradient checkpointing and
+#: PEFT; TRL's SFTConfig turns gradient checkpointing on by default) on a stage without the embedding layer
+TRANSFORMERS_MODELING_LOGGER = "transformers.modeling_utils"
+NO_INPUT_EMBEDDINGS = "does not expose input embeddings. Gradients cannot flow back"
+NO_INPUT_EMBEDDINGS_NOTE = (
+    " [hf_gradfix: expected under parallel.pp, not a problem: this pipeline stage holds no embedding layer (the "
+    "first stage does, and makes its output require gradients there); this stage's input is the previous stage's "
+    "activation, which carries the gradient back, so its checkpointed layers and adapters train exactly "
+    "(tests/test_pipeline.py compares every stage's gradients with one process)]"
+)
 
 
 def _note_unrecorded_metrics(trainer, plan: PipelinePlan) -> None:

@@ -393,6 +393,13 @@ def _set_flags(trainer: Trainer, state: GradFixState) -> None:
     """Settings the fix needs, enforced at the first window (subclass __init__s may reset them)."""
     args = trainer.args
     state.flags_set = True
+    if not state.probed:  # before the first forward of this trainer, where torch.compile would compile silently
+        from .first_run import compile_notice
+        from .start_line import log_on_own_line
+
+        notice = compile_notice(trainer)
+        if notice is not None:
+            log_on_own_line(logger, notice)
     # Launch modes the plugin cannot normalize: never refused (stock trains them), left exactly as stock, loudly.
     if getattr(args, "n_gpu", 1) > 1:
         _disable(trainer, state, (
