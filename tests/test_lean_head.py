@@ -151,6 +151,54 @@ def test_eval_loss_is_the_same_and_logits_stay_where_they_are_read(lean):
     assert abs(lean_eval - stock_eval) <= TOL * abs(stock_eval) and abs(with_logits - stock_eval) <= TOL * abs(stock_eval)
 
 
+def test_lean_head_through_the_callback_way_in():
+    """No patch(): GradFixCallback with loss.head: lean on an ordinary Trainer; lean on every micro-batch, exact."""
+    model = H.build_model("llama")
+    samples = H.make_samples("causal", n=8, seed=5, prompt_mask_frac=0.3)
+    record, said = _run(model, samples, callbacks=[hf_gradfix.GradFixCallback(LEAN)])
+    plan = state_of(record.trainer).lean
+    assert plan is not None and plan.calls == 4 and plan.stock_calls == 0 and not said, (plan, said)
+    _assert_exact(H.check_against_gt(model, samples, "causal", record), "callback way in")
+
+
+def _one_call(model, seed=4):
+    samples = H.make_samples("causal", n=2, seed=seed, prompt_mask_frac=0.3)
+    return H.RecordingCollator("causal", H.pad_id_of(model)).collate(samples)
+
+
+def test_an_exception_inside_the_forward_leaves_nothing_on_the_model():
+    """An error after the head ran (an out-of-memory, a user's hook) goes to the caller as it is, is no verdict
+    about the model, and leaves the head's forward and the loss function as they were: the next call runs lean."""
+    model = H.build_model("llama")
+    call = _one_call(model)
+    plan = lean_head.LeanHead()
+
+    def fail(module, args, output):
+        raise RuntimeError("simulated failure after the head")
+
+    handle = model.lm_head.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="simulated failure after the head"):
+        lean_head.run_model(plan, model, call, lambda: model(**call), training=True)
+    handle.remove()
+    assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
+    assert plan.calls == 0 and plan.stock_calls == 0 and not plan.refused
+    stock = model(**call).loss.detach()
+    out = lean_head.run_model(plan, model, call, lambda: model(**call), training=True)
+    assert plan.calls == 1 and abs(out.loss.item() - stock.item()) <= TOL * abs(stock.item())
+
+
+def test_a_tuple_output_keeps_its_loss_and_never_hands_out_the_stand_in():
+    """return_dict=False: the model returns (loss, logits, ...); the stand-in's place holds None, never zeros."""
+    model = H.build_model("llama")
+    call = _one_call(model)
+    stock = model(**call, return_dict=False)
+    plan = lean_head.LeanHead()
+    out = lean_head.run_model(plan, model, call, lambda: model(**call, return_dict=False), training=True)
+    assert plan.calls == 1 and isinstance(out, tuple) and len(out) == len(stock), (plan, type(out))
+    assert out[1] is None and stock[1].shape[-1] == H.VOCAB
+    assert abs(float(out[0]) - float(stock[0])) <= TOL * abs(float(stock[0]))
+
+
 @pytest.mark.parametrize("path", ["torch", "fallback"])
 def test_head_sum_equals_float64_cross_entropy_on_both_paths(monkeypatch, path):
     """The pure-math sum against float64 logits + cross-entropy (gradients of hidden, weight and bias), on torch's

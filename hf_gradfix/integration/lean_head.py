@@ -235,8 +235,7 @@ def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Call
             reason = str(err)
         else:
             plan.calls += 1
-            _drop_logits(outputs, lean.marker)
-            return outputs
+            return _drop_logits(outputs, lean.marker)
     plan.refused[key] = reason
     plan.stock_calls += 1
     if key not in plan.warned:
@@ -246,14 +245,16 @@ def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Call
     return forward()
 
 
-def _drop_logits(outputs: Any, marker: torch.Tensor | None) -> None:
+def _drop_logits(outputs: Any, marker: torch.Tensor | None) -> Any:
     """The stand-in is not the logits: a caller that reads them gets None (as from TRL's fused head), never zeros.
     transformers' ``ModelOutput`` is an ordered dict whose None fields are not keys: the key goes, the attribute is
-    None."""
+    None. A tuple (``return_dict=False``) is rebuilt with None in the stand-in's place (positions kept)."""
     from collections import OrderedDict
 
     if marker is None:
-        return
+        return outputs
+    if isinstance(outputs, tuple) and not hasattr(outputs, "_fields"):
+        return tuple(None if item is marker else item for item in outputs)
     if isinstance(outputs, dict) and outputs.get("logits") is marker:
         if isinstance(outputs, OrderedDict):
             OrderedDict.__delitem__(outputs, "logits")  # ModelOutput refuses __delitem__ itself
@@ -261,3 +262,4 @@ def _drop_logits(outputs: Any, marker: torch.Tensor | None) -> None:
             del outputs["logits"]
     if getattr(outputs, "logits", None) is marker:
         object.__setattr__(outputs, "logits", None)
+    return outputs
