@@ -223,3 +223,46 @@ def test_head_sum_equals_float64_cross_entropy_on_both_paths(monkeypatch, path):
     assert abs(float(lean) - float(stock)) <= 1e-6 * abs(float(stock))
     for g, r in zip(got, ref):
         assert float((g.grad.double() - r.grad).norm() / r.grad.norm()) <= 1e-6
+
+
+def test_half_precision_sum_is_as_close_to_float64_as_the_stock_head():
+    """bf16 (a bf16 model, or autocast over fp32 weights): the lean sum and its gradients are as close to float64 as
+    the stock head's (bf16 matmul, fp32 upcast). Control: torch's linear_cross_entropy fed the bf16 tensors, which
+    accumulates the loss in bf16 (what the lean head did before), is far off on the same data."""
+    from hf_gradfix.loss import lean_head as math
+
+    torch.manual_seed(0)
+    n, h, v = 2048, 32, 4096
+    hidden = torch.randn(n, h).bfloat16()
+    weight32 = torch.randn(v, h) * 0.05
+    targets = torch.randint(0, v, (n,))
+    targets[::7] = -100
+    ref_h, ref_w = hidden.double().requires_grad_(), weight32.bfloat16().double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_h @ ref_w.T, targets, reduction="sum")
+    ref.backward()
+
+    def errors(fn):
+        hid, w = hidden.clone().requires_grad_(), weight32.clone().requires_grad_()
+        loss = fn(hid, w)
+        loss.backward()
+        rel = [abs(float(loss) - float(ref)) / abs(float(ref))]
+        rel += [float((g.double() - r.grad).norm() / r.grad.norm()) for g, r in ((hid.grad, ref_h), (w.grad, ref_w))]
+        return rel
+
+    def stock(hid, w):
+        return torch.nn.functional.cross_entropy((hid @ w.bfloat16().T).float(), targets, reduction="sum")
+
+    def lean(hid, w):
+        return math.head_cross_entropy_sum(hid, w, None, targets, compute_dtype=torch.bfloat16)
+
+    s, le = errors(stock), errors(lean)
+    assert all(a <= 1.5 * b for a, b in zip(le, s)), (le, s)
+    assert le[2] <= s[2] * 1.01  # the fp32 weight's gradient accumulates over the chunks in fp32, like stock's
+    if math.has_torch_linear_cross_entropy():
+        def torch_op_in_bf16(hid, w):
+            options = torch.nn.LinearCrossEntropyOptions(acc_policy="accurate", acc_dtype=torch.float32)
+            return torch.nn.functional.linear_cross_entropy(hid, w.bfloat16(), targets, reduction="sum",
+                                                            options=options)
+
+        control = errors(torch_op_in_bf16)
+        assert control[0] > 100 * max(s[0], 1e-6), (control, s)

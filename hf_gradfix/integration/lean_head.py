@@ -132,14 +132,11 @@ class _Call:
             return type(self.head).forward(self.head, hidden)
         weight, bias = linear
         self._check_merged(hidden, weight, bias)
-        x = hidden
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):  # what the stock head's matmul runs in under autocast
-            dtype = torch.get_autocast_dtype(device_type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
+        device_type = hidden.device.type
+        # what the stock head's matmul runs in under autocast (cast chunk by chunk inside)
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         with torch.autocast(device_type, enabled=False):
-            self.loss_sum = head_cross_entropy_sum(x, weight, bias, targets)
+            self.loss_sum = head_cross_entropy_sum(hidden, weight, bias, targets, compute_dtype=dtype)
         self.count = (targets != IGNORE_INDEX).sum()
         vocab = weight.shape[0]
         self.marker = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
