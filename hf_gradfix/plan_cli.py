@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(ep_size, all_to_all) lays them out, plus one MoE layer's all-to-all dispatch + combine buffers "
                          "(tokens x top_k x hidden each, balanced routing assumed); refused as config check refuses it "
                          "(pp, cp, tp, packing, GaLore / APOLLO, DeepSpeed)")
+    ap.add_argument("--loss-head", choices=["stock", "lean"], default=None,
+                    help="the causal-LM loss head (implied by a --config with loss.head): stock (the logits and the "
+                         "loss's fp32 tensors) or lean (no logits; hf_gradfix's loss.head: lean)")
     ap.add_argument("--packing", action="store_true",
                     help="packed rows (the plugin's packer; implied by a --config with packing.enabled): with cp > 1 "
                          "SDPA with a dense document mask and a K/V all-gather over the cp ranks")
@@ -194,6 +197,7 @@ def _mesh_and_settings(ns, config):
     zero, offload, deepspeed = ns.zero, bool(ns.offload_optimizer), bool(ns.deepspeed)
     pp, schedule, virtual = ns.pp or 1, ns.pp_schedule or "1f1b", ns.pp_virtual_stages or 1
     packing = bool(ns.packing)
+    loss_head = ns.loss_head or "stock"
     rl_packed = False  # the --config's packing.rl_forwards
     if virtual > 1 and ns.pp_schedule is None:
         schedule = "interleaved_1f1b"  # virtual stages name the interleaved schedule
@@ -224,6 +228,10 @@ def _mesh_and_settings(ns, config):
         virtual = ns.pp_virtual_stages or int(getattr(par, "pp_virtual_stages", 1) or 1)
         if virtual > 1 and ns.pp_schedule is None and getattr(par, "pp_schedule", None) is None:
             schedule = "interleaved_1f1b"
+        config_head = str(getattr(cf.gradfix.loss, "head", "stock") or "stock")
+        if ns.loss_head is not None and ns.loss_head != config_head:
+            raise PlanError(f"--loss-head {ns.loss_head}: {ns.config} sets loss.head={config_head}; keep one of them")
+        loss_head = config_head
         if cf.gradfix.packing.enabled:
             packing = True
             if not seq_given:
@@ -303,7 +311,7 @@ def _mesh_and_settings(ns, config):
                  update_proj_gap=ns.update_proj_gap if ns.update_proj_gap is not None else gap,
                  offload_optimizer=offload, deepspeed=deepspeed,
                  pp=1 if getattr(mesh, "pp", 1) > 1 else pp, pp_schedule=schedule, pp_virtual_stages=virtual,
-                 packing=packing, rl=_rl_run(ns, rl_packed))
+                 packing=packing, rl=_rl_run(ns, rl_packed), loss_head=loss_head)
     if getattr(mesh, "ep", 1) > 1:
         for flag, on in (("--suggest", ns.suggest), ("--simulate / --timeline", ns.simulate or ns.timeline)):
             if on:
@@ -714,6 +722,10 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                 print(ns.dtype_note, file=sys.stderr, flush=True)
             print(f"hf-gradfix plan: simulating one training step of rank 0 under fake tensors "
                   f"({mesh.world_size} rank(s)) ...", file=sys.stderr, flush=True)
+            if s.loss_head == "lean":  # said before the work, not hidden in the picture
+                print("hf-gradfix plan: note: the simulated step runs the stock loss head (logits materialized); "
+                      "the lean head is counted by the estimate above only (torch's linear_cross_entropy keeps its "
+                      "scratch inside one op, which a fake-tensor trace does not see)", file=sys.stderr, flush=True)
             sim = simulate(config, mesh, s, progress=lambda line: print(
                 f"hf-gradfix plan: [{time.perf_counter() - started:.0f} s] {line}", file=sys.stderr, flush=True))
             out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}

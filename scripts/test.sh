@@ -40,7 +40,8 @@ TF457_TESTS=(tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_
 # last 20 minutes). Chosen from per-file times (HF_GRADFIX_TIMINGS_DIR=DIR writes them; docs/testing.md): the two
 # streams should end together. Every file runs exactly once: the first stream ignores these.
 TF5_SECOND_STREAM=(tests/test_deepspeed.py tests/test_context_parallel.py tests/test_verify.py tests/test_rl.py
-    tests/test_rl_async.py tests/test_ep.py tests/test_optim_distributed.py tests/test_compile.py)
+    tests/test_rl_async.py tests/test_ep.py tests/test_optim_distributed.py tests/test_compile.py
+    tests/test_plan_lean_head.py)
 # --quick: pure math, configuration, the packer, the optimizers against their references, the loss fix against the
 # ground truth (harness self-check, TokenWindow), the lock and the layout; no process launches (the distributed
 # marker) and no docs build. Measured in docs/testing.md.

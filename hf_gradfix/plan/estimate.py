@@ -343,6 +343,9 @@ class Settings:
     # a TRL GRPO / RLOO run (rl.py): generation, no-grad log-prob forwards, TRL's fused LM head; its row length
     # (prompt + completion) replaces seq_len
     rl: Any = None  # RLRun | None
+    # loss.head: stock (the logits and the loss's fp32 tensors) | lean (hf_gradfix's lean head, lean_head.py; used
+    # where the head is a plain tensor at its forward: not under tp (a DTensor head) nor pp (the schedule's loss))
+    loss_head: str = "stock"
 
     def check(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -356,6 +359,8 @@ class Settings:
                 raise PlanError(f"--{key.replace('_', '-')} must be >= 1")
         if self.zero not in (None, 0, 1, 2, 3):
             raise PlanError(f"--zero {self.zero!r}: 0, 1, 2 or 3")
+        if self.loss_head not in ("stock", "lean"):
+            raise PlanError(f"--loss-head {self.loss_head!r}: stock | lean (the config key loss.head)")
         if self.activation_model not in ("traced", "formula", "playbook"):
             raise PlanError(f"activation_model={self.activation_model!r}: traced | formula | playbook")
         if self.attention not in ("fused", "eager"):
@@ -740,11 +745,21 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     heads = getattr(config, "num_attention_heads", None) or 1
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_width = (getattr(config, "num_key_value_heads", None) or heads) * head_dim / tp
+    lean = None
+    if settings.loss_head == "lean" and rl is None and tp == 1 and pipeline_degree(mesh, settings) == 1:
+        from .lean_head import lean_head_bytes
+        from ..loss.lean_head import has_torch_linear_cross_entropy
+
+        text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        # FSDP2 mixed precision gathers the head in bf16; autocast runs its matmul in bf16 over fp32 weights
+        lean = lean_head_bytes(tokens, text_cfg.hidden_size, text_cfg.vocab_size, compute_bytes=eb,
+                               weight_bytes=2 if amp and fsdp else wb, hidden_bytes=4 if amp else eb,
+                               torch_op=has_torch_linear_cross_entropy())
     if settings.activation_model == "traced":
         from .activations import trace_activations
 
         tr = trace_activations(config, micro_batch=trace_rows, seq_len=trace_len, dtype=trace_dtype,
-                               attention=settings.attention, head=rl is None)
+                               attention=settings.attention, head=rl is None and lean is None)
         all_layers = [tr.layer(i, tp) for i in range(len(tr.layer_split))]
         # a layer's backward footprint (its saved tensors + gradients) shrinks with tp as its activations do
         tp_share = max(all_layers) / max(tr.layer(i) for i in range(len(all_layers)))
@@ -756,6 +771,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         each = tr.layer_backward_each or [tr.layer_backward] * len(all_layers)
         bwd_each = [b * tp_share for b in (each if stage is None else [each[i] for i in stage.layers])]
         head_saved, logits_b, loss_t = tr.outside, tr.logits, tr.loss_transient
+        if lean is not None:  # the backbone's trace (no head); the lean head's own count (lean_head.py)
+            head_saved, logits_b, loss_t = tr.outside + lean["kept"], 0.0, lean["transient"]
         if rl is not None:
             # TRL's fused LM head instead of the logits and their loss gradients (rl.py)
             from .rl import training_head
@@ -778,6 +795,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         hidden = eb * tokens * config.hidden_size
         logits_b, loss_t = eb * tokens * config.vocab_size, 12 * tokens * config.vocab_size
         head_saved = _head_activation(config, tokens, eb, seq_len / mesh.cp) - logits_b - loss_t
+        if lean is not None:
+            head_saved, logits_b, loss_t = head_saved + lean["kept"], 0.0, lean["transient"]
         if settings.activation_model == "playbook":
             per_layer = [pb_act * eb / 2 / config.num_hidden_layers] * n_layers
             layer_rc = per_layer[0] + head_saved + loss_t
@@ -833,6 +852,12 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                    f"fused LM head on {rl_head['n']:,} completion tokens: kept {_fmt(rl_head['kept'])}, backward "
                    f"{_fmt(rl_head['transient'])} ({fh['rows']:,} x 32,768 tile {_fmt(fh['tile'])}, fp32 gradients)"
                    + (f"; a recomputed layer peaks at {_fmt(layer_rc)}" if settings.recompute == "full" else ""))
+    elif tr is not None and lean is not None:
+        act_how = (f"counted from the forward ({tr.attention} attention): {len(per_layer)} layers x "
+                   f"{_fmt(sum(per_layer) / max(1, len(per_layer)))} + outside the layers {_fmt(tr.outside)}; lean "
+                   f"loss head ({lean['path']} path, {lean['rows']:,}-token chunks): kept {_fmt(lean['kept'])}, "
+                   f"transient {_fmt(lean['transient'])}, no logits"
+                   + (f"; a recomputed layer peaks at {_fmt(layer_rc)}" if settings.recompute == "full" else ""))
     elif tr is not None:
         act_how = (f"counted from the forward ({tr.attention} attention): {len(per_layer)} layers x "
                    f"{_fmt(sum(per_layer) / max(1, len(per_layer)))}"
@@ -846,6 +871,9 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                        else ""))
     if stage is not None:
         act_how += f"; x {stage.in_flight:g} micro-batches in flight ({settings.pp_schedule})"
+    if settings.loss_head == "lean" and lean is None:
+        act_how += ("; loss.head lean is not used here (a tensor-parallel head, pipeline stages or an RL trainer's "
+                    "own head): the stock head is counted")
     act = act_full if settings.recompute == "full" else act_none
     rl_info = None
     ref_b = 0.0
@@ -1007,7 +1035,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                                         for w, sh, dt, b in (tr.layer0 if tr is not None else [])],
                "stage": stage_info, "document_mask_bytes": mask_b, "padded_seq_len": seq_len,
                **({"ep": ep_info} if ep_info is not None else {}),
-               **({"rl": rl_info, "fused_head": rl_head} if rl is not None else {})},
+               **({"rl": rl_info, "fused_head": rl_head} if rl is not None else {}),
+               **({"lean_head": lean} if lean is not None else {})},
     )
 
 
