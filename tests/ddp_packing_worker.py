@@ -64,7 +64,10 @@ def main(out: str, streaming: bool = False, stream_end: bool = False, balance: s
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[capture])
     trainer.train()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    torch.save({"grads": capture.grads, "logged": logged, "init": init}, f"{out}/rank{rank}.pt")
+    imbalance = [{k: v for k, v in h.items() if k.startswith("packing/")} for h in trainer.state.log_history
+                 if "loss" in h]
+    torch.save({"grads": capture.grads, "logged": logged, "init": init, "imbalance": imbalance},
+               f"{out}/rank{rank}.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

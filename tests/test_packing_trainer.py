@@ -187,6 +187,19 @@ def test_packed_training_under_ddp_is_exact(tmp_path, balance):
         assert H.rel_err(g, gt) <= GRAD_TOL, f"step {k}: {H.rel_err(g, gt):.3e} (tokens per rank {tokens[k]})"
         assert H.rel_err(ranks[1]["grads"][k], gt) <= GRAD_TOL
         assert abs(ranks[0]["logged"][k] - gt_loss) / gt_loss <= LOSS_TOL
+    # the logs carry each window's imbalance (logging_steps=1): max / mean over the ranks of the tokens (and of the
+    # compute cost) the plan put on them, computed here from the sampler's bins
+    from hf_gradfix.packing.balance import document_cost, imbalance
+
+    coeff = cost if cost is not None else attention_cost_coeff(model.config)[0]
+    for k in range(len(ranks[0]["grads"])):
+        costs = [sum(float(document_cost([len(samples[i]["input_ids"])], coeff)[0])
+                     for b in bins[k * per_window + r: (k + 1) * per_window: 2] for i in b) for r in (0, 1)]
+        for r in (0, 1):
+            logged = ranks[r]["imbalance"][k]
+            assert abs(logged["packing/imbalance_tokens"] - imbalance(tokens[k])) <= 1e-4, (k, logged, tokens[k])
+            assert abs(logged["packing/imbalance_compute"] - imbalance(costs)) <= 1e-4, (k, logged, costs)
+    assert any(imbalance(t) > 1.0 for t in tokens)  # control: a window that is not perfectly even was measured
 
 
 def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
@@ -244,3 +257,12 @@ def test_lifecycle_epochs_short_last_window_second_train_and_second_trainer():
                 cache[k] = H.ground_truth(model, [samples[i] for b in window for i in b], "causal")[1]
             err = H.rel_err(g, cache[k])
             assert err <= GRAD_TOL, f"{name} step {k} ({len(window)} rows): {err:.3e}"
+
+
+def test_balance_log_docstring_examples_run():
+    import doctest
+
+    from hf_gradfix.integration import packing_balance_log
+
+    result = doctest.testmod(packing_balance_log)
+    assert result.attempted > 0 and result.failed == 0
