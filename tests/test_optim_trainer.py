@@ -644,3 +644,22 @@ def test_verify_trainer_on_a_lowrank_run_then_train(entry, tmp_path):
     assert [s[0] for s in watch.seen] == [True] * 4 and all(n > 0 for _, n in watch.seen[1:])
     ref, _ = _lowrank_loop(model0, samples, coll.batches[start:start + 8], clip=0.05)
     assert _rel(model, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("name,opt_cls", [("galore_adamw", GaLoreAdamW), ("apollo_adamw", ApolloAdamW)])
+def test_lean_head_with_a_low_rank_optimizer_is_exact(name, opt_cls, tmp_path):
+    """loss.head: lean beside GaLore / APOLLO (issue 40): lean on every micro-batch, and the weights after 4 windows
+    are plain PyTorch's (stock head, exact token mean per window, the same optimizer)."""
+    from hf_gradfix.integration.state import state_of
+
+    cfg = {"name": name, "rank": 4, "update_proj_gap": 2, **({"proj_method": "svd"} if name == "galore_adamw" else {})}
+    model0 = H.build_model("llama")
+    model = copy.deepcopy(model0)
+    samples = _samples()
+    hf_gradfix.patch({"optimizer": cfg, "loss": {"head": "lean"}})
+    trainer, coll = _trainer(model, samples, tmp_path)
+    trainer.train()
+    lean = state_of(trainer).lean
+    assert lean is not None and lean.calls == 8 and lean.stock_calls == 0, lean
+    kw = {k: v for k, v in cfg.items() if k != "name"}
+    assert _rel(model, _reference(model0, samples, coll.batches, ga=2, opt_cls=opt_cls, **kw)) <= 1e-5
