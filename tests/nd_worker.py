@@ -49,6 +49,9 @@ SCENARIOS: dict[str, tuple[dict, dict]] = {
     # negative control: the loss fix off, the same mesh: transformers' own loss with average_tokens_across_devices=False
     "shard2_tp2_avg_false_stock": ({"parallel": {"dp_shard": 2, "tp": 2}, "loss": {"enabled": False}}, {"avg_false": True}),
     "rep2_shard2": ({"parallel": {"dp_replicate": 2, "dp_shard": 2}}, {}),
+    # loss.head: lean on FSDP2 (HSDP) and under tp (a DTensor head: found in its forward, kept stock)
+    "rep2_shard2_lean": ({"parallel": {"dp_replicate": 2, "dp_shard": 2}, "loss": {"head": "lean"}}, {}),
+    "shard2_tp2_lean": ({"parallel": {"dp_shard": 2, "tp": 2}, "loss": {"head": "lean"}}, {}),
     "rep2_tp2": ({"parallel": {"dp_replicate": 2, "dp_shard": 1, "tp": 2}}, {}),
     "shard2_tp2_iterable": ({"parallel": {"dp_shard": 2, "tp": 2}}, {"iterable": True}),
     "tp4_refused": ({"parallel": {"dp_shard": 1, "tp": 4}}, {}),
@@ -251,6 +254,8 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
         seconds=time.perf_counter() - start,
     )
     state = hf_gradfix.state_of(trainer)
+    lean = getattr(state, "lean", None) if state is not None else None
+    payload["lean"] = (lean.calls, lean.stock_calls, dict(lean.refused)) if lean is not None else None
     plan = state.nd if state is not None else None
     if plan is not None:  # None: the stock control
         payload.update(

@@ -33,7 +33,8 @@ from test_ep import TOL as EP_TOL, _all_to_all_expert_parallelism, _errors as ep
 
 GRAD_TOL = 1e-5  # relative, fp32
 LOSS_TOL = 1e-5
-EXACT = ["shard2_tp2", "shard2_tp2_avg_false", "rep2_shard2", "rep2_tp2", "shard2_tp2_iterable"]
+EXACT = ["shard2_tp2", "shard2_tp2_avg_false", "rep2_shard2", "rep2_tp2", "shard2_tp2_iterable", "rep2_shard2_lean",
+         "shard2_tp2_lean"]
 REFUSED = ["tp4_refused", "world_mismatch_refused", "tp_data_differs_refused"]
 HAS_EP = _all_to_all_expert_parallelism()  # transformers 5.x: DistributedConfig(fsdp_size, ep_size, ep_implementation)
 EP = ["ep2_efsdp2_micro", "ep2_efsdp2_global", "ep2_rep2_micro",  # (rep2 global measured once: 3.4e-7; CI time)
@@ -120,6 +121,19 @@ def test_nd_mesh_matches_single_process_full_batch(nd_runs, scenario):
         assert max(counts) >= 2 * min(counts), f"token counts per data rank should be unequal: {counts}"
     if scenario == "shard2_tp2_avg_false":  # the plugin counts over the data ranks itself, whatever the flag
         assert "average_tokens_across_devices=False" in nd_runs["_stderr"]
+
+
+@pytest.mark.distributed
+def test_lean_head_runs_under_fsdp2_and_keeps_the_stock_head_under_tp(nd_runs):
+    """loss.head: lean (issue 40), measured: on FSDP2 (HSDP) the head is unsharded at its forward and every
+    micro-batch runs lean; under tp its weight stays a DTensor, found in its forward, and every micro-batch runs the
+    stock head. Both exact (test_nd_mesh_matches_single_process_full_batch)."""
+    for rank in nd_runs["rep2_shard2_lean"]:
+        calls, stock, refused = rank["lean"]
+        assert calls > 0 and stock == 0 and not refused, rank["lean"]
+    for rank in nd_runs["shard2_tp2_lean"]:
+        calls, stock, refused = rank["lean"]
+        assert calls == 0 and stock > 0 and any("sharded" in why for why in refused.values()), rank["lean"]
 
 
 @pytest.mark.distributed

@@ -69,6 +69,13 @@ def _inner_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def _sharded_outside_forward(head: nn.Module) -> bool:
+    """The head's weight (or its LoRA base's) is a DTensor now, which FSDP2 swaps for the unsharded tensor during the
+    model's forward; whether it is plain then is decided in the head's forward (tensor parallel stays a DTensor)."""
+    base = getattr(head, "base_layer", head)
+    return type(getattr(base, "weight", None)).__name__ == "DTensor"
+
+
 def effective_linear(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | str:
     """``(weight, bias)`` with ``head(x) == x @ weight.T + bias`` (autograd-connected), or why there is none."""
     if isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward:
@@ -109,10 +116,11 @@ class _Call:
     """One lean model call: the head's stand-in forward, the loss function, and what they saw."""
 
     def __init__(self, plan: LeanHead, inner: nn.Module, head: nn.Module, labels: torch.Tensor,
-                 shift_labels: torch.Tensor | None, linear: tuple[torch.Tensor, torch.Tensor | None]):
+                 shift_labels: torch.Tensor | None, linear: tuple[torch.Tensor, torch.Tensor | None] | None):
         self.plan, self.inner, self.head = plan, inner, head
         self.labels, self.shift_labels = labels, shift_labels
-        self.linear = linear  # the head's (weight, bias), merged once per call (a LoRA head's W + s * B @ A)
+        # the head's (weight, bias), merged once per call (a LoRA head's W + s * B @ A); None: found at its forward
+        self.linear = linear
         self.head_calls = self.loss_calls = 0
         self.marker: torch.Tensor | None = None
         self.loss_sum: torch.Tensor | None = None
@@ -121,6 +129,11 @@ class _Call:
 
     def head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.head_calls += 1
+        if self.linear is None:  # a DTensor before the forward: FSDP2 has unsharded it by now, tensor parallel not
+            found = effective_linear(self.head)
+            if isinstance(found, str):
+                raise _NotLean(found)
+            self.linear = found
         linear = self.linear
         targets = self.shift_labels if self.shift_labels is not None else next_token_targets(self.labels)
         if self.head_calls > 1 or tuple(hidden.shape[:-1]) != tuple(targets.shape):
@@ -218,7 +231,10 @@ def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Call
     else:
         linear = effective_linear(head)
         if isinstance(linear, str):
-            reason = linear
+            if _sharded_outside_forward(head):
+                linear = None  # FSDP2 unshards it at the model's forward: decided inside the head's forward
+            else:
+                reason = linear
     if reason is None:
         shift = call.get("shift_labels")
         lean = _Call(plan, inner, head, labels, shift if torch.is_tensor(shift) else None, linear)
