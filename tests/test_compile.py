@@ -57,3 +57,26 @@ def test_no_compile_no_notice():
     assert compile_notice(trainer) is None
     trainer.model_wrapped = torch.compile(trainer.model)  # a model the user compiled before handing it in
     assert "a torch.compile'd model" in compile_notice(trainer)
+
+
+def test_a_compiled_model_keeps_the_stock_head_under_loss_head_lean_and_says_why():
+    """loss.head: lean swaps the head's forward per call, which a compiled graph would retrace every micro-batch: a
+    compiled model keeps the stock head (one warning naming torch.compile), exact."""
+    import warnings
+
+    from hf_gradfix.integration.state import state_of
+
+    hf_gradfix.patch({"loss": {"head": "lean"}, "log_fixes": False})
+    try:
+        samples = H.make_samples("causal", n=8, seed=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            record = H.run_trainer(H.build_model("llama"), samples, "causal",
+                                   extra_args={"torch_compile": True, "torch_compile_backend": "aot_eager"})
+    finally:
+        hf_gradfix.unpatch()
+    said = [str(w.message) for w in caught if "loss.head: lean" in str(w.message)]
+    plan = state_of(record.trainer).lean
+    assert plan.calls == 0 and plan.stock_calls > 0 and len(said) == 1 and "torch.compile'd" in said[0], (plan, said)
+    errors = H.check_against_gt(lambda: H.build_model("llama"), samples, "causal", record)
+    assert errors and all(g <= TOL and (l is None or l <= TOL) for g, l in errors), errors

@@ -224,7 +224,11 @@ def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Call
     get_head = getattr(inner, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     reason = None
-    if head is None:
+    if hasattr(inner, "_orig_mod"):
+        # the lean call swaps the head's forward for a per-call function: a compiled graph would guard on it and
+        # recompile at every micro-batch
+        reason = "the model is torch.compile'd (the lean head replaces the head's forward per call)"
+    elif head is None:
         reason = "the model has no output embeddings (get_output_embeddings() is None)"
     elif not hasattr(type(inner), "loss_function"):
         reason = "the model has no loss_function to hand the lean loss to"
