@@ -194,3 +194,49 @@ def test_bad_balance_and_threshold_are_refused():
         PackedLayout.build(batch, 2, balance="long_document")
     with pytest.raises(ContextParallelError, match="cp_balance_threshold: 0"):
         PackedLayout.build(batch, 2, balance="long_documents", threshold=0)
+
+
+def test_config_keys():
+    from hf_gradfix.config import ConfigError, config_from_dict
+    from hf_gradfix.config.resolve import parallel_requested
+
+    def error(d: dict) -> str:
+        with pytest.raises(ConfigError) as info:
+            config_from_dict(d)
+        return str(info.value)
+
+    cfg = config_from_dict({"parallel": {"cp": 2, "cp_balance": "long_documents", "cp_balance_threshold": 512}})
+    assert (cfg.parallel.cp_balance, cfg.parallel.cp_balance_threshold) == ("long_documents", 512)
+    assert config_from_dict({}).parallel.cp_balance == "per_document"
+    msg = error({"parallel": {"cp_balance": "long"}})
+    assert msg.count("\n") == 0 and "parallel.cp_balance: invalid value 'long'" in msg and "'long_documents'" in msg
+    assert "parallel.cp_balance_threshold: invalid value 0; it must be >= 1" in error(
+        {"parallel": {"cp_balance": "long_documents", "cp_balance_threshold": 0}})
+    msg = error({"parallel": {"cp_balance_threshold": 512}})
+    assert msg.count("\n") == 0 and "applies with cp_balance: long_documents only" in msg
+    # a layout option is not a mesh: alone it sets nothing up
+    assert not parallel_requested(config_from_dict({"parallel": {"cp_balance": "long_documents"}}).parallel)
+
+
+def test_guard_probes_the_long_documents_layout():
+    import transformers as tf
+
+    from hf_gradfix.packing.guard import check_model_packs_under_cp
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=64)
+    model = tf.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    report = check_model_packs_under_cp(model, cp=2, balance="long_documents")
+    assert report.passed and report.details["attention_calls"] == 1 and report.max_diff < 1e-5
+
+
+def test_config_check_names_the_balance(tmp_path, capsys):
+    from hf_gradfix.cli import main
+    from test_cli import _cpu_yaml, _write
+
+    section = {"parallel": {"tp": 2, "cp": 2, "cp_balance": "long_documents", "cp_balance_threshold": 1024},
+               "packing": True}
+    assert main(["config", "check", str(_write(tmp_path, {**_cpu_yaml(4), "hf_gradfix": section}))]) == 0
+    assert ("cp=2 over packed rows: documents longer than 1024 tokens or a rank's share of the row padded to a "
+            "multiple of 4 and split head-tail over the cp ranks, the others dealt whole") in capsys.readouterr().out
