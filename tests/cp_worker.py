@@ -67,6 +67,9 @@ PACKED_SCENARIOS: dict[str, dict] = {
     "packed_cp2_control_positions_local": {"parallel": {"dp_shard": 1, "cp": 2}},
     "packed_cp2_control_positions_not_restarted": {"parallel": {"dp_shard": 1, "cp": 2}},
     "packed_shard2_cp2": {"parallel": {"dp_shard": 2, "cp": 2}},
+    # parallel.cp_balance: long_documents (issue 40): documents over 32 tokens cut head-tail, the rest dealt whole
+    "packed_cp2_long_documents": {"parallel": {"dp_shard": 1, "cp": 2, "cp_balance": "long_documents",
+                                               "cp_balance_threshold": 32}},
     "packed_cp2_tp2": {"parallel": {"dp_shard": 1, "cp": 2, "tp": 2}},
 }
 

@@ -337,7 +337,8 @@ def test_round_trip():
             "proj_side": "auto", "proj_method": "auto", "on_switch": "keep", "min_size": 0, "stagger": False,
             "scale_type": None, "seed": 0, "lowrank_grads": False, "initial_basis": "accumulated",
         },
-        "parallel": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1, "pp": 1, "ep": 1, "pp_schedule": "1f1b", "pp_virtual_stages": 1},
+        "parallel": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1, "pp": 1, "ep": 1, "pp_schedule": "1f1b", "pp_virtual_stages": 1,
+                     "cp_balance": "per_document", "cp_balance_threshold": None},
         "log_fixes": False,
     }
     assert type(d["loss"]) is dict

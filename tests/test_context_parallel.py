@@ -25,8 +25,8 @@ import test_nd_parallel as ND
 GRAD_TOL = 1e-5
 LOSS_TOL = 1e-5
 CPU_CP_CONFIG = H.REPO_ROOT / "configs" / "cpu_cp.yaml"
-PACKED_TWO = ["packed_cp2", "packed_cp2_control_mask_after_split", "packed_cp2_control_positions_local",
-              "packed_cp2_control_positions_not_restarted"]
+PACKED_TWO = ["packed_cp2", "packed_cp2_long_documents", "packed_cp2_control_mask_after_split",
+              "packed_cp2_control_positions_local", "packed_cp2_control_positions_not_restarted"]
 PACKED_FOUR = ["packed_shard2_cp2", "packed_cp2_tp2"]
 MOE_TWO = ["moe_cp2", "moe_cp2_control_shard_mean"]
 TWO = ["attention", "verify", "cp2", "cp2_control_shift_after_split", "cp2_control_no_position_ids", *PACKED_TWO,
@@ -418,14 +418,16 @@ def _packed_compare(ranks: list[dict]) -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("scenario", ["packed_cp2", *PACKED_FOUR])
+@pytest.mark.parametrize("scenario", ["packed_cp2", "packed_cp2_long_documents", *PACKED_FOUR])
 def test_packed_cp_matches_each_document_alone(request, scenario):
     """Every document's gradient as if trained alone on one process: short documents (3-41 tokens, under a shard)
-    and long ones (70-110 tokens, over a shard of a 128-token row), every one split head-tail over both cp ranks."""
+    and long ones (70-110 tokens, over a shard of a 128-token row), every one split head-tail over both cp ranks;
+    under ``cp_balance: long_documents`` (threshold 32) only those over 32 tokens, the others dealt whole."""
     ranks = request.getfixturevalue("two" if scenario in PACKED_TWO else "four")[scenario]
     r0 = ranks[0]
     assert r0["model_class"].startswith("FSDP")
     assert "split over 2 context-parallel ranks" in r0["packing_line"] and "guard passed" in r0["packing_line"]
+    assert ("dealt whole" in r0["packing_line"]) == scenario.endswith("long_documents"), r0["packing_line"]
     assert r0["packed_batches"] >= 3 and r0["attention_calls"] == 2 * r0["packed_batches"]  # 2 layers: the path ran
     rows = _packed_compare(ranks)
     assert len(rows) >= 2

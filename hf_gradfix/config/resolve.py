@@ -30,8 +30,13 @@ def parallel_requested(section: ParallelConfig) -> bool:
 
     >>> parallel_requested(ParallelConfig()), parallel_requested(ParallelConfig(tp=2))
     (False, True)
+    >>> parallel_requested(ParallelConfig(cp_balance="long_documents"))  # a layout option, not a mesh
+    False
     """
-    return dataclasses.asdict(section) != dataclasses.asdict(ParallelConfig())
+    def degrees(config: ParallelConfig) -> dict:  # cp_balance*: how cp lays out packed rows, not a mesh of its own
+        return {k: v for k, v in dataclasses.asdict(config).items() if not k.startswith("cp_balance")}
+
+    return degrees(section) != degrees(ParallelConfig())
 
 
 _PC = "parallelism_config"
@@ -101,11 +106,19 @@ class ResolvedConfig:
         if self.deepspeed is not None:
             out[1:2] = _deepspeed_lines(self)
         if self.mesh.cp > 1 and g.packing.enabled:
+            par = g.parallel
+            if par.cp_balance == "long_documents":
+                longer = (f"{par.cp_balance_threshold} tokens or " if par.cp_balance_threshold is not None else "")
+                how = (f"documents longer than {longer}a rank's share of the row padded to a multiple of "
+                       f"{2 * self.mesh.cp} and split head-tail over the cp ranks, the others dealt whole to the rank "
+                       "with the least attention work (cp_balance: long_documents)")
+            else:
+                how = (f"documents padded to a multiple of {2 * self.mesh.cp} and split head-tail over the cp ranks "
+                       "(torch's per-document balancer)")
             out.insert(3, (
-                f"context parallel  cp={self.mesh.cp} over packed rows: documents padded to a multiple of "
-                f"{2 * self.mesh.cp} and split head-tail over the cp ranks (torch's per-document balancer), sdpa with the "
-                "document mask built on the full row, keys/values all-gathered; FSDP2 over dp_shard x cp; labels "
-                "shifted and counted before the split"
+                f"context parallel  cp={self.mesh.cp} over packed rows: {how}, sdpa with the document mask built on "
+                "the full row, keys/values all-gathered; FSDP2 over dp_shard x cp; labels shifted and counted before "
+                "the split"
             ))
         elif self.mesh.cp > 1:
             out.insert(3, (

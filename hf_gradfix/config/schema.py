@@ -146,6 +146,7 @@ class LossConfig:
 
 
 PackingMode = Literal["varlen", "rows"]
+CPBalance = Literal["per_document", "long_documents"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 PackingAttention = Literal["auto", "keep"]
 PackingBalance = Literal["tokens", "compute"]
@@ -349,6 +350,40 @@ class ParallelConfig:
         default=1,
         metadata={"min": 1, "max": 2**10, "help": "pipeline stages per pp rank (> 1 only with interleaved_1f1b / zero_bubble)"},
     )
+    # per_document stays the default: training here attends through SDPA with a dense mask, which computes every
+    # score whatever the balance, so long_documents saves only its fewer pads there (0.4-1.5 % of the score work,
+    # cp 2-8); its gains (fewer 128-blocks, a faster step) are on block-sparse kernels, which are not wired here
+    # (benchmarks/results/cp_packing_balance.md)
+    cp_balance: CPBalance = field(
+        default="per_document",
+        metadata={
+            "help": "how cp > 1 lays packed rows over the cp ranks: 'per_document' = every document padded to a "
+            "multiple of 2 x cp and cut head-tail over all ranks (equal allowed pairs per rank); 'long_documents' = "
+            "only documents longer than cp_balance_threshold cut so, the others kept whole and dealt to the rank with "
+            "the least attention work (fewer pads and 128-blocks; docs/multi-device.md); exact either way"
+        },
+    )
+    cp_balance_threshold: int | None = field(
+        default=None,
+        metadata={
+            "min": 1, "max": 2**24,
+            "help": "cp_balance: long_documents only: documents longer than this many tokens are cut over the cp "
+            "ranks; null = only those longer than a rank's share of the row (row tokens / cp), which are always cut"
+        },
+    )
+
+    def conflicts(self) -> list[tuple[str, str]]:
+        """``(key, problem)`` for each setting the chosen ``cp_balance`` would silently ignore.
+
+        >>> ParallelConfig(cp_balance_threshold=512).conflicts()[0][0]
+        'cp_balance_threshold'
+        """
+        if self.cp_balance_threshold is not None and self.cp_balance != "long_documents":
+            return [("cp_balance_threshold",
+                     f"invalid value {self.cp_balance_threshold}; cp_balance_threshold applies with cp_balance: "
+                     f"long_documents only, {self.cp_balance!r} would ignore it: set cp_balance: long_documents or "
+                     "remove cp_balance_threshold")]
+        return []
 
 
 @dataclass

@@ -80,6 +80,8 @@ class NDPlan:
     cp_mesh: Any = None  # the cp sub-mesh torch's context_parallel runs on (cp > 1)
     packed_cp_batches: int = 0  # packed batches split over the cp ranks (document-masked attention)
     packed_cp_calls: list = field(default_factory=lambda: [0])  # attention calls those batches made
+    cp_balance: str = "per_document"  # parallel.cp_balance: how packed rows are laid over the cp ranks
+    cp_balance_threshold: int | None = None  # parallel.cp_balance_threshold (long_documents)
     ep: Any = None  # hf_gradfix.parallel.ep.EPLayout of a model sharded by expert at load time
     # cp > 1, training: [batch, seq/cp] 1 = a real token of this rank's shard, 0 = the original padding or the pad cp
     # added (split with the tokens inside the cp block); the MoE router loss counts rows by it (integration/moe.py)
@@ -428,7 +430,8 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
         # what Trainer.__init__ sets for a model sharded at load time: accelerate must not wrap or move it
         trainer.is_distributed_loading_by_transformers = True
         trainer.place_model_on_device = False
-    plan = NDPlan(dims=dims, route=route, source=source)
+    plan = NDPlan(dims=dims, route=route, source=source, cp_balance=section.cp_balance,
+                  cp_balance_threshold=section.cp_balance_threshold)
     if dims.tp > 1 and route in ("transformers", "model"):
         plan.partial_grad_fixed = _fix_partial_grad_allreduce(trainer, dims)
     if dims.ep > 1:
@@ -633,7 +636,7 @@ def _cp_inputs_hook(trainer, plan: NDPlan):
         return torch.nn.functional.pad(real, (0, padded_ids.shape[1] - length), value=0).contiguous()
 
     def _packed_cp_inputs(inputs, pad, training):
-        layout = PackedLayout.build(inputs, cp, pad)
+        layout = PackedLayout.build(inputs, cp, pad, balance=plan.cp_balance, threshold=plan.cp_balance_threshold)
         rank = plan.cp_mesh.get_local_rank()
         prepared = {k: layout.shard(k, rank) for k in layout.padded}
         rows, length = inputs["input_ids"].shape

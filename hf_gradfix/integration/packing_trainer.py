@@ -259,10 +259,17 @@ def _prepare_model_for_cp_packing(trainer, cfg: PackingConfig, cp: int, attentio
     """Context parallelism over packed rows: the model keeps sdpa (every attention call becomes the document-masked
     all-gather attention of :mod:`hf_gradfix.parallel.context_packing`); the guard probes that path."""
     from ..packing.guard import check_model_packs_under_cp
+    from .state import state_of
 
+    plan = state_of(trainer).nd
+    if plan.cp_balance == "long_documents":
+        longer = f"{plan.cp_balance_threshold} tokens or " if plan.cp_balance_threshold is not None else ""
+        how = (f"documents longer than {longer}a rank's share of the row padded to a multiple of 2 x cp and cut "
+               "head-tail, the others dealt whole to the rank with the least attention work")
+    else:
+        how = "documents padded to a multiple of 2 x cp, per-document head-tail load balance"
     line = (f"packing: {cfg.mode} mode, rows of <= {cfg.token_budget} tokens, split over {cp} context-parallel ranks "
-            "(documents padded to a multiple of 2 x cp, per-document head-tail load balance, document mask built on "
-            "the full row, keys/values all-gathered)")
+            f"({how}, document mask built on the full row, keys/values all-gathered)")
     if not cfg.guard:
         logger.warning(
             "hf_gradfix packing: packing.guard is false, so the model is not checked for taking the document mask on "
@@ -271,7 +278,7 @@ def _prepare_model_for_cp_packing(trainer, cfg: PackingConfig, cp: int, attentio
         return line + ", guard off"
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []), \
             trainer.accelerator.autocast():
-        check_model_packs_under_cp(trainer.model, cp)
+        check_model_packs_under_cp(trainer.model, cp, balance=plan.cp_balance)
     return line + ", guard passed (context-parallel layout)"
 
 

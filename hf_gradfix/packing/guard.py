@@ -544,13 +544,17 @@ def check_model_packs_under_cp(
     tolerance: float | None = None,
     seed: int = 0,
     raise_on_failure: bool = True,
+    balance: str = "per_document",
+    threshold: int | None = 6,
 ) -> PackingCheckReport:
     """The context-parallel packing path (:mod:`hf_gradfix.parallel.context_packing`) on ``model``, in one process:
-    a packed row laid out as ``cp`` ranks would hold it (documents padded, permuted by the document-aware load
+    a packed row laid out as ``cp`` ranks would hold it (documents padded, permuted by the ``balance`` load
     balancer, positions permuted with the tokens), every attention call given the document mask over the whole
     permuted row, versus each sequence alone. Refuses (:class:`PackingCheckError`) a model whose attention never
     reaches ``torch.nn.functional.scaled_dot_product_attention`` (so it cannot take the mask), or whose output
     under that layout differs (attention or positions read from anything but the mask and ``position_ids``).
+    ``threshold`` (``balance="long_documents"``): the probe's own, so that its row holds both kinds, documents cut
+    over the ranks and documents dealt whole (at cp 2: 11 and 7 tokens cut, 5 and 3 whole).
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -579,7 +583,7 @@ def check_model_packs_under_cp(
             alone = [_output_tensor(model(input_ids=s[None].to(device), **extra)).float()[0] for s in seqs]
             batch = {"input_ids": torch.cat(seqs)[None],
                      "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
-            layout = PackedLayout.build(batch, cp, pad_token_id=0)
+            layout = PackedLayout.build(batch, cp, pad_token_id=0, balance=balance, threshold=threshold)
             calls = [0]
             with packed_attention_block(layout.full_mask().to(device), None, calls):
                 out = _output_tensor(model(input_ids=layout.permuted("input_ids").to(device),

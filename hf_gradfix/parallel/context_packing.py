@@ -7,10 +7,17 @@ document-masked CP), with every step done on the FULL row before the split:
 * the documents are read from the restarted ``position_ids`` (or ``cu_seq_lens``), the labels shifted on the full
   row (``shift_labels``; the target that would cross a document boundary is -100) and the document ids and
   global positions kept for the mask;
-* every document is right-padded to a multiple of ``2 x cp`` (pad tokens are ignored targets after the document's
-  last token: causal attention never lets a real token see them), and torch's document-aware load balancer
-  (``_PerDocumentHeadTailLoadBalancer``: each document cut into ``2 x cp`` chunks, rank r gets chunks r and
-  ``2cp-1-r`` of EVERY document) permutes the row; rank r keeps the r-th contiguous slice of the permuted row;
+* ``balance="per_document"`` (the default): every document is right-padded to a multiple of ``2 x cp`` (pad
+  tokens are ignored targets after the document's last token: causal attention never lets a real token see them),
+  and torch's document-aware load balancer (``_PerDocumentHeadTailLoadBalancer``: each document cut into ``2 x cp``
+  chunks, rank r gets chunks r and ``2cp-1-r`` of EVERY document) permutes the row; rank r keeps the r-th
+  contiguous slice of the permuted row;
+* ``balance="long_documents"`` (:func:`long_document_indices`): only the documents longer than ``threshold`` tokens
+  are padded and cut head-tail like that; the others stay whole and unpadded and are dealt to the rank with the
+  least attention work (greedy, longest first, cost ``n (n + 1) / 2`` allowed pairs) that has room for them in an
+  equal slice length (one that fits nowhere whole is cut in contiguous pieces over the ranks' room); each rank's
+  slice is then filled to that length with pad tokens that are each their own one-token document (ignored targets,
+  seen by nothing but themselves), so a row gains fewer pads and fewer partly masked blocks;
 * attention (every ``F.scaled_dot_product_attention`` call inside the block) all-gathers keys and values over
   the cp group (autograd: the gradients are all-reduced back onto their rank's slice) and attends the local
   queries to the whole row with the document-causal mask rewritten to the permuted order: query i of rank r may
@@ -45,7 +52,7 @@ import torch
 from .context import ContextParallelError
 
 __all__ = ["PackedLayout", "is_packed", "packed_attention_block", "document_ids", "load_balance_indices",
-           "masked_pairs_per_rank", "PACKED_DROPPED"]
+           "deal_documents", "long_document_indices", "masked_pairs_per_rank", "BALANCERS", "PACKED_DROPPED"]
 
 IGNORE_INDEX = -100
 PACKED_DROPPED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
@@ -105,21 +112,149 @@ def load_balance_indices(doc_lengths: list[list[int]], cp: int, device: Any = "c
     return torch.stack(rows)
 
 
+#: ``PackedLayout.build(balance=...)`` / ``parallel.cp_balance``: how a packed row is laid out over the cp ranks
+BALANCERS = ("per_document", "long_documents")
+
+
+def _pairs(n: int) -> int:
+    """Allowed (query, key) pairs of a causal document of ``n`` tokens: its attention work on any masked kernel."""
+    return n * (n + 1) // 2
+
+
+def _split(doc_lengths: list[int], cp: int, threshold: int | None) -> list[bool]:
+    """Which documents of a row ``long_documents`` cuts head-tail: longer than ``threshold`` or than the row's share
+    (the row's own share, not a wider capacity: longer than that, whole on one rank, it would outweigh the others)."""
+    share = -(-sum(doc_lengths) // cp)
+    limit = share if threshold is None else min(threshold, share)
+    return [n > limit for n in doc_lengths]
+
+
+def deal_documents(doc_lengths: list[int], cp: int, threshold: int | None = None, capacity: int = 0
+                   ) -> tuple[list[int], list[list[tuple[int, int]]]]:
+    """One packed row, ``long_documents`` balance: (each document's laid-out length, the ``(start, end)`` ranges of
+    the laid-out row each rank holds, in row order).
+
+    A document longer than ``threshold`` tokens, or longer than a rank's share of the row ``ceil(tokens / cp)``
+    (``threshold=None``: only those), is padded to a multiple of ``2 x cp`` and cut into ``2 x cp`` chunks, rank r
+    taking chunks r and ``2cp-1-r`` (equal work on every rank). The other documents stay whole and unpadded;
+    longest first, each goes to the rank with the least attention work (``n (n + 1) / 2`` pairs, the split
+    documents' chunks counted) among those with room for it under ``capacity`` tokens (at least the row's share,
+    ``ceil(laid-out tokens / cp)``); one that fits no rank's remaining room is cut in contiguous pieces over the
+    ranks' room, so no slice exceeds ``capacity``.
+
+    >>> deal_documents([10, 3, 2, 2], cp=2, threshold=4)  # 10 is split (padded to 12), the rest dealt whole
+    ([12, 3, 2, 2], [[(0, 3), (9, 12), (12, 15)], [(3, 6), (6, 9), (15, 17), (17, 19)]])
+    """
+    multiple = 2 * cp
+    split = _split(doc_lengths, cp, threshold)
+    laid = [n + (-n) % multiple if cut else n for n, cut in zip(doc_lengths, split)]
+    starts = [0]
+    for n in laid[:-1]:
+        starts.append(starts[-1] + n)
+    capacity = max(capacity, -(-sum(laid) // cp))
+    tokens, work = [0] * cp, [0] * cp
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
+    for d in (d for d in range(len(laid)) if split[d]):
+        chunk = laid[d] // multiple
+        for r in range(cp):
+            for c in (r, multiple - 1 - r):
+                ranges[r].append((starts[d] + c * chunk, starts[d] + (c + 1) * chunk))
+                # chunk c's queries see the c earlier chunks of their document and their own causal triangle
+                work[r] += c * chunk * chunk + _pairs(chunk)
+            tokens[r] += 2 * chunk
+    for d in sorted((d for d in range(len(laid)) if not split[d]), key=lambda d: (-laid[d], d)):
+        n = laid[d]
+        room = [r for r in range(cp) if tokens[r] + n <= capacity]
+        if room:
+            rank = min(room, key=lambda r: (work[r], tokens[r], r))
+            ranges[rank].append((starts[d], starts[d] + n))
+            tokens[rank] += n
+            work[rank] += _pairs(n)
+            continue
+        # no rank has room for it whole: cut in contiguous pieces over the ranks' remaining room (cp x capacity >= the
+        # row's tokens, so it fits), the later pieces (more keys to see) to the lighter ranks; a slice that grew
+        # instead would pad every other rank up to it
+        done = 0
+        for rank in sorted(range(cp), key=lambda r: (-work[r], r)):
+            take = min(capacity - tokens[rank], n - done)
+            if take > 0:
+                ranges[rank].append((starts[d] + done, starts[d] + done + take))
+                tokens[rank] += take
+                work[rank] += _pairs(done + take) - _pairs(done)
+                done += take
+    return laid, [sorted(r) for r in ranges]
+
+
+def long_document_indices(doc_lengths: list[list[int]], cp: int, threshold: int | None = None, device: Any = "cpu", *,
+                          multiple: int = 1, length: int = 0) -> tuple[list[list[int]], torch.Tensor]:
+    """``long_documents`` balance of a batch of packed rows: (per row, the laid-out lengths: each document's
+    (:func:`deal_documents`) then one entry of 1 per pad token of the row's tail; the [B, L] permutation, position p
+    of the permuted row holding token ``indices[b, p]`` of the laid-out row, rank r keeping the r-th ``L / cp``).
+
+    Every row gets the same slice length S: the widest row's share ``ceil(laid-out tokens / cp)``, rounded up to a
+    multiple of ``multiple`` (and ``cp x S >= length``); no rank of any row holds more. The pads that fill each
+    rank's slice to S come from the row's tail (after its documents), each rank's pads contiguous, at the end of its
+    slice.
+
+    >>> laid, indices = long_document_indices([[10, 3, 2, 2]], cp=2, threshold=4)
+    >>> laid, indices.tolist()
+    ([[12, 3, 2, 2, 1]], [[0, 1, 2, 9, 10, 11, 12, 13, 14, 19, 3, 4, 5, 6, 7, 8, 15, 16, 17, 18]])
+    """
+    # the capacity every row may fill: the widest row's share (a longer slice in one row pads the others anyway)
+    laid_tokens = [sum(n + (-n) % (2 * cp) if cut else n for n, cut in zip(lengths, _split(lengths, cp, threshold)))
+                   for lengths in doc_lengths]
+    capacity = max([-(-n // cp) for n in laid_tokens] + [-(-length // cp)])
+    capacity += (-capacity) % multiple
+    deals = [deal_documents(lengths, cp, threshold, capacity) for lengths in doc_lengths]
+    slice_length = max([capacity] + [sum(e - s for s, e in r) for _, ranges in deals for r in ranges])
+    slice_length += (-slice_length) % multiple
+    total = cp * slice_length
+    laid_rows, rows = [], []
+    for laid, ranges in deals:
+        at = sum(laid)
+        parts = []
+        for r in range(cp):
+            held = sum(e - s for s, e in ranges[r])
+            parts += [torch.arange(s, e) for s, e in ranges[r]] + [torch.arange(at, at + slice_length - held)]
+            at += slice_length - held
+        rows.append(torch.cat(parts))
+        laid_rows.append(laid + [1] * (total - sum(laid)))
+    return laid_rows, torch.stack(rows).to(device)
+
+
 @dataclass
 class PackedLayout:
-    """A packed batch laid out for context parallelism: per-document padded, balanced, ready to shard."""
+    """A packed batch laid out for context parallelism: documents padded where the balance cuts them, the row
+    permuted by the balance, ready to shard (rank r keeps the r-th ``length / cp`` of the permuted row)."""
 
     cp: int
-    length: int  # padded row length, a multiple of 2 x cp
-    doc_lengths: list[list[int]]  # padded document lengths per row (each a multiple of 2 x cp)
+    length: int  # padded row length, a multiple of 2 x cp (per_document) or of cp (long_documents)
+    # per row, the laid-out length of each document, then of the tail's pad documents (per_document: one, the tail;
+    # long_documents: one entry of 1 per pad); entry d is document id d
+    doc_lengths: list[list[int]]
     padded: dict[str, torch.Tensor]  # full padded rows (original order): input_ids, labels, shift_labels, position_ids
     doc: torch.Tensor  # [B, L] document id of each padded token
-    indices: torch.Tensor  # [B, L] load-balance permutation (torch's per-document head-tail)
+    indices: torch.Tensor  # [B, L] load-balance permutation of the padded rows
     real: torch.Tensor | None = None  # [B, L] int64: 1 = a token of a document, 0 = a pad the layout added
+    balance: str = "per_document"  # one of BALANCERS
 
     @classmethod
-    def build(cls, inputs: Mapping[str, Any], cp: int, pad_token_id: int = 0) -> "PackedLayout":
-        """Read the documents of a packed batch, shift the labels and pad every document, all on the full rows."""
+    def build(cls, inputs: Mapping[str, Any], cp: int, pad_token_id: int = 0, *, balance: str = "per_document",
+              threshold: int | None = None) -> "PackedLayout":
+        """Read the documents of a packed batch, shift the labels, pad and permute the rows by ``balance`` (one of
+        :data:`BALANCERS`; ``threshold``: ``long_documents`` splits the documents longer than this many tokens, and
+        always those longer than a rank's share of the row; None: only those), all on the full rows.
+
+        >>> batch = {"input_ids": torch.arange(1, 11)[None], "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 0, 1]])}
+        >>> layout = PackedLayout.build(batch, cp=2, balance="long_documents", threshold=4)
+        >>> layout.doc_lengths, layout.shard("input_ids", 0).tolist(), layout.shard("input_ids", 1).tolist()
+        ([[8, 2, 2]], [[1, 2, 0, 0, 7, 8]], [[3, 4, 5, 6, 9, 10]])
+        """
+        if balance not in BALANCERS:
+            raise ContextParallelError(f"hf_gradfix parallel.cp_balance: {balance!r} is not one of {BALANCERS}.")
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
+            raise ContextParallelError(f"hf_gradfix parallel.cp_balance_threshold: {threshold!r}; a number of tokens "
+                                       ">= 1 (documents longer than it are split over the cp ranks).")
         ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
         if not torch.is_tensor(ids) or ids.dim() != 2:
             raise ContextParallelError(
@@ -160,8 +295,14 @@ class PackedLayout:
             for c in counts[:-1]:
                 starts.append(starts[-1] + c)
             per_row.append(list(zip(starts, counts)))
-        padded_lengths = [[n + (-n) % multiple for _, n in docs] for docs in per_row]
-        total = max(sum(p) for p in padded_lengths)
+        if balance == "per_document":
+            padded_lengths = [[n + (-n) % multiple for _, n in docs] for docs in per_row]
+            total = max(sum(p) for p in padded_lengths)
+        else:
+            laid, indices = long_document_indices([[n for _, n in docs] for docs in per_row], cp, threshold,
+                                                  ids.device)
+            padded_lengths = [lengths[:len(docs)] for lengths, docs in zip(laid, per_row)]
+            total = indices.shape[1]
         source = {"input_ids": ids, "position_ids": positions}
         if torch.is_tensor(labels):
             source["labels"] = labels
@@ -186,15 +327,23 @@ class PackedLayout:
                 real[b, at:at + n] = 1
                 at += padded
                 lengths.append(padded)
-            if at < total:  # the row's tail: one more document of pads (its own, so no real token sees it)
-                tail = total - at
+            tail = total - at
+            if tail and balance == "per_document":  # one more document of pads, after every real token: none sees it
                 for key, value in out.items():
                     value[b, at:] = torch.arange(tail, device=value.device) if key == "position_ids" else fill[key]
                 new_doc[b, at:] = len(lengths)
                 lengths.append(tail)
+            elif tail:  # long_documents: these pads fill every rank's slice, each its own one-token document (as one
+                # document, a pad on one rank would attend to the pads on the others: work for nothing)
+                for key, value in out.items():
+                    value[b, at:] = 0 if key == "position_ids" else fill[key]
+                new_doc[b, at:] = len(lengths) + torch.arange(tail, device=ids.device)
+                lengths += [1] * tail
             doc_lengths.append(lengths)
-        indices = load_balance_indices(doc_lengths, cp, ids.device)
-        return cls(cp=cp, length=total, doc_lengths=doc_lengths, padded=out, doc=new_doc, indices=indices, real=real)
+        if balance == "per_document":
+            indices = load_balance_indices(doc_lengths, cp, ids.device)
+        return cls(cp=cp, length=total, doc_lengths=doc_lengths, padded=out, doc=new_doc, indices=indices, real=real,
+                   balance=balance)
 
     def local_positions(self, rank: int) -> torch.Tensor:
         """[B, L/cp] the original (padded-row) index of each token rank ``rank`` holds."""
@@ -307,28 +456,37 @@ def packed_attention_block(mask: torch.Tensor, group, calls: list[int] | None = 
         F.scaled_dot_product_attention = original
 
 
-def masked_pairs_per_rank(doc_lengths: list[int], cp: int, balancer: str, block: int = 0) -> list[int]:
-    """Attention work per cp rank for one packed row of documents (lengths multiples of ``2 x cp``): the number of
-    (query, key) pairs the document-causal mask allows, or with ``block`` > 0 the number of ``block x block``
-    score blocks with at least one allowed pair (what a block-sparse kernel computes). ``balancer``:
-    ``"none"`` (contiguous split), ``"head_tail"`` (torch's whole-row head-tail), ``"per_document"`` (torch's
-    per-document head-tail regrouped by rank, what training uses), ``"per_document_torch_order"`` (its order as
-    torch 2.13 ships it). The row length must be a multiple of ``2 x cp`` (and of ``cp x block``).
+def masked_pairs_per_rank(doc_lengths: list[int], cp: int, balancer: str, block: int = 0,
+                          threshold: int | None = None) -> list[int]:
+    """Attention work per cp rank for one packed row of documents: the number of (query, key) pairs the
+    document-causal mask allows, or with ``block`` > 0 the number of ``block x block`` score blocks with at least one
+    allowed pair (what a block-sparse kernel computes). ``balancer``: ``"none"`` (contiguous split),
+    ``"head_tail"`` (torch's whole-row head-tail), ``"per_document"`` (torch's per-document head-tail regrouped by
+    rank, the default of training), ``"per_document_torch_order"`` (its order as torch 2.13 ships it): the lengths
+    are the laid-out row (multiples of ``2 x cp``, the row a multiple of ``cp x block``); ``"long_documents"``: the
+    lengths are the documents as packed, laid out here (:func:`long_document_indices`, documents longer than
+    ``threshold`` split, slices a multiple of ``block``; its tail pads are one-token documents).
 
     >>> masked_pairs_per_rank([8], 2, "none"), masked_pairs_per_rank([8], 2, "per_document")
     ([10, 26], [18, 18])
+    >>> masked_pairs_per_rank([6, 3, 3], 2, "long_documents", threshold=4)  # 6 split, the two 3s dealt whole
+    [24, 24]
     """
-    length = sum(doc_lengths)
-    if balancer == "none":
-        indices = torch.arange(length)[None]
+    if balancer == "long_documents":
+        laid, indices = long_document_indices([doc_lengths], cp, threshold, multiple=max(block, 1))
+        doc_lengths = laid[0]
+    elif balancer == "none":
+        indices = torch.arange(sum(doc_lengths))[None]
     elif balancer == "per_document":
         indices = load_balance_indices([doc_lengths], cp)
     elif balancer == "per_document_torch_order":
         indices = load_balance_indices([doc_lengths], cp, by_rank=False)
     elif balancer == "head_tail":
-        indices = load_balance_indices([[length]], cp)
+        indices = load_balance_indices([[sum(doc_lengths)]], cp)
     else:
-        raise ValueError(f"balancer {balancer!r}: one of none, head_tail, per_document")
+        raise ValueError(f"balancer {balancer!r}: one of none, head_tail, per_document, per_document_torch_order, "
+                         "long_documents")
+    length = sum(doc_lengths)
     doc = torch.repeat_interleave(torch.arange(len(doc_lengths)), torch.tensor(doc_lengths))
     starts = torch.repeat_interleave(torch.tensor([0] + doc_lengths[:-1]).cumsum(0), torch.tensor(doc_lengths))
     allowed_keys = torch.arange(length) - starts + 1  # a query sees its document's tokens up to itself
