@@ -48,6 +48,10 @@ MODEL_CASES: dict[str, tuple[str, dict]] = {
     "tokcls": ("llama_tokcls", {}),  # a token-classification head
     "ga3": ("llama", {"ga": 3}),
     "lora": ("llama", {"lora": True}),  # a PEFT LoRA model (frozen base, partitioned too under ZeRO-3)
+    # loss.head: lean (issue 40): the plain head is whole inside its forward (lean); a LoRA head's adapter is not
+    # (gathered only by its own call): found in the forward, the stock head
+    "lean": ("llama", {"gradfix": {"loss": {"head": "lean"}}}),
+    "leanlora": ("llama", {"lora": ["q_proj", "lm_head"], "gradfix": {"loss": {"head": "lean"}}}),
     "sft": ("llama", {"sft": True}),  # TRL's SFTTrainer on pre-tokenized rows of a datasets.Dataset  # GA 3 on 12 samples: the last window of each rank is partial
     "nonfinite_skip": ("llama", {"nan_sample": True, "gradfix": {"loss": {"on_nonfinite": "skip"}}}),
     "nonfinite_warn": ("llama", {"nan_sample": True, "gradfix": {"loss": {"on_nonfinite": "warn"}}}),
@@ -92,8 +96,10 @@ def build_case_model(model_case: str):
         import peft
 
         torch.manual_seed(1)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                           target_modules=["q_proj", "v_proj"]))
+        on_head = isinstance(opts["lora"], list)  # adapters on the given modules, B random (the head's matters)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=opts["lora"] if on_head else ["q_proj", "v_proj"],
+            init_lora_weights=not on_head))
     return model
 
 
@@ -262,6 +268,9 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
                 raise
             payload["error"] = f"{type(err).__name__}: {err}"
     payload["warnings"] = [str(w.message) for w in caught]
+    state = hf_gradfix.state_of(trainer)
+    lean = getattr(state, "lean", None) if state is not None else None
+    payload["lean"] = (lean.calls, lean.stock_calls, dict(lean.refused)) if lean is not None else None
     payload.update(
         steps=recorder.steps,
         logged_losses=[float(h["loss"]) for h in trainer.state.log_history if "loss" in h],

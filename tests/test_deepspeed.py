@@ -27,8 +27,8 @@ import deepspeed_worker as W  # noqa: E402
 TOL = 1e-5
 
 # (stage, model case): stock beside ours
-PAIRS = [(1, "llama"), (1, "nokwargs")] + [(2, m) for m in ("llama", "nokwargs", "avgfalse", "override", "sft")] + [
-    (3, m) for m in ("llama", "nokwargs", "avgfalse", "tokcls", "ga3", "lora")
+PAIRS = [(1, "llama"), (1, "nokwargs")] + [(2, m) for m in ("llama", "nokwargs", "avgfalse", "override", "sft", "lean")] + [
+    (3, m) for m in ("llama", "nokwargs", "avgfalse", "tokcls", "ga3", "lora", "lean", "leanlora")
 ]
 # stock is wrong here (measured); ours must be exact
 STOCK_WRONG = {"nokwargs", "avgfalse", "override", "tokcls"}
@@ -127,6 +127,21 @@ def test_zero_exact_with_patch_never_worse_than_stock(ds_runs, stage, model_case
     assert err_ours <= max(err_stock, TOL)  # never worse than stock
     if _stock_must_be_wrong(model_case):
         assert err_stock > 0.1, f"stock was expected to be wrong here: {rows_stock}"  # the test has teeth
+
+
+@pytest.mark.distributed
+def test_lean_head_runs_under_zero2_and_keeps_the_stock_head_under_zero3(ds_runs):
+    """loss.head: lean under DeepSpeed (issue 40), measured: ZeRO-2 keeps whole weights, so every micro-batch runs
+    lean; ZeRO-3 partitions them and gathers them for the head's backward through hooks on the head's output, which
+    the lean loss does not pass through: the stock head, named once. All exact
+    (test_zero_exact_with_patch_never_worse_than_stock)."""
+    for rank in ds_runs["z2_lean_ours"]:
+        calls, stock, refused = rank["lean"]
+        assert calls > 0 and stock == 0 and not refused, rank["lean"]
+    for case in ("z3_lean_ours", "z3_leanlora_ours"):
+        for rank in ds_runs[case]:
+            calls, stock, refused = rank["lean"]
+            assert calls == 0 and stock > 0 and any("ZeRO-3" in why for why in refused.values()), (case, rank["lean"])
 
 
 def _stock_must_be_wrong(model_case: str) -> bool:

@@ -58,7 +58,8 @@ def _inner_model(model: nn.Module) -> nn.Module:
     seen = 0
     while seen < 8:
         seen += 1
-        if hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "get_output_embeddings"):
+        # by the class: DeepSpeed's engine forwards unknown attributes (get_output_embeddings) to its module
+        if isinstance(getattr(model, "module", None), nn.Module) and not hasattr(type(model), "get_output_embeddings"):
             model = model.module
             continue
         get_base = getattr(model, "get_base_model", None)
@@ -70,10 +71,25 @@ def _inner_model(model: nn.Module) -> nn.Module:
 
 
 def _sharded_outside_forward(head: nn.Module) -> bool:
-    """The head's weight (or its LoRA base's) is a DTensor now, which FSDP2 swaps for the unsharded tensor during the
-    model's forward; whether it is plain then is decided in the head's forward (tensor parallel stays a DTensor)."""
-    base = getattr(head, "base_layer", head)
-    return type(getattr(base, "weight", None)).__name__ == "DTensor"
+    """The head's weight is a DTensor now and may be whole inside its forward (FSDP2 swaps in the unsharded tensor
+    during the model's forward; tensor parallel keeps the DTensor): decided in the head's forward."""
+    return any(type(p).__name__ == "DTensor" for p in head.parameters())
+
+
+def _partitioned_by_zero3(head: nn.Module) -> bool:
+    """DeepSpeed ZeRO-3 partitioned parameters (``ds_status``): gathered for the head's backward by hooks on its
+    output, which the lean head's loss does not pass through (measured: the hooks hand the loss a copy of the
+    stand-in, so the call would have run stock anyway)."""
+    return any(hasattr(p, "ds_status") for p in head.parameters())
+
+
+def _whole(linear: tuple[torch.Tensor, torch.Tensor | None], hidden: torch.Tensor) -> str | None:
+    """Why ``(weight, bias)`` found in the head's forward cannot be used there, else None."""
+    weight, bias = linear
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.numel() == 0 or (
+            bias is not None and tuple(bias.shape) != (weight.shape[0],)):
+        return f"its weight inside its forward is {tuple(weight.shape)}, not (vocab, {hidden.shape[-1]})"
+    return None
 
 
 def effective_linear(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | str:
@@ -133,6 +149,9 @@ class _Call:
             found = effective_linear(self.head)
             if isinstance(found, str):
                 raise _NotLean(found)
+            why = _whole(found, hidden)
+            if why is not None:
+                raise _NotLean(why)
             self.linear = found
         linear = self.linear
         targets = self.shift_labels if self.shift_labels is not None else next_token_targets(self.labels)
@@ -232,13 +251,15 @@ def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Call
         reason = "the model has no output embeddings (get_output_embeddings() is None)"
     elif not hasattr(type(inner), "loss_function"):
         reason = "the model has no loss_function to hand the lean loss to"
+    elif _partitioned_by_zero3(head):
+        reason = ("its weights are DeepSpeed ZeRO-3 partitions, gathered for its backward by hooks on its output that "
+                  "the lean loss does not pass through")
+    elif _sharded_outside_forward(head):
+        linear = None  # whole only inside the head's forward, if at all: decided there
     else:
         linear = effective_linear(head)
         if isinstance(linear, str):
-            if _sharded_outside_forward(head):
-                linear = None  # FSDP2 unshards it at the model's forward: decided inside the head's forward
-            else:
-                reason = linear
+            reason = linear
     if reason is None:
         shift = call.get("shift_labels")
         lean = _Call(plan, inner, head, labels, shift if torch.is_tensor(shift) else None, linear)
