@@ -202,8 +202,10 @@ def test_packed_training_under_ddp_is_exact(tmp_path, balance):
     assert any(imbalance(t) > 1.0 for t in tokens)  # control: a window that is not perfectly even was measured
 
 
-def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
-    """Train 6 steps in one go, or 3 steps + resume from the checkpoint: the same final weights."""
+@pytest.mark.parametrize("balance", ["tokens", "compute"])
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path, balance):
+    """Train 6 steps in one go, or 3 steps + resume from the checkpoint: the same final weights (rows dealt by tokens
+    or by compute; the multi-rank deal's resume is checked on the sampler, tests/test_packing_balance.py)."""
     samples = H.make_samples("causal", n=24, seed=2)
 
     def train(out, max_steps, resume=None):
@@ -217,7 +219,7 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
         trainer.train(resume_from_checkpoint=resume)
         return model
 
-    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET}})
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "balance": balance}})
     try:
         straight = train(tmp_path / "a", 6)
         train(tmp_path / "b", 3)
