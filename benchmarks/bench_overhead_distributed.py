@@ -28,14 +28,17 @@ Measured per step and rank:
 * the step's wall time, from the baton's hand-over (or ``on_train_begin``) to ``on_step_end``; a step's time is the
   slower rank's. ``patched / stock`` is the median of the paired per-round ratios, with their IQR; ``control /
   stock`` is the same for two stock trainers (the noise floor of the ratio on this machine);
-* ``zero3`` / ``ep``: the loss path, ``get_batch_samples`` + ``compute_loss`` minus the model's forward (where all of
-  hf_gradfix's loss work happens: counting the window's targets, the count all-reduce, the rescaling, under ep the
-  router loss's share; stock does its own count gather there). "Loss fix" = patched minus stock
-  (``bench_overhead.py``'s "direct overhead"); below the table also without the count's one collective (stock's
-  ``accelerator.gather``, hf_gradfix's ``accelerator.reduce``), whose latency on a busy machine is mostly scheduling;
+* ``zero3`` / ``ep``: the trainer's step outside the model, its backward and the optimizer: ``get_batch_samples`` +
+  ``training_step`` minus the model's forward and ``accelerator.backward`` (which under DeepSpeed also steps the
+  engine). All of hf_gradfix's per-step loss work happens there: counting the window's targets, the count all-reduce,
+  the rescaling, its checks around each micro-batch, under ep the router loss's share (stock does its own count
+  gather there). "Loss fix" = patched minus stock, without the non-finite guard's loss checks (reported apart);
+  below the table also without the count's one collective (stock's ``accelerator.gather``, hf_gradfix's
+  ``accelerator.reduce``), whose latency on a busy machine is mostly scheduling, and ``bench_overhead.py``'s
+  narrower "direct overhead" (``get_batch_samples`` + ``compute_loss`` minus the forward);
 * ``pp``: hf_gradfix's own loss-normalization functions, timed by wrappers: ``count_window`` (counting the window's
-  targets, of which ``count_targets`` is the counting, and the count all-reduce) and the per-stage loss function's
-  scaling (the schedule's ``loss_fn`` minus the model's cross-entropy inside it). Everything, not a difference;
+  targets with ``count_targets``, and the count all-reduce) and the per-stage loss function's scaling (the
+  schedule's ``loss_fn`` minus the model's cross-entropy inside it). All of their time, not a difference;
 * the non-finite guard ``patch()`` also adds (a finiteness check of every micro-batch loss and of the gradients, one
   all-reduce of 2 flags per step), separately: it is not part of the loss fix.
 
@@ -165,12 +168,17 @@ class Stopwatch:
 
 
 def time_loss_path(trainer, watch: Stopwatch) -> None:
-    """``get_batch_samples`` + ``compute_loss`` (slot ``loss_path``), the model's forward inside them (``forward``) and
-    the count's collective there (``collective``: stock's ``accelerator.gather``, hf_gradfix's ``accelerator.reduce``;
-    nothing else in a step calls them here), as instance attributes (the classes stay untouched)."""
-    for name in ("get_batch_samples", "compute_loss"):
-        setattr(trainer, name, watch.wrap(getattr(trainer, name), "loss_path"))
+    """The trainer's own code around the model, as instance attributes (the classes stay untouched): slots ``batch``
+    (``get_batch_samples``), ``training_step`` (the instance's: on a patched trainer the non-finite guard's wrapper
+    around hf_gradfix's), ``compute_loss`` (inside it), the model's ``forward`` and ``accelerator.backward``
+    (``backward``; under DeepSpeed it also steps the engine at the window's end) inside those, and the count's
+    ``collective`` (stock's ``accelerator.gather``, hf_gradfix's ``accelerator.reduce``: nothing else in a step calls
+    them here)."""
+    for name, slot in (("get_batch_samples", "batch"), ("compute_loss", "compute_loss"),
+                       ("training_step", "training_step")):
+        setattr(trainer, name, watch.wrap(getattr(trainer, name), slot))
     trainer.model.forward = watch.wrap(trainer.model.forward, "forward")
+    trainer.accelerator.backward = watch.wrap(trainer.accelerator.backward, "backward")
     for name in ("gather", "reduce"):
         setattr(trainer.accelerator, name, watch.wrap(getattr(trainer.accelerator, name), "collective"))
 
@@ -354,13 +362,25 @@ def build_arms_ep(args, arms: list[str], max_steps: int, world: int, out: str) -
 
 def build_arm_pp(args, max_steps: int, out: str, watch: Stopwatch):
     """The pipeline trainer with hf_gradfix's loss-normalization functions timed (module attributes, looked up when
-    called: ``count_window`` and the ``count_targets`` inside it; the loss function handed to torch's schedule)."""
+    called: ``count_window`` with the ``count_targets`` and the all-reduce inside it; the loss function handed to
+    torch's schedule)."""
+    import torch.distributed as dist
     import transformers
 
     import hf_gradfix
     from hf_gradfix.integration import pipeline as glue
 
-    glue.count_window = watch.wrap(glue.count_window, "count_window")
+    count_window = glue.count_window
+
+    def count_window_collective_timed(*a, **kw):  # its all-reduce (torch.distributed's, looked up when called)
+        all_reduce = dist.all_reduce
+        dist.all_reduce = watch.wrap(all_reduce, "collective")
+        try:
+            return count_window(*a, **kw)
+        finally:
+            dist.all_reduce = all_reduce
+
+    glue.count_window = watch.wrap(count_window_collective_timed, "count_window")
     glue.count_targets = watch.wrap(glue.count_targets, "counting")
     make_loss_fn = glue.window_loss_fn
 
@@ -416,7 +436,7 @@ def worker(args) -> None:
         trainers = {"patched": build_arm_pp(args, max_steps, out, watches["patched"])}
     baton = Baton(order, timeout=args.turn_timeout)
     records: dict[str, list] = {arm: [] for arm in arms}
-    profilers = {"patched": cProfile.Profile()} if args.profile else {}
+    profilers = {arm: cProfile.Profile() for arm in arms} if args.profile else {}
     for arm, trainer in trainers.items():
         if args.mesh != "pp":
             time_loss_path(trainer, watches[arm])
@@ -430,8 +450,8 @@ def worker(args) -> None:
         trainer.add_callback(step_recorder(arm, baton, watches[arm], records[arm], profilers.get(arm), args.warmup))
     start = time.perf_counter()
     run_arms(trainers, baton, profilers)
-    if profilers:
-        profilers["patched"].dump_stats(str(Path(args.profile) / f"{args.mesh}-patched-rank{rank}.prof"))
+    for arm, profiler in profilers.items():
+        profiler.dump_stats(str(Path(args.profile) / f"{args.mesh}-{arm}-rank{rank}.prof"))
     state = hf_gradfix.state_of(trainers["patched"])
     if state is None or not state.fixes:
         raise RuntimeError("hf_gradfix did not fix the patched trainer; the benchmark would measure nothing")
@@ -502,13 +522,20 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
         def over_ranks(slot_of, pick):
             return [pick(slot_of(rec) for rec in step) for step in steps]
 
-        def own(rec):  # the loss path outside the forward
-            return rec.get("loss_path", 0.0) - rec.get("forward", 0.0)
+        def get(rec, *names):
+            return sum(rec.get(n, 0.0) for n in names)
+
+        def own(rec):  # the loss path outside the forward (bench_overhead.py's measure)
+            return get(rec, "batch", "compute_loss") - get(rec, "forward")
+
+        def wide(rec):  # all of the trainer's step outside forward, backward and the optimizer, guard apart
+            return get(rec, "batch", "training_step") - get(rec, "forward", "backward", "guard")
 
         slots = {
             "step": over_ranks(lambda rec: rec["step"], max),
-            "loss_path": over_ranks(own, min), "loss_path_max": over_ranks(own, max),
-            "loss_path_compute": over_ranks(lambda rec: own(rec) - rec.get("collective", 0.0), min),
+            "loss_path": over_ranks(own, min),
+            "step_path": over_ranks(wide, min), "step_path_max": over_ranks(wide, max),
+            "step_path_compute": over_ranks(lambda rec: wide(rec) - rec.get("collective", 0.0), min),
             "collective": over_ranks(lambda rec: rec.get("collective", 0.0), min),
             "guard": over_ranks(lambda rec: rec.get("guard", 0.0) + rec.get("guard_step", 0.0), min),
             "guard_max": over_ranks(lambda rec: rec.get("guard", 0.0) + rec.get("guard_step", 0.0), max),
@@ -531,8 +558,8 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
                 ratios = [a / b for a, b in zip(per_arm[arm]["series"]["step"], per_arm["stock"]["series"]["step"])]
                 out[f"{arm}_ratio"] = quartiles(ratios)
                 out[f"{arm}_direct"] = per_arm[arm]["loss_path"] - per_arm["stock"]["loss_path"]
-                out[f"{arm}_direct_max"] = per_arm[arm]["loss_path_max"] - per_arm["stock"]["loss_path_max"]
-                out[f"{arm}_direct_compute"] = per_arm[arm]["loss_path_compute"] - per_arm["stock"]["loss_path_compute"]
+                for key in ("step_path", "step_path_max", "step_path_compute"):
+                    out[f"{arm}_{key}"] = per_arm[arm][key] - per_arm["stock"][key]
     return out
 
 
@@ -555,17 +582,24 @@ MESH_NAMES = {
 }
 
 
+def loss_fix(res: dict) -> tuple[float, float, float]:
+    """(the loss fix's seconds per step, the same without its collective, the step it is a share of)."""
+    arms = res["arms"]
+    if "stock" in arms:  # what the patched trainer's step adds outside the model, guard apart
+        return res["patched_step_path"], res["patched_step_path_compute"], arms["stock"]["step"]
+    p = arms["patched"]  # pp: hf_gradfix's own functions, all of them
+    return p["count_window"] + p["scaling"], p["count_window"] - p["collective"] + p["scaling"], p["step"]
+
+
 def table(results: dict) -> list[str]:
     lines = ["| mesh | step ms, stock | step ms, patched | patched / stock (IQR of the per-round ratios) | "
-             "A/A control / stock (IQR) | loss fix, ms/step | loss fix, % of a step | non-finite guard, ms/step "
-             "(% of a step) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "A/A control / stock (IQR) | loss fix, ms/step | loss fix, % of a step | without its collective, % of a "
+             "step | non-finite guard, ms/step (% of a step) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mesh, res in results.items():
         arms = res["arms"]
-        patched = arms["patched"]
-        stock = arms.get("stock")
-        base = stock["step"] if stock else patched["step"]
-        fix = res["patched_direct"] if stock else patched["count_window"] + patched["scaling"]
+        patched, stock = arms["patched"], arms.get("stock")
+        fix, compute, base = loss_fix(res)
 
         def ratio(key):
             if key not in res:
@@ -573,11 +607,11 @@ def table(results: dict) -> list[str]:
             lo, mid, hi = res[key]
             return f"**{mid:.3f}** ({lo:.3f}-{hi:.3f})"
 
-        lines.append(
-            f"| {MESH_NAMES[mesh]} | {stock['step'] * 1e3:.0f} | " if stock else f"| {MESH_NAMES[mesh]} | - | ")
-        lines[-1] += (f"{patched['step'] * 1e3:.0f} | {ratio('patched_ratio')} | {ratio('control_ratio')} | "
-                      f"{fix * 1e3:+.2f} | **{fix / base * 100:+.2f}%** | {patched['guard'] * 1e3:.2f} "
-                      f"({patched['guard'] / base * 100:.2f}%) |")
+        stock_ms = f"{stock['step'] * 1e3:.0f}" if stock else "-"
+        lines.append(f"| {MESH_NAMES[mesh]} | {stock_ms} | "
+                     f"{patched['step'] * 1e3:.0f} | {ratio('patched_ratio')} | {ratio('control_ratio')} | "
+                     f"{fix * 1e3:+.2f} | **{fix / base * 100:+.2f}%** | {compute / base * 100:+.2f}% | "
+                     f"{patched['guard'] * 1e3:.2f} ({patched['guard'] / base * 100:.2f}%) |")
     return lines
 
 
@@ -593,29 +627,28 @@ def details(results: dict) -> list[str]:
         if mesh == "pp":
             lines.append(
                 f"- **{mesh}**: step {ms(p['step'])} ms; loss fix {ms(p['count_window'] + p['scaling'])} ms/step = "
-                f"`count_window` {ms(p['count_window'])} (counting the targets {ms(p['counting'])}, the rest mostly "
-                f"the count all-reduce; {ms(p['count_window_max'])} with the wait) + the loss's scaling on the last "
-                f"stage {ms(p['scaling'])} (the cross-entropy around it, which any pipeline computes: "
+                f"`count_window` {ms(p['count_window'])} (counting the targets {ms(p['counting'])}, the count "
+                f"all-reduce {ms(p['collective'])}; {ms(p['count_window_max'])} with the wait) + the loss's scaling on "
+                f"the last stage {ms(p['scaling'])} (the cross-entropy around it, which any pipeline computes: "
                 f"{ms(p['cross_entropy'])}); {guard}; {p['n']} measured steps.")
             continue
         s, c = arms["stock"], arms.get("control")
-        line = (f"- **{mesh}**: loss path outside the forward (min over ranks) stock {ms(s['loss_path'])} -> patched "
-                f"{ms(p['loss_path'])} ms/step")
-        if c:
-            line += f" (A/A control {ms(c['loss_path'])}: {res['control_direct'] * 1e3:+.2f} ms)"
-        line += (f"; with the wait (max over ranks) {ms(s['loss_path_max'])} -> {ms(p['loss_path_max'])} "
-                 f"({res['patched_direct_max'] * 1e3:+.2f} ms = {res['patched_direct_max'] / s['step'] * 100:+.2f}% of "
-                 f"a step); the count's one collective, stock's gather {ms(s['collective'])} -> hf_gradfix's "
-                 f"all-reduce {ms(p['collective'])} ms; without it {ms(s['loss_path_compute'])} -> "
-                 f"{ms(p['loss_path_compute'])} ms "
-                 f"({res['patched_direct_compute'] * 1e3:+.2f} ms = "
-                 f"{res['patched_direct_compute'] / s['step'] * 100:+.2f}% of a step"
-                 + (f"; A/A {res['control_direct_compute'] * 1e3:+.2f} ms" if c else "") + "); inside it hf_gradfix's "
-                 f"`_gradfix_count_window` (counting + the count all-reduce) {ms(p['count_window'])} ms "
-                 f"({ms(p['count_window_max'])} with the wait)")
-        if mesh == "ep":
-            line += f", the router loss's share (`moe.aux_share`, every micro-batch) {ms(p['aux_share'])} ms"
-        lines.append(line + f"; {guard}; {p['n']} measured steps per arm.")
+
+        def change(key, a_key=None):
+            text = f"{ms(s[key])} -> {ms(p[key])} ms ({res['patched_' + (a_key or key)] * 1e3:+.2f}"
+            return text + (f"; A/A {res['control_' + (a_key or key)] * 1e3:+.2f})" if c else ")")
+
+        lines.append(
+            f"- **{mesh}**: the step outside model, backward and optimizer, stock -> patched: {change('step_path')}; "
+            f"with the wait (max over ranks) {change('step_path_max')}; the count's one collective, stock's gather "
+            f"{ms(s['collective'])} -> hf_gradfix's all-reduce {ms(p['collective'])} ms, without it "
+            f"{change('step_path_compute')}. bench_overhead.py's narrower loss path (`get_batch_samples` + "
+            f"`compute_loss` minus the forward): {change('loss_path', 'direct')}. Inside it hf_gradfix's "
+            f"`_gradfix_count_window` (counting + the count all-reduce) {ms(p['count_window'])} ms "
+            f"({ms(p['count_window_max'])} with the wait)"
+            + (f", the router loss's share (`moe.aux_share`, every micro-batch) {ms(p['aux_share'])} ms"
+               if mesh == "ep" else "")
+            + f". {guard[0].upper() + guard[1:]}; {p['n']} measured steps per arm.")
     return lines
 
 
