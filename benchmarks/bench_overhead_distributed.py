@@ -1,6 +1,6 @@
 """Overhead of hf_gradfix's loss fix on 2 processes: DeepSpeed ZeRO-3, pipeline parallelism 2, expert parallelism 2.
 
-    python benchmarks/bench_overhead_distributed.py                   # all three meshes, ~7-9 min on 2 busy CPU cores
+    python benchmarks/bench_overhead_distributed.py                   # all three meshes, ~3-4.5 min on 2 busy CPU cores
     python benchmarks/bench_overhead_distributed.py --mesh pp --rounds 6 --no-write    # one mesh, a smoke run
     python benchmarks/bench_overhead_distributed.py --no-control      # without the A/A control arm (a third faster)
 
@@ -733,10 +733,13 @@ def main(argv=None) -> int:
         *table(results), "",
         "Step ms: median over the measured steps of the slower rank's step. patched / stock: median of the paired "
         "per-round ratios (IQR in brackets); A/A control / stock: the same for two stock trainers (this machine's "
-        "noise floor for the ratio). Loss fix: zero3 and ep, the loss path outside the forward (`get_batch_samples` + "
-        "`compute_loss` minus the model forward), patched minus stock; pp, hf_gradfix's own `count_window` (counting "
-        "+ the count all-reduce) and the loss scaling inside the schedule's loss function, all of it (no stock "
-        "pipeline to subtract). % of a step: of the stock step (pp: of the patched step). Non-finite guard: what "
+        "noise floor for the ratio). Loss fix: zero3 and ep, the trainer's step outside the model, its backward and "
+        "the optimizer (`get_batch_samples` + `training_step` minus the model forward and `accelerator.backward`), "
+        "patched minus stock, the guard's loss checks apart; pp, hf_gradfix's own `count_window` (counting + the "
+        "count all-reduce) and the loss scaling inside the schedule's loss function, all of it (no stock pipeline to "
+        "subtract). % of a step: of the stock step (pp: of the patched step). Without its collective: the same less "
+        "the count's one collective (zero3 / ep: stock's gather, hf_gradfix's all-reduce; pp: the all-reduce), whose "
+        "latency here is mostly the scheduling of 2 busy processes on 2 shared cores. Non-finite guard: what "
         "`patch()` adds besides the loss fix (`loss.on_nonfinite`, default `warn`): a finiteness check of each "
         "micro-batch loss and of the gradients plus a 2-flag all-reduce per step. Figures containing a collective: "
         "minimum over the 2 ranks per step (the rank that arrived last: the collective's own cost, not the wait for "
