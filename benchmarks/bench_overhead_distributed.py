@@ -183,6 +183,19 @@ def time_loss_path(trainer, watch: Stopwatch) -> None:
         setattr(trainer.accelerator, name, watch.wrap(getattr(trainer.accelerator, name), "collective"))
 
 
+def record_losses(trainer, sink: list) -> None:
+    """Every micro-batch loss ``training_step`` returns (outside the timed slots): the stock and control arms see the
+    same weights and data, so equal losses show that taking turns in threads changed nothing they compute."""
+    step = trainer.training_step
+
+    def recorded(*a, **kw):
+        loss = step(*a, **kw)
+        sink.append(float(loss))
+        return loss
+
+    trainer.training_step = recorded
+
+
 def time_guard(trainer, watch: Stopwatch) -> None:
     """hf_gradfix's non-finite guard: its per-micro-batch loss check and its per-step gradient check + all-reduce
     (and, inside that, the gradient check and the flag all-reduce apart: module attributes, looked up when called;
@@ -436,10 +449,12 @@ def worker(args) -> None:
         trainers = {"patched": build_arm_pp(args, max_steps, out, watches["patched"])}
     baton = Baton(order, timeout=args.turn_timeout)
     records: dict[str, list] = {arm: [] for arm in arms}
+    losses: dict[str, list] = {arm: [] for arm in arms}
     profilers = {arm: cProfile.Profile() for arm in arms} if args.profile else {}
     for arm, trainer in trainers.items():
         if args.mesh != "pp":
             time_loss_path(trainer, watches[arm])
+            record_losses(trainer, losses[arm])
             if arm == "patched":
                 trainer._gradfix_count_window = watches[arm].wrap(trainer._gradfix_count_window, "count_window")
                 if args.mesh == "ep":  # the router loss's share of each micro-batch (trainer_fix imports it per call)
@@ -455,7 +470,8 @@ def worker(args) -> None:
     state = hf_gradfix.state_of(trainers["patched"])
     if state is None or not state.fixes:
         raise RuntimeError("hf_gradfix did not fix the patched trainer; the benchmark would measure nothing")
-    mine = dict(rank=rank, records=records, order=order, seconds=time.perf_counter() - start, fixes=list(state.fixes),
+    mine = dict(rank=rank, records=records, losses=losses, order=order, seconds=time.perf_counter() - start,
+                fixes=list(state.fixes),
                 wrapped={arm: type(t.model_wrapped).__name__ for arm, t in trainers.items()})
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -750,6 +766,17 @@ def main(argv=None) -> int:
     for mesh, ranks in raw.items():
         lines.append(f"- {mesh}: hf_gradfix: {'; '.join(ranks[0]['fixes'])}; models "
                      + ", ".join(f"{a} `{w}`" for a, w in ranks[0]["wrapped"].items()) + ".")
+    for mesh, ranks in raw.items():
+        losses = [r["losses"] for r in ranks]
+        if "control" in losses[0]:
+            same = all(r["stock"] == r["control"] for r in losses)
+            n = sum(len(r["stock"]) for r in losses)
+            gap = max(abs(a - b) for r in losses for a, b in zip(r["patched"], r["stock"]))
+            lines.append(f"- {mesh}: stock and control, interleaved in threads, "
+                         + (f"returned the same {n} micro-batch losses (bit for bit)" if same else
+                            "returned DIFFERENT micro-batch losses: the interleaving disturbed a run, the numbers "
+                            "above are not to be trusted")
+                         + f"; patched vs stock: largest difference {gap:.2g}.")
     if args.note:
         lines += ["", args.note]
     text = "\n".join(lines) + "\n"
