@@ -460,7 +460,10 @@ def aux_share(trainer: Trainer, state: GradFixState, aux: torch.Tensor, outputs:
         share = _cp_micro_share(trainer, state, moe, cp_plan, aux, logits, row_mask, micro_batches)
         if share is not None:
             return share
-    if logits is not None and moe.top_k is not None:
+    # micro and none need no routing counts (their share is the model's aux_loss): counted only for a router-health log
+    # (a softmax + top-k per layer, and on a GPU a device sync, per micro-batch)
+    counted = conv not in ("micro", "none") or _health_logged(trainer)
+    if counted and logits is not None and moe.top_k is not None:
         try:  # router logits of a shape this does not read (never a crash: micro needs none of it)
             stats = routing_stats(logits, moe.top_k, row_mask)
         except Exception as exc:  # noqa: BLE001
@@ -488,6 +491,12 @@ def aux_share(trainer: Trainer, state: GradFixState, aux: torch.Tensor, outputs:
         return mean_term_share(aux, micro_batches)
     freq = moe.prev_freq.to(device=stats.prob_sum.device, dtype=stats.prob_sum.dtype)
     return coef * experts * (freq * stats.prob_sum).sum() / moe.window_rows * _dp_world(trainer)
+
+
+def _health_logged(trainer: Trainer) -> bool:
+    """Whether a :class:`RouterHealthCallback` reads this trainer's routing counts."""
+    handler = getattr(trainer, "callback_handler", None)
+    return any(isinstance(cb, RouterHealthCallback) for cb in getattr(handler, "callbacks", ()))
 
 
 def _cp_plan(state: GradFixState):
@@ -622,8 +631,8 @@ class RouterHealthCallback(TrainerCallback):
     token, and the load-balancing loss, over every logging interval and every rank's tokens (padding never counted).
 
     Needs the plugin's loss fix on the trainer (``hf_gradfix.patch()`` or ``GradFixCallback``) and a model that returns
-    router logits (``config.output_router_logits=True``); it reads the counts the loss fix already takes from each
-    training forward (no extra forward), and adds one all-reduce per log.
+    router logits (``config.output_router_logits=True``); it reads the counts the loss fix takes from each training
+    forward while the callback is on the trainer (no extra forward), and adds one all-reduce per log.
 
     >>> import transformers, hf_gradfix
     >>> from hf_gradfix.integration.moe import RouterHealthCallback
