@@ -97,8 +97,8 @@ def packed_case(name: str, out: Path, rank: int, world: int) -> None:
     if name.endswith("mask_after_split"):
         context_packing.packed_attention_block = lambda *a, **k: __import__("contextlib").nullcontext()
     elif "_control_positions" in name:
-        def build(inputs, cp, pad_token_id=0):
-            layout = original_build(inputs, cp, pad_token_id)
+        def build(inputs, cp, pad_token_id=0, **layout_options):
+            layout = original_build(inputs, cp, pad_token_id, **layout_options)
             pos = layout.padded["position_ids"]
             if name.endswith("not_restarted"):  # 0..L-1 over the whole row (RoPE is relative: harmless, measured)
                 layout.padded["position_ids"] = torch.arange(pos.shape[1]).expand_as(pos).clone()
