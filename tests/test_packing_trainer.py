@@ -41,15 +41,21 @@ def _windows(samples, ga, epochs=1):
     return windows
 
 
-@pytest.mark.parametrize("mode", ["varlen", "rows"])
-def test_packed_training_is_exact_against_the_unpacked_full_batch(mode):
+@pytest.mark.parametrize("mode,head", [("varlen", "stock"), ("rows", "stock"), ("varlen", "lean")])
+def test_packed_training_is_exact_against_the_unpacked_full_batch(mode, head):
+    """Packed rows against each sample alone; with loss.head: lean too (the packed labels' document starts are
+    ignored targets, so the lean head's next-token shift never crosses a document)."""
+    from hf_gradfix.integration.state import state_of
+
     samples = H.make_samples("causal", n=16, seed=0, prompt_mask_frac=0.3)
     model = H.build_model("llama", attn_implementation="sdpa")
-    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "mode": mode}})
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "mode": mode}, "loss": {"head": head}})
     try:
         trainer, grads = _train(model, samples, ga=2, epochs=2)
     finally:
         hf_gradfix.unpatch()
+    lean = state_of(trainer).lean
+    assert (lean is not None and lean.calls > 0 and lean.stock_calls == 0) if head == "lean" else lean is None
     windows = _windows(samples, 2, epochs=2)
     assert len(windows) == len(grads) >= 4
     seen = sorted(i for w in windows[: len(windows) // 2] for b in w for i in b)
