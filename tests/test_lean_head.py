@@ -151,6 +151,22 @@ def test_eval_loss_is_the_same_and_logits_stay_where_they_are_read(lean):
     assert abs(lean_eval - stock_eval) <= TOL * abs(stock_eval) and abs(with_logits - stock_eval) <= TOL * abs(stock_eval)
 
 
+def test_label_smoothing_through_the_lean_head_is_transformers_objective(lean):
+    """label_smoothing_factor 0.1: the lean head computes LabelSmoother's objective per target itself (no logits),
+    exact against test_exactness's float ground truth of (1 - eps) * NLL / N + eps * sum(-log p) / (N * V)."""
+    from test_exactness import _label_smoothing_gt, custom_gt_rows
+
+    model = H.build_model("llama")
+    samples = H.make_samples("causal", n=8, seed=6, prompt_mask_frac=0.3)
+    record, said = _run(model, samples, extra_args={"label_smoothing_factor": 0.1})
+    plan = state_of(record.trainer).lean
+    assert plan.calls == 4 and plan.stock_calls == 0 and not said, (plan, said)
+    _assert_exact(custom_gt_rows(model, samples, record, lambda m, w: _label_smoothing_gt(m, w, 0.1)), "smoothing")
+    # control: the same run's gradient is not the unsmoothed objective's
+    worst = max(err for err, _ in H.check_against_gt(model, samples, "causal", record))
+    assert worst > 1e-3, worst
+
+
 def test_lean_head_through_the_callback_way_in():
     """No patch(): GradFixCallback with loss.head: lean on an ordinary Trainer; lean on every micro-batch, exact."""
     model = H.build_model("llama")

@@ -138,6 +138,7 @@ class _Call:
         # the head's (weight, bias), merged once per call (a LoRA head's W + s * B @ A); None: found at its forward
         self.linear = linear
         self.head_calls = self.loss_calls = 0
+        self.label_smoothing = 0.0
         self.marker: torch.Tensor | None = None
         self.loss_sum: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
@@ -168,7 +169,8 @@ class _Call:
         # what the stock head's matmul runs in under autocast (cast chunk by chunk inside)
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         with torch.autocast(device_type, enabled=False):
-            self.loss_sum = head_cross_entropy_sum(hidden, weight, bias, targets, compute_dtype=dtype)
+            self.loss_sum = head_cross_entropy_sum(hidden, weight, bias, targets, compute_dtype=dtype,
+                                                   label_smoothing=self.label_smoothing)
         self.count = (targets != IGNORE_INDEX).sum()
         vocab = weight.shape[0]
         self.marker = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
@@ -230,8 +232,10 @@ def _installed(call: _Call):
 
 
 def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Callable[[], Any],
-              training: bool) -> Any:
-    """``forward()`` (the model call with ``call``'s inputs) with the lean head where it applies, else as is."""
+              training: bool, *, label_smoothing: float = 0.0) -> Any:
+    """``forward()`` (the model call with ``call``'s inputs) with the lean head where it applies, else as is.
+    ``label_smoothing``: the lean loss is the label-smoothed cross-entropy (transformers' ``LabelSmoother`` per
+    target: ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``), summed and divided like the plain one."""
     labels = call.get("labels")
     if plan is None or not torch.is_tensor(labels) or (not training and plan.logits_needed):
         return forward()
@@ -263,6 +267,7 @@ def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Call
     if reason is None:
         shift = call.get("shift_labels")
         lean = _Call(plan, inner, head, labels, shift if torch.is_tensor(shift) else None, linear)
+        lean.label_smoothing = float(label_smoothing)
         try:
             with _installed(lean):
                 outputs = forward()

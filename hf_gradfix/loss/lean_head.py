@@ -54,8 +54,9 @@ def head_cross_entropy_sum(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1).to(hidden.device)
     dtype = compute_dtype or hidden.dtype
+    # torch 2.13's chunked op refuses label smoothing (it falls back to its reference path: the whole logits)
     full_precision = dtype in (torch.float32, torch.float64) and hidden.dtype == weight.dtype == dtype and (
-        bias is None or bias.dtype == dtype)
+        bias is None or bias.dtype == dtype) and label_smoothing == 0.0
     if full_precision and has_torch_linear_cross_entropy():
         # "accurate": the chunked path's widest use of its accumulation dtype (here the inputs' own, fp32 / fp64)
         options = torch.nn.LinearCrossEntropyOptions(acc_policy="accurate")
