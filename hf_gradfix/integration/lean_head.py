@@ -231,6 +231,26 @@ def _installed(call: _Call):
             inner.__dict__["_loss_function"] = saved_loss
 
 
+def call_model(trainer, plan: LeanHead, model: nn.Module, call: dict, inputs: dict, labels: Any, n: Any,
+               behaviour: Any) -> tuple[Any, bool]:
+    """The model call of the plugin's compute_loss body with the lean head: ``(outputs, smoothed)``. With label
+    smoothing (the Trainer popped the labels for its ``LabelSmoother``) a causal LM that takes the window's count
+    gets the labels back and the lean head computes the smoothed loss itself (``smoothed`` True: ``outputs.loss`` is
+    the micro-batch's smoothed sum / ``n``); if the call ran stock, the smoother is applied to its logits as before."""
+    from ..loss.counting import CountRule
+
+    smoother = getattr(trainer, "label_smoother", None)
+    if (labels is not None and smoother is not None and getattr(trainer, "compute_loss_func", None) is None
+            and n is not None and behaviour is not None and behaviour.honors_num_items
+            and behaviour.count_rule is CountRule.SHIFTED):
+        before = plan.calls
+        smoothed_call = {**inputs, "labels": labels, "num_items_in_batch": n}
+        outputs = run_model(plan, model, smoothed_call, lambda: model(**smoothed_call), model.training,
+                            label_smoothing=float(smoother.epsilon))
+        return outputs, plan.calls > before
+    return run_model(plan, model, call, lambda: model(**call), model.training), False
+
+
 def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Callable[[], Any],
               training: bool, *, label_smoothing: float = 0.0) -> Any:
     """``forward()`` (the model call with ``call``'s inputs) with the lean head where it applies, else as is.

@@ -1298,28 +1298,12 @@ class _GradFixDefaultLoss(Trainer):
             from .moe import before_forward
 
             before_forward(self, state)  # global / previous router loss: the window's routing counts
-        # loss.head: lean (integration/lean_head.py); with label smoothing the lean head computes the smoothed loss
-        # itself for a causal LM that takes the window's count (LabelSmoother's objective per target, / the count)
-        smoothed_lean = (
-            state.lean is not None and not state.in_probe and labels is not None
-            and self.label_smoother is not None and self.compute_loss_func is None and n is not None
-            and model_behaviour is not None and model_behaviour.honors_num_items
-            and model_behaviour.count_rule is CountRule.SHIFTED
-        )
-        lean_before = state.lean.calls if state.lean is not None else 0
-        if smoothed_lean:
-            from .lean_head import run_model
+        if state.lean is not None and not state.in_probe:  # loss.head: lean (integration/lean_head.py)
+            from .lean_head import call_model
 
-            call = {**inputs, "labels": labels, "num_items_in_batch": n}
-            outputs = run_model(state.lean, model, call, lambda: model(**call), model.training,
-                                label_smoothing=float(self.label_smoother.epsilon))
-            smoothed_lean = state.lean.calls > lean_before  # else it ran stock: the smoother below
-        elif state.lean is not None and not state.in_probe:
-            from .lean_head import run_model
-
-            outputs = run_model(state.lean, model, call, lambda: model(**call), model.training)
+            outputs, smoothed_lean = call_model(self, state.lean, model, call, inputs, labels, n, model_behaviour)
         else:
-            outputs = model(**call)
+            outputs, smoothed_lean = model(**call), False
         if getattr(self.args, "past_index", -1) >= 0:  # removed in transformers 5
             self._past = outputs[self.args.past_index]
 
