@@ -55,6 +55,11 @@ CASES: dict[str, tuple[dict, dict]] = {
     "sft_dft_refused": ({"parallel": {"pp": 2}}, {"ga": 4, "sft": True, "sft_args": {"loss_type": "dft"}}),
     "pp2_1f1b_ga4_stock": ({"parallel": {"pp": 2}}, {"ga": 4, "stock": True}),
     "pp2_tied_ga4": ({"parallel": {"pp": 2}}, {"ga": 4, "tied": True, "clip": 0.05}),
+    # loss.head: lean at the last stage (issue 40): 1F1B with eval, tied embeddings, the zero-bubble schedule
+    "pp2_1f1b_ga4_lean": ({"parallel": {"pp": 2}, "loss": {"head": "lean"}}, {"ga": 4, "eval": True}),
+    "pp2_tied_ga4_lean": ({"parallel": {"pp": 2}, "loss": {"head": "lean"}}, {"ga": 4, "tied": True, "clip": 0.05}),
+    "pp2_zero_bubble_ga4_lean": ({"parallel": {"pp": 2, "pp_schedule": "zero_bubble", "pp_virtual_stages": 2},
+                                  "loss": {"head": "lean"}}, {"ga": 4}),
     # 4 processes (a separate launch): pp 2 x dp_replicate 2, ranks 0-1 stage 0, ranks 2-3 stage 1
     "pp2_rep2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}, {"ga": 4, "eval": True}),
     "pp2_shard2_1f1b_ga4": ({"parallel": {"pp": 2, "dp_shard": 2}}, {"ga": 4, "clip": 0.05}),
@@ -288,6 +293,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
             logged_losses=[float(h["loss"]) for h in trainer.state.log_history if "loss" in h],
             grad_norms=[float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h],
             line=state.pp.line,
+            lean=state.pp.lean,
             tokens_seen=trainer.state.num_input_tokens_seen,
             fixes=list(state.fixes),
             params=sorted(n for n, _ in trainer.model.named_parameters()),

@@ -26,7 +26,8 @@ import pp_worker as W
 
 TOL = 1e-5
 EXACT = ["pp2_1f1b_ga4", "pp2_gpipe_ga4", "pp2_1f1b_ga1", "pp2_interleaved_ga4", "pp2_zero_bubble_ga4",
-         "pp2_zero_bubble_v1_ga4", "pp2_1f1b_ga4_callback_clip", "pp2_sft_ga4", "pp2_tied_ga4", "pp2_short_epochs2"]
+         "pp2_zero_bubble_v1_ga4", "pp2_1f1b_ga4_callback_clip", "pp2_sft_ga4", "pp2_tied_ga4", "pp2_short_epochs2",
+         "pp2_1f1b_ga4_lean", "pp2_tied_ga4_lean", "pp2_zero_bubble_ga4_lean"]
 STOCK = ["pp2_1f1b_ga4_stock"]
 REFUSED = ["loss_off_refused", "sft_dft_refused", "galore_refused"]
 ALL = EXACT + STOCK + REFUSED + ["pp2_resume"]
@@ -47,6 +48,19 @@ def pp_runs():
     runs, proc = launch_cases("pp_worker.py", ALL, nproc=2, via_config=H.REPO_ROOT / "configs/cpu_pp.yaml")
     runs["_log"] = proc.stdout + proc.stderr
     return runs
+
+
+@pytest.mark.distributed
+def test_lean_head_runs_on_the_last_stage(pp_runs):
+    """loss.head: lean under pp (issue 40), measured: the last stage returns its hidden states and the schedule's loss
+    function applies the head with the lean cross-entropy (exact: the cases are in EXACT, eval too); the first stage
+    has no head and nothing to decide."""
+    for case in ("pp2_1f1b_ga4_lean", "pp2_tied_ga4_lean"):
+        first, last = pp_runs[case]
+        assert first["lean"] is None and last["lean"] == "lean", (case, first["lean"], last["lean"])
+    assert pp_runs["pp2_1f1b_ga4"][1]["lean"] is None  # control: the stock head where lean is not asked for
+    # zero bubble runs the last stage's backward twice, which torch's chunked op refuses (measured): stock, exact
+    assert "zero-bubble" in pp_runs["pp2_zero_bubble_ga4_lean"][1]["lean"]
 
 
 @pytest.mark.distributed
@@ -194,7 +208,7 @@ def test_pipeline_exact_against_one_process(table, pp_runs, case):
     assert pp_runs[case][0]["logged_losses"] == pp_runs[case][1]["logged_losses"]
 
 
-@pytest.mark.parametrize("case,ranks", [("pp2_gpipe_ga4", 2), ("pp2_rep2_1f1b_ga4", 4)])
+@pytest.mark.parametrize("case,ranks", [("pp2_gpipe_ga4", 2), ("pp2_rep2_1f1b_ga4", 4), ("pp2_1f1b_ga4_lean", 2)])
 def test_eval_loss_forward_only_exact(request, case, ranks):
     runs = request.getfixturevalue("pp_runs" if ranks == 2 else "pp_dp_runs")[case]
     samples = runs[0]["samples"][: W.N_SAMPLES - 5]

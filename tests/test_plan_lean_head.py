@@ -145,3 +145,21 @@ def test_the_simulation_says_it_runs_the_stock_head(capsys):
     err = capsys.readouterr().err
     assert "the simulated step runs the stock loss head" in err
     assert err.index("stock loss head") < err.index("traced")  # before the work, not after it
+
+
+def test_the_planner_counts_the_lean_head_on_the_last_pipeline_stage():
+    """Under pp the last stage's loss function applies the lean head (tests/test_pipeline.py runs it), except under
+    the zero-bubble schedule (its backward runs twice, which torch's op refuses): counted on the last stage."""
+    from transformers import LlamaConfig
+
+    from hf_gradfix.parallel import ParallelDims
+    from hf_gradfix.plan import Settings, estimate
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    base = dict(dtype="fp32", seq_len=512, micro_batch=2, grad_accum=4, pp=2)
+    stock = estimate(cfg, ParallelDims(1), Settings(**base))
+    lean = estimate(cfg, ParallelDims(1), Settings(**base, loss_head="lean"))
+    zero_bubble = estimate(cfg, ParallelDims(1), Settings(**base, loss_head="lean", pp_schedule="zero_bubble"))
+    assert "lean_head" in lean.extra and lean.peak < stock.peak, (lean.peak, stock.peak)
+    assert "lean_head" not in zero_bubble.extra and "not used here" in zero_bubble.explain["activations"]

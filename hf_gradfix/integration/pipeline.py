@@ -24,6 +24,7 @@ over the data-parallel group only.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,7 @@ class PipelinePlan:
     shape_changes: int = 0
     pending: list = field(default_factory=list)  # this window's micro-batches so far
     metrics_noted: bool = False  # the note on a trainer's per-forward metrics pp does not record, given once
+    lean: str | None = None  # loss.head: lean on this rank's last stage: "lean", or why it keeps the stock head
     window_count: float | None = None
     window_size: int = 0
     tokens_counted: int = 0  # num_input_tokens_seen after the last correction (transformers 4.57 counts inline)
@@ -297,9 +299,12 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
                                    virtual_stages=dims.pp_virtual_stages, device=device, group=pp_group,
                                    fsdp_mesh=fsdp_mesh, tp_mesh=tp_mesh)
     pad = getattr(text, "pad_token_id", None)
+    loss_fn, lean = window_loss_fn(model, dims.dp), None
+    if config.loss.head == "lean":
+        loss_fn, lean = _lean_last_stage(modules, dims, section.pp_schedule, fsdp_mesh is not None, loss_fn)
     plan = PipelinePlan(
         dims=dims, schedule=section.pp_schedule, pp_rank=dims.pp_rank(rank), pp_group=pp_group, dp_group=dp_group,
-        modules=modules, stages=stages, loss_fn=window_loss_fn(model, dims.dp), device=device,
+        modules=modules, stages=stages, loss_fn=loss_fn, lean=lean, device=device,
         pad_token_id=pad if isinstance(pad, int) else 0, shard_group=shard_group, fsdp=fsdp_mesh is not None,
         tie_group=tie_group, tp_group=tp_group,
     )
@@ -337,6 +342,45 @@ NO_INPUT_EMBEDDINGS_NOTE = (
     "activation, which carries the gradient back, so its checkpointed layers and adapters train exactly "
     "(tests/test_pipeline.py compares every stage's gradients with one process)]"
 )
+
+
+def _lean_last_stage(modules: list, dims: ParallelDims, schedule: str, fsdp: bool, stock_fn):
+    """``loss.head: lean`` at the last stage: ``(loss_fn, "lean")``, or ``(stock_fn, why not)`` (said once). The stage
+    returns its final hidden states and the loss function applies the head with the lean cross-entropy
+    (:mod:`hf_gradfix.loss.lean_head`), divided like the stock one. Where the head lives outside what the loss
+    function can use it as, the stock head stays: FSDP2 shards it outside the stage's forward, tensor parallel shards
+    it; and the zero-bubble schedule runs the last stage's backward twice, which torch's chunked op refuses
+    (measured: "chunked backward called twice")."""
+    last = [m for m in modules if m.is_last]
+    if not last:
+        return stock_fn, None  # this rank holds no last stage: nothing to compute
+    head = last[0].head
+    from .lean_head import effective_linear
+
+    found = effective_linear(head)
+    why = ("FSDP2 (dp_shard > 1) shards the head outside the stage's forward" if fsdp
+           else "tensor parallel shards the head" if dims.tp > 1
+           else ("the zero-bubble schedule runs the last stage's backward twice (input, then weight gradients), "
+                 "which torch's linear_cross_entropy refuses") if schedule == "zero_bubble" else found if isinstance(found, str) else None)
+    if why is not None:
+        warnings.warn(f"hf_gradfix: loss.head: lean is not used on the last pipeline stage: {why}; it keeps the stock "
+                      "head (the logits are materialized; the loss stays exact)", stacklevel=3)
+        return stock_fn, why
+    for module in last:
+        module.lean_head = True
+    dp = dims.dp
+
+    def lean_loss_fn(hidden, labels, num_items):
+        from ..loss.lean_head import head_cross_entropy_sum, next_token_targets
+
+        weight, bias = effective_linear(head)  # per call: a LoRA head's merged weight follows its training
+        device_type = hidden.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        with torch.autocast(device_type, enabled=False):
+            total = head_cross_entropy_sum(hidden, weight, bias, next_token_targets(labels), compute_dtype=dtype)
+        return total / num_items * dp  # as window_loss_fn: the window's count, times what DDP averages over
+
+    return lean_loss_fn, "lean"
 
 
 def _note_unrecorded_metrics(trainer, plan: PipelinePlan) -> None:

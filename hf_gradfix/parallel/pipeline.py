@@ -299,6 +299,9 @@ def decoder_stage_class():
             self.embed = getattr(base, plan.embed) if self.is_first else None
             self.after = torch.nn.ModuleList([getattr(base, n) for n in plan.after_layers]) if self.is_last else None
             self.head = getattr(model, plan.head) if self.is_last else None
+            # loss.head: lean on the last stage: it returns the final hidden states and the loss function applies
+            # the head (hf_gradfix.integration.pipeline sets it where the head can take it)
+            self.lean_head = False
             self.rotary = getattr(base, plan.rotary) if plan.rotary else None
             masks = _mask_functions()
             # a layer's own attention_type, else the model-wide rule (a config sliding_window: every layer slides)
@@ -340,7 +343,7 @@ def decoder_stage_class():
                 return hidden, attention_mask, position_ids
             for module in self.after:
                 hidden = module(hidden)
-            return self.head(hidden)
+            return hidden if self.lean_head else self.head(hidden)
 
     return _DecoderStage
 

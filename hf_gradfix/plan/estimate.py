@@ -344,7 +344,8 @@ class Settings:
     # (prompt + completion) replaces seq_len
     rl: Any = None  # RLRun | None
     # loss.head: stock (the logits and the loss's fp32 tensors) | lean (hf_gradfix's lean head, lean_head.py; used
-    # where the head is a plain tensor at its forward: not under tp (a DTensor head) nor pp (the schedule's loss))
+    # where the head is a plain tensor at its forward: not under tp (a DTensor head), nor on a pp stage that FSDP2
+    # shards or under the zero-bubble schedule)
     loss_head: str = "stock"
 
     def check(self) -> None:
@@ -746,7 +747,10 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_width = (getattr(config, "num_key_value_heads", None) or heads) * head_dim / tp
     lean = None
-    if settings.loss_head == "lean" and rl is None and tp == 1 and pipeline_degree(mesh, settings) == 1:
+    # under pp the last stage's loss function applies the head (integration/pipeline.py), except where FSDP2 shards
+    # the head or the zero-bubble schedule runs its backward twice
+    if settings.loss_head == "lean" and rl is None and tp == 1 and (
+            stage is None or (not fsdp and settings.pp_schedule != "zero_bubble")):
         from .lean_head import lean_head_bytes
         from ..loss.lean_head import has_torch_linear_cross_entropy
 
@@ -872,8 +876,8 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     if stage is not None:
         act_how += f"; x {stage.in_flight:g} micro-batches in flight ({settings.pp_schedule})"
     if settings.loss_head == "lean" and lean is None:
-        act_how += ("; loss.head lean is not used here (a tensor-parallel head, pipeline stages or an RL trainer's "
-                    "own head): the stock head is counted")
+        act_how += ("; loss.head lean is not used here (a tensor-parallel head, a pipeline stage under FSDP2 or zero "
+                    "bubble, or an RL trainer's own head): the stock head is counted")
     act = act_full if settings.recompute == "full" else act_none
     rl_info = None
     ref_b = 0.0
