@@ -723,9 +723,16 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             print(f"hf-gradfix plan: simulating one training step of rank 0 under fake tensors "
                   f"({mesh.world_size} rank(s)) ...", file=sys.stderr, flush=True)
             if s.loss_head == "lean":  # said before the work, not hidden in the picture
-                print("hf-gradfix plan: note: the simulated step runs the stock loss head (logits materialized); "
-                      "the lean head is counted by the estimate above only (torch's linear_cross_entropy keeps its "
-                      "scratch inside one op, which a fake-tensor trace does not see)", file=sys.stderr, flush=True)
+                lean = plan.extra.get("lean_head")
+                if mesh.dp_shard * mesh.cp > 1 or mesh.tp > 1 or lean is None:
+                    print("hf-gradfix plan: note: the simulated step runs the stock loss head (logits materialized): "
+                          "the lean head is simulated without FSDP2 / tp only", file=sys.stderr, flush=True)
+                elif lean["path"] == "torch":
+                    from .plan.common import _fmt
+
+                    print("hf-gradfix plan: note: the simulated step runs the lean head; torch's linear_cross_entropy "
+                          f"allocates {_fmt(lean['transient'])} of scratch inside the op, which the trace does "
+                          "not see (the estimate counts it)", file=sys.stderr, flush=True)
             sim = simulate(config, mesh, s, progress=lambda line: print(
                 f"hf-gradfix plan: [{time.perf_counter() - started:.0f} s] {line}", file=sys.stderr, flush=True))
             out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}

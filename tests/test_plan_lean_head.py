@@ -137,14 +137,31 @@ def test_the_cli_reads_the_lean_head_from_the_flag_and_the_config(tmp_path, caps
     assert "loss.head=lean" in capsys.readouterr().err
 
 
-def test_the_simulation_says_it_runs_the_stock_head(capsys):
+def test_the_simulated_step_runs_the_lean_head_and_names_what_it_cannot_see(capsys):
+    """--simulate with --loss-head lean traces the backbone and the lean cross-entropy: the same peak on fake and on
+    real tensors, below the stock head's; torch's op (fp32) keeps scratch the trace does not see, and the plan says
+    so before the work; under FSDP2 the stock head is simulated, said."""
+    from transformers import LlamaConfig
+
+    from hf_gradfix.parallel import ParallelDims
+    from hf_gradfix.plan import Settings
+    from hf_gradfix.plan.simulate import simulate
     from hf_gradfix.plan_cli import plan_main
 
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    lean = Settings(dtype="fp32", seq_len=512, micro_batch=2, loss_head="lean")
+    fake, real = (simulate(cfg, ParallelDims(1), lean, fake=f)["peak"] for f in (True, False))
+    stock = simulate(cfg, ParallelDims(1), Settings(dtype="fp32", seq_len=512, micro_batch=2))["peak"]
+    assert fake == real and fake < 0.5 * stock, (fake, real, stock)
     assert plan_main(["--model", "tiny-llama", "--seq-len", "32", "--dtype", "fp32", "--simulate", "--loss-head",
                       "lean"]) == 0
     err = capsys.readouterr().err
-    assert "the simulated step runs the stock loss head" in err
-    assert err.index("stock loss head") < err.index("traced")  # before the work, not after it
+    assert "runs the lean head" in err and "scratch inside the op" in err
+    assert err.index("scratch inside the op") < err.index("traced")  # before the work, not after it
+    assert plan_main(["--model", "tiny-llama", "--seq-len", "32", "--dtype", "fp32", "--simulate", "--loss-head",
+                      "lean", "--num-gpus", "2"]) == 0
+    assert "runs the stock loss head" in capsys.readouterr().err
 
 
 def test_the_planner_counts_the_lean_head_on_the_last_pipeline_stage():

@@ -83,6 +83,22 @@ def _device_meshes_built_for_real():
         DeviceMesh._concatenate = original
 
 
+def _lean_loss(model, ids, amp: bool):
+    """The lean head's step on ``ids``: the backbone's final hidden states, then the head's summed cross-entropy
+    without logits (:func:`hf_gradfix.loss.lean_head.head_cross_entropy_sum`), over the next-token targets."""
+    import torch
+
+    from ..loss.lean_head import head_cross_entropy_sum, next_token_targets
+
+    hidden = model.base_model(input_ids=ids).last_hidden_state
+    head = model.get_output_embeddings()
+    targets = next_token_targets(ids)
+    with torch.autocast(hidden.device.type, enabled=False):
+        total = head_cross_entropy_sum(hidden, head.weight, head.bias, targets,
+                                       compute_dtype=torch.bfloat16 if amp else None)
+    return total / targets.numel()
+
+
 def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = True,
              progress: Any = None) -> dict[str, Any]:
     """Trace ``steps`` training steps of rank 0 (bytes): ``peak`` (total), ``at_peak`` (per component at that
@@ -201,6 +217,9 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
             say(f"model built{' and sharded' if sharded or mesh.tp > 1 else ''} under fake tensors "
                 f"({time.perf_counter() - t0:.1f} s); tracing {steps} step(s) ...")
             tokens = settings.seq_len // mesh.cp
+            # loss.head: lean, where the head is a plain tensor outside the model's forward (not FSDP2, not tp): the
+            # backbone, then the lean cross-entropy on its hidden states (what the lean head computes in the head)
+            lean = settings.loss_head == "lean" and not sharded and mesh.tp == 1
             ids = torch.randint(0, config.vocab_size, (settings.micro_batch, tokens))
             tracker = (mixin(FSDPMemTracker)(model, opt) if sharded else mixin(MemTracker)())
             tracker.timeline_setup([m for _, m in decoder_layers(model)], torch.device("cpu"))
@@ -224,8 +243,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if (amp and not sharded) else \
                             contextlib.nullcontext()
                         with autocast:
-                            out = model(input_ids=ids, labels=ids)
-                        out.loss.backward()
+                            out = _lean_loss(model, ids, amp) if lean else model(input_ids=ids, labels=ids)
+                        (out if lean else out.loss).backward()
                         del out  # the logits would otherwise live on into the next micro-batch's forward
                     opt.step()
                     opt.zero_grad()
