@@ -27,7 +27,10 @@ Sections, in the order they run (each a row of the results table, ``passed`` / `
    padding-free collator (through FA2, else torch's kernel), against the padding-waste limit 1 / (1 - waste).
 5. **plan**: ``hf-gradfix plan`` (closed form; ``--simulate`` with ``--plan-trace``) against
    ``torch.cuda.max_memory_allocated`` of the same step (a Llama-3.2-1B-shaped model), per component.
-6. **optim**: ``opt.step()`` time and memory of AdamW, galore-torch, our GaLore (svd / randomized), APOLLO and
+6. **lean**: ``loss.head: lean`` beside the stock head, one training step per cell (8k / 32k tokens, 32k / 128k /
+   152k vocabulary, bf16 autocast and fp32): ``torch.cuda.max_memory_allocated`` above the step's start, time, and
+   the head's gradient against the stock head's.
+7. **optim**: ``opt.step()`` time and memory of AdamW, galore-torch, our GaLore (svd / randomized), APOLLO and
    APOLLO-Mini on 7B-shaped layers (hidden 4096, intermediate 11008): the low-rank state's memory.
 
 Not provable on one GPU (said in the results file): multi-rank DDP / FSDP2 / TP / CP exactness over NCCL, the
@@ -60,7 +63,7 @@ for _p in (REPO, REPO / "tests", REPO / "benchmarks"):
         sys.path.insert(0, str(_p))
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu-check.md"
-SECTIONS = ("packing", "guard", "trainer", "throughput", "plan", "optim")  # in order of value
+SECTIONS = ("packing", "guard", "trainer", "throughput", "plan", "lean", "optim")  # in order of value
 FP32_TOL = 1e-5  # relative error, fp32 (the project's exactness bar)
 HALF_FACTOR = 2.0  # packed half-precision error may be at most this multiple of the unpacked run's error
 CONTROL_FACTOR = 10.0  # sequence mixing must be at least this multiple of the unpacked error (the check can fail)
@@ -917,6 +920,81 @@ def section_optim(device: str, quick: bool) -> dict:
     return dict(status="measured", summary=summary, rows=[r])
 
 
+def lean_head_cell(device: str, vocab: int, tokens: int, dtype: str, *, hidden: int = 512, repeats: int = 3) -> dict:
+    """One (vocabulary, tokens, dtype) cell of the lean head beside the stock head (issue 40): a Llama with that
+    head (2 layers), one training step (forward + backward) each way; peak memory above the step's start
+    (``torch.cuda.max_memory_allocated``; None on CPU), the median time of ``repeats`` steps after a warm-up, and the
+    lean head's weight-gradient error against the stock head's (both runs from the same weights and batch)."""
+    import transformers
+
+    from hf_gradfix.integration.lean_head import LeanHead, run_model
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                   max_position_embeddings=tokens, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").to(device).float()
+    ids = torch.randint(4, vocab, (1, tokens), device=device)
+    labels = ids.clone()
+    labels[:, : tokens // 4] = -100
+    n = (labels[:, 1:] != -100).sum().float()
+    call = {"input_ids": ids, "labels": labels, "num_items_in_batch": n}
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+    plan = LeanHead()
+    cuda = torch.device(device).type == "cuda"
+    out: dict[str, Any] = dict(vocab=vocab, tokens=tokens, dtype=dtype, hidden=hidden)
+    grads = {}
+    for head in ("stock", "lean"):
+        def step():
+            model.zero_grad(set_to_none=True)
+            with autocast:
+                loss = (run_model(plan, model, call, lambda: model(**call), True) if head == "lean"
+                        else model(**call)).loss
+            loss.backward()
+
+        step()  # warm-up
+        _free(device)
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated() if cuda else 0
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        out[f"{head}_peak_bytes"] = (torch.cuda.max_memory_allocated() - start) if cuda else None
+        out[f"{head}_ms"] = round(1e3 * sorted(times)[len(times) // 2], 2)
+        grads[head] = model.lm_head.weight.grad.double().clone()
+    out["lean_calls"] = plan.calls
+    out["grad_rel_err"] = rel(grads["lean"], grads["stock"])
+    if out["stock_peak_bytes"]:
+        out["mem_ratio"] = round(out["lean_peak_bytes"] / out["stock_peak_bytes"], 3)
+    out["time_ratio"] = round(out["lean_ms"] / out["stock_ms"], 2)
+    del model
+    _free(device)
+    return out
+
+
+def section_lean(device: str, quick: bool, grid=None) -> dict:
+    """The lean head beside the stock head on this device (fp32: torch's ``linear_cross_entropy``; bf16 autocast:
+    the chunked path), the grid of ``benchmarks/bench_lean_head.py`` (2k / 8k / 32k tokens, 32k / 128k / 152k
+    vocabulary), memory from the allocator."""
+    grid = grid or ([(32000, 2048, "bf16"), (128256, 8192, "bf16")] if quick else
+                    [(v, t, d) for v, t in ((32000, 8192), (128256, 8192), (151936, 8192), (128256, 32768))
+                     for d in ("bf16", "fp32")])
+    rows = _section_rows()
+    for vocab, tokens, dtype in grid:
+        rows.append(lean_head_cell(device, vocab, tokens, dtype))
+    summary = ", ".join(f"{r['vocab'] // 1000}k x {r['tokens'] // 1024}k {r['dtype']}: memory "
+                        f"{r.get('mem_ratio', '-')}x, time {r['time_ratio']}x, grad {r['grad_rel_err']:.1e}"
+                        for r in rows)
+    return dict(status="measured", summary=summary, rows=list(rows))
+
+
 # ---------------------------------------------------------------------------------------------- running, writing
 def _sync(device: str) -> None:
     if torch.device(device).type == "cuda":
@@ -931,7 +1009,7 @@ def _free(device: str) -> None:
 
 RUNNERS: dict[str, Callable[[str, bool], dict]] = {
     "packing": section_packing, "trainer": section_trainer, "guard": section_guard, "plan": section_plan,
-    "throughput": section_throughput, "optim": section_optim,
+    "throughput": section_throughput, "lean": section_lean, "optim": section_optim,
 }
 
 
@@ -994,8 +1072,9 @@ def time_limit(seconds: float | None):
 PROFILES: dict[str, dict[str, Any]] = {
     # measured on an H100 (2026-11-27): packing 22.5 s, guard 0.3, trainer 8, throughput 66, plan 6.5, optim 228
     # (the 7B-shaped SVD refreshes: ~50 s each for galore-torch and svd), 332 s together
+    # lean (not yet measured on a GPU): 8 cells of one step x 4 each; optim gets what is left of the total
     "full": dict(quick=False, budget_s=450, sections={"packing": 45, "guard": 15, "trainer": 30, "throughput": 90,
-                                                      "plan": 30, "optim": 240}),
+                                                      "plan": 30, "lean": 45, "optim": 210}),
     "rerun": dict(quick=True, budget_s=150, sections={"packing": 40, "guard": 20, "trainer": 40, "throughput": 35,
                                                       "optim": 15}),
 }
@@ -1092,6 +1171,16 @@ def render_markdown(results: dict) -> str:
         lines += ["", f"## {title}", "", "| arm | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
         cell = lambda c, x: f"{x / 2**20:.1f} MiB" if (c.endswith("_bytes") and x is not None) else _fmt(x)  # noqa: E731
         lines += [f"| {a} | " + " | ".join(cell(c, v.get(c)) for c in cols) + " |" for a, v in arms.items()]
+    lean = results["sections"].get("lean", {}).get("rows")
+    if lean:
+        lines += ["", "## The lean loss head beside the stock head (one training step)", "",
+                  "| vocab | tokens | dtype | stock peak MiB | lean peak MiB | lean / stock memory | stock ms | lean ms | "
+                  "lean / stock time | head gradient error |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
+        for r in lean:
+            lines.append(f"| {r['vocab']:,} | {r['tokens']:,} | {r['dtype']} | {mib(r['stock_peak_bytes'])} | "
+                         f"{mib(r['lean_peak_bytes'])} | {r.get('mem_ratio', '-')} | {r['stock_ms']} | {r['lean_ms']} | "
+                         f"{r['time_ratio']} | {_fmt(r['grad_rel_err'])} |")
     lines += ["", "## What one GPU cannot prove", ""] + [f"- {x}" for x in results["not_provable_on_one_gpu"]]
     lines += ["", "## Raw results", "", "```json", json.dumps(results, indent=1, default=str), "```", ""]
     return "\n".join(lines)

@@ -469,3 +469,18 @@ def test_results_file_renders_every_table(tmp_path):
     assert "| {'dtype': 'bf16-pure'} | peak | 8.000 | 9.000 | +12.5% | 8.000 | +0.0% |" in text
     assert "| adamw | 3.0 MiB | 2 |" in text and "| packed | 0.95 | 1.9 |" in text
     assert G.read_results(tmp_path / "r.md")["sections"]["optim"]["rows"][0]["arms"]["adamw"]["step_ms"] == 2.0
+
+
+def test_lean_section_runs_on_cpu_and_renders():
+    """The GPU check's lean section on this CPU (one small cell: no allocator figures, the gradient agreement and the
+    lean path's use are measured), and its table in the results file."""
+    G._ROWS.append([])
+    try:
+        sec = G.section_lean("cpu", True, grid=[(4096, 256, "fp32")])
+    finally:
+        G._ROWS.pop()
+    row = sec["rows"][0]
+    assert row["lean_calls"] > 0 and row["grad_rel_err"] <= 1e-5 and row["stock_peak_bytes"] is None, row
+    results = dict(environment={"device": "cpu"}, sections={"lean": dict(sec, seconds=1.0)},
+                   not_provable_on_one_gpu=[], started="now")
+    assert "## The lean loss head beside the stock head" in G.render_markdown(results)
