@@ -39,6 +39,20 @@ def parallel_requested(section: ParallelConfig) -> bool:
     return degrees(section) != degrees(ParallelConfig())
 
 
+def describe_balance(balance: str, threshold: int | None, cp: int) -> str:
+    """How a packed row is laid over the cp ranks, in words (the config summary and the packing log line).
+
+    >>> describe_balance("per_document", None, 2)
+    "documents padded to a multiple of 4 and split head-tail over the cp ranks (torch's per-document balancer)"
+    """
+    if balance == "long_documents":
+        longer = f"{threshold} tokens or " if threshold is not None else ""
+        return (f"documents longer than {longer}a rank's share of the row padded to a multiple of {2 * cp} and split "
+                "head-tail over the cp ranks, the others dealt whole to the rank with the least attention work "
+                "(cp_balance: long_documents)")
+    return f"documents padded to a multiple of {2 * cp} and split head-tail over the cp ranks (torch's per-document balancer)"
+
+
 _PC = "parallelism_config"
 _PC_PREFIX = "parallelism_config_"
 _PC_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
@@ -106,15 +120,7 @@ class ResolvedConfig:
         if self.deepspeed is not None:
             out[1:2] = _deepspeed_lines(self)
         if self.mesh.cp > 1 and g.packing.enabled:
-            par = g.parallel
-            if par.cp_balance == "long_documents":
-                longer = (f"{par.cp_balance_threshold} tokens or " if par.cp_balance_threshold is not None else "")
-                how = (f"documents longer than {longer}a rank's share of the row padded to a multiple of "
-                       f"{2 * self.mesh.cp} and split head-tail over the cp ranks, the others dealt whole to the rank "
-                       "with the least attention work (cp_balance: long_documents)")
-            else:
-                how = (f"documents padded to a multiple of {2 * self.mesh.cp} and split head-tail over the cp ranks "
-                       "(torch's per-document balancer)")
+            how = describe_balance(g.parallel.cp_balance, g.parallel.cp_balance_threshold, self.mesh.cp)
             out.insert(3, (
                 f"context parallel  cp={self.mesh.cp} over packed rows: {how}, sdpa with the document mask built on "
                 "the full row, keys/values all-gathered; FSDP2 over dp_shard x cp; labels shifted and counted before "

@@ -259,15 +259,11 @@ def _prepare_model_for_cp_packing(trainer, cfg: PackingConfig, cp: int, attentio
     """Context parallelism over packed rows: the model keeps sdpa (every attention call becomes the document-masked
     all-gather attention of :mod:`hf_gradfix.parallel.context_packing`); the guard probes that path."""
     from ..packing.guard import check_model_packs_under_cp
+    from ..config.resolve import describe_balance
     from .state import state_of
 
     plan = state_of(trainer).nd
-    if plan.cp_balance == "long_documents":
-        longer = f"{plan.cp_balance_threshold} tokens or " if plan.cp_balance_threshold is not None else ""
-        how = (f"documents longer than {longer}a rank's share of the row padded to a multiple of 2 x cp and cut "
-               "head-tail, the others dealt whole to the rank with the least attention work")
-    else:
-        how = "documents padded to a multiple of 2 x cp, per-document head-tail load balance"
+    how = describe_balance(plan.cp_balance, plan.cp_balance_threshold, cp)
     line = (f"packing: {cfg.mode} mode, rows of <= {cfg.token_budget} tokens, split over {cp} context-parallel ranks "
             f"({how}, document mask built on the full row, keys/values all-gathered)")
     if not cfg.guard:
