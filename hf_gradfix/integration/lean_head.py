@@ -165,12 +165,8 @@ class _Call:
             return type(self.head).forward(self.head, hidden)
         weight, bias = linear
         self._check_merged(hidden, weight, bias)
-        device_type = hidden.device.type
-        # what the stock head's matmul runs in under autocast (cast chunk by chunk inside)
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        with torch.autocast(device_type, enabled=False):
-            self.loss_sum = head_cross_entropy_sum(hidden, weight, bias, targets, compute_dtype=dtype,
-                                                   label_smoothing=self.label_smoothing)
+        # under autocast the matmul runs in autocast's dtype, cast chunk by chunk inside
+        self.loss_sum = head_cross_entropy_sum(hidden, weight, bias, targets, label_smoothing=self.label_smoothing)
         self.count = (targets != IGNORE_INDEX).sum()
         vocab = weight.shape[0]
         self.marker = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)

@@ -374,10 +374,7 @@ def _lean_last_stage(modules: list, dims: ParallelDims, schedule: str, fsdp: boo
         from ..loss.lean_head import head_cross_entropy_sum, next_token_targets
 
         weight, bias = effective_linear(head)  # per call: a LoRA head's merged weight follows its training
-        device_type = hidden.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        with torch.autocast(device_type, enabled=False):
-            total = head_cross_entropy_sum(hidden, weight, bias, next_token_targets(labels), compute_dtype=dtype)
+        total = head_cross_entropy_sum(hidden, weight, bias, next_token_targets(labels))  # autocast's dtype if on
         return total / num_items * dp  # as window_loss_fn: the window's count, times what DDP averages over
 
     return lean_loss_fn, "lean"

@@ -42,7 +42,7 @@ def head_cross_entropy_sum(
     """``sum_t CE(hidden_t @ weight.T + bias, target_t)`` over the targets that are not ``ignore_index``.
 
     ``hidden``: (N, H); ``weight``: (V, H); ``targets``: (N,). ``compute_dtype``: the dtype the stock head's matmul
-    runs in (autocast's; default: the inputs' own), cast chunk by chunk so that an fp32 weight's gradient
+    runs in (default: autocast's where it is on, else the inputs' own), cast chunk by chunk so that an fp32 weight's gradient
     accumulates in fp32. In fp32 / fp64 on torch's ``linear_cross_entropy`` (chunked) where it exists. In fp16 / bf16,
     and on torch < 2.13, chunks of :data:`FALLBACK_CHUNK_TOKENS` tokens computed as the stock head computes them
     (the matmul in the compute dtype, the logits upcast to fp32, fp32 cross-entropy and sum), recomputed in the
@@ -51,6 +51,14 @@ def head_cross_entropy_sum(
     error of a 2,048-token sum against float64, where the stock head's fp32 upcast gives 4.9e-7. Either way one
     chunk's logits are alive at a time.
     """
+    device_type = hidden.device.type
+    if compute_dtype is None and torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)  # the stock head's matmul dtype under autocast
+    with torch.autocast(device_type, enabled=False):  # the casts below are this function's own
+        return _sum(hidden, weight, bias, targets, ignore_index, label_smoothing, compute_dtype)
+
+
+def _sum(hidden, weight, bias, targets, ignore_index, label_smoothing, compute_dtype):
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1).to(hidden.device)
     dtype = compute_dtype or hidden.dtype

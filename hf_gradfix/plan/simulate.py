@@ -83,20 +83,16 @@ def _device_meshes_built_for_real():
         DeviceMesh._concatenate = original
 
 
-def _lean_loss(model, ids, amp: bool):
+def _lean_loss(model, ids):
     """The lean head's step on ``ids``: the backbone's final hidden states, then the head's summed cross-entropy
-    without logits (:func:`hf_gradfix.loss.lean_head.head_cross_entropy_sum`), over the next-token targets."""
-    import torch
-
+    without logits (:func:`hf_gradfix.loss.lean_head.head_cross_entropy_sum`, in autocast's dtype where it is on),
+    over the next-token targets."""
     from ..loss.lean_head import head_cross_entropy_sum, next_token_targets
 
     hidden = model.base_model(input_ids=ids).last_hidden_state
     head = model.get_output_embeddings()
     targets = next_token_targets(ids)
-    with torch.autocast(hidden.device.type, enabled=False):
-        total = head_cross_entropy_sum(hidden, head.weight, head.bias, targets,
-                                       compute_dtype=torch.bfloat16 if amp else None)
-    return total / targets.numel()
+    return head_cross_entropy_sum(hidden, head.weight, head.bias, targets) / targets.numel()
 
 
 def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = True,
@@ -243,7 +239,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if (amp and not sharded) else \
                             contextlib.nullcontext()
                         with autocast:
-                            out = _lean_loss(model, ids, amp) if lean else model(input_ids=ids, labels=ids)
+                            out = _lean_loss(model, ids) if lean else model(input_ids=ids, labels=ids)
                         (out if lean else out.loss).backward()
                         del out  # the logits would otherwise live on into the next micro-batch's forward
                     opt.step()
