@@ -13,11 +13,15 @@ HERE = Path(__file__).parent
 PREFIX = "[hf_gradfix] INFO: hf_gradfix (patch(); settings from: defaults)"
 
 
-def _stderr_of(mode: str) -> str:
+def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
     env.pop("HF_GRADFIX_CONFIG", None)
+    return env
+
+
+def _stderr_of(mode: str) -> str:
     done = subprocess.run([sys.executable, str(HERE / "start_line_run.py"), mode], capture_output=True, text=True,
-                          env=env, timeout=300)
+                          env=_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
 
@@ -45,12 +49,10 @@ def _terminal_output_of(mode: str) -> str:
     import struct
     import termios
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    env.pop("HF_GRADFIX_CONFIG", None)
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
     proc = subprocess.Popen([sys.executable, str(HERE / "start_line_run.py"), mode], stdin=subprocess.DEVNULL,
-                            stdout=slave, stderr=slave, env=env)
+                            stdout=slave, stderr=slave, env=_env())
     os.close(slave)
     chunks = []
     while True:
