@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -63,7 +64,7 @@ for _p in (REPO, REPO / "tests", REPO / "benchmarks"):
         sys.path.insert(0, str(_p))
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu-check.md"
-SECTIONS = ("packing", "guard", "trainer", "throughput", "plan", "lean", "optim")  # in order of value
+SECTIONS = ("packing", "guard", "trainer", "throughput", "plan", "lean", "hybrid", "optim")  # in order of value
 FP32_TOL = 1e-5  # relative error, fp32 (the project's exactness bar)
 HALF_FACTOR = 2.0  # packed half-precision error may be at most this multiple of the unpacked run's error
 CONTROL_FACTOR = 10.0  # sequence mixing must be at least this multiple of the unpacked error (the check can fail)
@@ -995,6 +996,119 @@ def section_lean(device: str, quick: bool, grid=None) -> dict:
     return dict(status="measured", summary=summary, rows=list(rows))
 
 
+# ---------------------------------------------------------------------------------------------- 7. hybrid packing
+HYBRID_KERNELS = ("fla", "causal_conv1d", "mamba_ssm")  # the varlen kernels transformers 5.x's mixers can call
+
+
+def kernel_imports() -> dict[str, str]:
+    """Which of the hybrid mixers' varlen kernels import here (version, or why not)."""
+    import importlib
+
+    found = {}
+    for name in HYBRID_KERNELS:
+        try:
+            found[name] = str(getattr(importlib.import_module(name), "__version__", "ok"))
+        except Exception as e:  # ImportError, or a CUDA extension built for another torch
+            found[name] = f"not importable ({type(e).__name__})"
+    return found
+
+
+def hybrid_packed_row(family: str, device: str, *, repeats: int = 3) -> dict:
+    """One tiny hybrid model (``tests/test_packing_hybrid.build``, fp32) on ``device``: the probe's verdict per state-
+    carrying layer (split, or handed to the kernels), the gradient of one packed row (``PackedCollator`` varlen, sdpa)
+    against each document alone on the same device (CE summed, divided by the targets), stock's error on the same row
+    (the model unchanged: the control), and the packed step's time with the verdict and with every layer split."""
+    import harness as H
+    from hf_gradfix.packing import state_reset
+    from hf_gradfix.packing.collator import PackedCollator
+    from test_packing_hybrid import build
+
+    model = build(family).to(device)
+    samples = H.make_samples("causal", n=6, seed=0, lo=8, hi=48)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads_of(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def ce_sum(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+
+    model.train()
+    total, count = 0.0, 0
+    for s in samples:
+        ids = torch.tensor([s["input_ids"]], device=device)
+        labels = torch.tensor(s["labels"][1:], device=device)
+        total = total + ce_sum(model(input_ids=ids, use_cache=False).logits[0, :-1], labels)
+        count += int((labels != -100).sum())
+    truth = grads_of(total / count)
+    batch = PackedCollator(mode="varlen")([{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples])
+    inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
+    labels = batch["labels"][0, 1:].to(device)
+
+    def packed_grads():
+        logits = model(**inputs, use_cache=False).logits[0, :-1]
+        return grads_of(ce_sum(logits, labels) / int((labels != -100).sum()))
+
+    def timed():
+        packed_grads()
+        _sync(device)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            packed_grads()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return round(1e3 * sorted(times)[len(times) // 2], 2)
+
+    row: dict[str, Any] = dict(family=family, documents=len(samples), tokens=int(batch["input_ids"].shape[1]))
+    try:
+        row["stock_grad_rel_err"] = rel_grads(packed_grads(), truth)
+    except Exception as e:  # transformers' own refusal of packed input on this path
+        row["stock_grad_rel_err"] = f"raised {type(e).__name__}: {str(e)[:100]}"
+    mixers = state_reset.probe_sequence_mixers(model) or []
+    row["layers"] = [dict(layer=m.label, leak=m.leak, handed_to_kernels=m.handoff) for m in mixers]
+    split = state_reset.split_documents(model, mixers)
+    row["grad_rel_err"] = rel_grads(packed_grads(), truth)
+    row["ms"] = timed()
+    if any(m.handoff for m in mixers):
+        split.restore()
+        every = state_reset.split_documents(model, [dataclasses.replace(m, handoff=False) for m in mixers])
+        row["split_grad_rel_err"] = rel_grads(packed_grads(), truth)
+        row["split_ms"] = timed()
+        split = every
+    split.restore()
+    row["passed"] = bool(mixers) and row["grad_rel_err"] <= FP32_TOL and row.get("split_grad_rel_err", 0.0) <= FP32_TOL
+    return row
+
+
+def section_hybrid(device: str, quick: bool) -> dict:
+    """Packing hybrid / state-space models on this device with whatever varlen kernels import (``fla``,
+    ``causal_conv1d``, ``mamba_ssm``): per family, the probe's verdict (split or handed to the kernels), the packed
+    row's gradient vs each document alone (fp32 <= 1e-5) and stock's error beside it, the time of both paths."""
+    import transformers
+
+    kernels = kernel_imports()
+    families = [f for f, cls in (("lfm2", "Lfm2Config"), ("qwen3_5", "Qwen3_5TextConfig"), ("bamba", "BambaConfig"))
+                if hasattr(transformers, cls)]
+    rows = _section_rows()
+    for family in families[:1] if quick else families:
+        try:
+            rows.append(hybrid_packed_row(family, device))
+        except Exception as e:  # a family this transformers builds but cannot run here: said, not hidden
+            rows.append(dict(family=family, passed=False, error=f"{type(e).__name__}: {str(e)[:200]}"))
+    summary = "; ".join(
+        f"{r['family']}: " + (r["error"] if "error" in r else
+                              f"{', '.join(('kernels ' if x['handed_to_kernels'] else 'split ') + x['layer'] for x in r['layers'])}, "
+                              f"grad {r['grad_rel_err']:.1e} (stock {_fmt(r['stock_grad_rel_err'])}), {r['ms']} ms"
+                              + (f" (all split {r['split_ms']} ms)" if "split_ms" in r else ""))
+        for r in rows)
+    summary += "; kernels: " + ", ".join(f"{k} {v}" for k, v in kernels.items())
+    return dict(status="passed" if rows and all(r["passed"] for r in rows) else "FAILED", summary=summary,
+                rows=list(rows), kernels=kernels)
+
+
 # ---------------------------------------------------------------------------------------------- running, writing
 def _sync(device: str) -> None:
     if torch.device(device).type == "cuda":
@@ -1009,7 +1123,7 @@ def _free(device: str) -> None:
 
 RUNNERS: dict[str, Callable[[str, bool], dict]] = {
     "packing": section_packing, "trainer": section_trainer, "guard": section_guard, "plan": section_plan,
-    "throughput": section_throughput, "lean": section_lean, "optim": section_optim,
+    "throughput": section_throughput, "lean": section_lean, "hybrid": section_hybrid, "optim": section_optim,
 }
 
 
@@ -1074,7 +1188,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     # (the 7B-shaped SVD refreshes: ~50 s each for galore-torch and svd), 332 s together
     # lean (not yet measured on a GPU): 8 cells of one step x 4 each; optim gets what is left of the total
     "full": dict(quick=False, budget_s=450, sections={"packing": 45, "guard": 15, "trainer": 30, "throughput": 90,
-                                                      "plan": 30, "lean": 45, "optim": 210}),
+                                                      "plan": 30, "lean": 45, "hybrid": 25, "optim": 185}),
     "rerun": dict(quick=True, budget_s=150, sections={"packing": 40, "guard": 20, "trainer": 40, "throughput": 35,
                                                       "optim": 15}),
 }
@@ -1181,6 +1295,20 @@ def render_markdown(results: dict) -> str:
             lines.append(f"| {r['vocab']:,} | {r['tokens']:,} | {r['dtype']} | {mib(r['stock_peak_bytes'])} | "
                          f"{mib(r['lean_peak_bytes'])} | {r.get('mem_ratio', '-')} | {r['stock_ms']} | {r['lean_ms']} | "
                          f"{r['time_ratio']} | {_fmt(r['grad_rel_err'])} |")
+    hybrid = results["sections"].get("hybrid", {}).get("rows")
+    if hybrid:
+        lines += ["", "## Hybrid packing (one packed row vs each document alone, fp32)", "",
+                  "Kernels: " + ", ".join(f"{k} {v}" for k, v in results["sections"]["hybrid"].get("kernels", {}).items()),
+                  "", "| family | layers (split / kernels) | grad rel err | stock's error | ms | every layer split: "
+                  "grad, ms |", "|---|---|---:|---:|---:|---|"]
+        for r in hybrid:
+            if "error" in r:
+                lines.append(f"| {r['family']} | {r['error']} | - | - | - | - |")
+                continue
+            layers = "; ".join(("kernels: " if x["handed_to_kernels"] else "split: ") + x["layer"] for x in r["layers"])
+            alt = f"{_fmt(r['split_grad_rel_err'])}, {r['split_ms']}" if "split_ms" in r else "-"
+            lines.append(f"| {r['family']} | {layers} | {_fmt(r['grad_rel_err'])} | {_fmt(r['stock_grad_rel_err'])} | "
+                         f"{r['ms']} | {alt} |")
     lines += ["", "## What one GPU cannot prove", ""] + [f"- {x}" for x in results["not_provable_on_one_gpu"]]
     lines += ["", "## Raw results", "", "```json", json.dumps(results, indent=1, default=str), "```", ""]
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
     python benchmarks/hybrid_packing_table.py       # ~30-60 s on 2 busy CPU cores; writes results/hybrid-packing.md
     python benchmarks/hybrid_packing_table.py --only lfm2,bamba --out ''
+    python benchmarks/hybrid_packing_table.py --kernel-standins   # writes results/hybrid-packing-kernels.md
 
 For every causal-LM family of the installed transformers whose decoder layers carry a state or a convolution window
 along the sequence (Gated DeltaNet / KDA / lightning linear attention, LFM-style short convolutions, Mamba 1/2 mixers,
@@ -23,6 +24,11 @@ sdpa where the family takes it, CPU; no download) and measured five ways:
    (-100 at every document's first token), loss = sum of the token cross-entropies / number of targets, vs each
    document alone with its own shifted labels, summed and divided by the same count: ||g_packed - g_ref|| /
    ||g_ref|| over all parameters, accumulated in float64 (train mode, dropout off).
+
+``--kernel-standins``: the same with ``tests/kernel_standins`` first on the path, i.e. with pure-PyTorch stand-ins of
+causal-conv1d and fla's gated delta rule (their import paths and signatures, ``seq_idx`` / ``cu_seqlens`` honoured)
+bound by transformers where a family asks for them: the mixers column then says which layers the probe hands to the
+kernels (``kernels``) and which it splits (``split``); mamba-ssm has no stand-in.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ import time
 import traceback
 from pathlib import Path
 
+STANDINS = Path(__file__).resolve().parents[1] / "tests" / "kernel_standins"
+if "--kernel-standins" in sys.argv:  # before transformers imports any modeling module: it binds the kernels then
+    sys.path.insert(0, str(STANDINS))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -388,7 +397,7 @@ def table(rows: list[dict]) -> tuple[list[str], list[str]]:
         elif not mixers:
             cells += ["none", "-", "-", "-"]
         else:
-            cells.append("; ".join(f"{m.label} {fmt(m.leak)}" for m in mixers))
+            cells.append("; ".join(f"{'kernels: ' if m.handoff else ''}{m.label} {fmt(m.leak)}" for m in mixers))
             cells.append(guard_cell(r.get("guard_after"), r.get("guard_after_error"), notes, fam, True))
             cells += [val("split_diff"), val("split_grad")]
         cells.append(f"{r['seconds']:.1f}")
@@ -402,7 +411,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "hybrid-packing.md"),
                     help="markdown report ('' to skip)")
     ap.add_argument("--tracebacks", action="store_true", help="print the traceback tail of every exception")
+    ap.add_argument("--kernel-standins", action="store_true",
+                    help="with tests/kernel_standins (causal-conv1d and fla stand-ins) importable; default --out "
+                         "results/hybrid-packing-kernels.md")
     args = ap.parse_args()
+    if args.kernel_standins and args.out == ap.get_default("out"):
+        args.out = str(Path(args.out).with_name("hybrid-packing-kernels.md"))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     families = [f for f in args.only.split(",") if f] or list(FAMILIES)
     t_start = time.time()
@@ -425,7 +439,10 @@ def main() -> None:
         f"`python {' '.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}` (torch {torch.__version__}, "
         f"transformers {transformers.__version__}, {platform.machine()} CPU, {torch.get_num_threads()} thread, fp32, "
         f"seed {SEED}; {time.time() - t_start:.0f} s). Optional kernels importable here: "
-        + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in fa.items()) + ".",
+        + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in fa.items())
+        + (" (causal_conv1d and fla: the pure-PyTorch stand-ins of `tests/kernel_standins`; a layer marked `kernels:` "
+           "is handed the document boundaries by the probe's measurement, the others run once per document)"
+           if args.kernel_standins else "") + ".",
         "",
         "Tiny random-init models (hidden 32, 2-3 layers mixing the stateful layer with attention, vocabulary 64, "
         "sdpa). "

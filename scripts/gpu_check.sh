@@ -68,7 +68,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_
 import importlib, inspect
 import os
 names = os.environ.get("GPU_CHECK_IMPORTS", "torch transformers accelerate peft hf_gradfix datasets trl galore_torch "
-                       "flash_attn").split()
+                       "flash_attn fla causal_conv1d mamba_ssm").split()
 for name in names:
     try:
         m = importlib.import_module(name)

@@ -207,7 +207,7 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
     line = f"packing: {cfg.mode} mode, rows of <= {cfg.token_budget} tokens, attention {attention}"
     split = _split_stateful_layers(model)
     if split:
-        line += f", documents run one by one through {split}"
+        line += f", {split}"
     if not cfg.guard:
         logger.warning(
             "hf_gradfix packing: packing.guard is false, so the model is not checked for letting packed sequences "
@@ -239,8 +239,10 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
 def _split_stateful_layers(model) -> str:
     """The decoder-layer children that carry a recurrent state or a convolution window across a packed boundary
     (measured on a probe row, :func:`hf_gradfix.packing.state_reset.find_sequence_mixers`) run once per document
-    (:func:`~hf_gradfix.packing.state_reset.split_documents`). Returns what was split ("" when nothing carries state)."""
-    from ..packing.state_reset import probe_sequence_mixers, split_documents
+    (:func:`~hf_gradfix.packing.state_reset.split_documents`), or once per layer with the boundaries handed to the
+    kernels where those measurably keep the documents apart. Returns what was done, in words ("" when nothing
+    carries state)."""
+    from ..packing.state_reset import describe, probe_sequence_mixers, split_documents
 
     mixers = probe_sequence_mixers(model)
     if mixers is None:  # a model that cannot run a packed row: the guard refuses it in one line
@@ -249,9 +251,9 @@ def _split_stateful_layers(model) -> str:
     if not mixers:
         return ""
     split_documents(model, mixers)
-    what = ", ".join(m.label for m in mixers)
-    logger.info("hf_gradfix packing: %s carry state across packed documents; each document runs through them alone",
-                what)
+    what = describe(mixers)
+    logger.info("hf_gradfix packing: %s carry state across packed documents; %s",
+                ", ".join(m.label for m in mixers), what)
     return what
 
 

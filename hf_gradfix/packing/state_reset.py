@@ -22,9 +22,20 @@ What this module does, by behaviour rather than by a list of classes:
    forward pre-hook on the model; they stay until the next forward, so the recomputation of gradient checkpointing
    in backward splits at the same places. A forward with a cache (generation) or without restarts runs unsplit.
 
-Why splitting rather than handing ``cu_seqlens`` to the kernels: the torch fallbacks (what runs on a CPU, and on a
-GPU without the optional kernels) have no argument for it, and a slice per document needs no knowledge of each
-family's internals. The cost is one mixer call per document (measured in ``benchmarks/bench_packing_hybrid.py``).
+3. The kernels' own boundaries first, where they keep the documents apart: every kind found in 1 is replayed once
+   more as :func:`handoff_call` runs it in training: the packed rows flattened into one row, with the boundaries in
+   the keywords the kernels behind transformers 5.x's mixers read (``seq_idx``: causal-conv1d and mamba-ssm, the
+   document index of every token; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` and their maxima: transformers' varlen
+   convention, which Gated DeltaNet hands to fla's ``cu_seqlens``). Where that replay measures no leak, in eval and in
+   training mode, the kind is *handed off* (one call per layer, the kernels reset the state and the window at every
+   boundary); where it raises or leaks it is split as in 2. The decision is the measurement, on the machine that
+   trains: the torch fallbacks refuse ``seq_idx`` / ``cu_seqlens`` outright (a ``ValueError`` in 5.x, a
+   ``TypeError`` in 4.57), so on a CPU, or on a GPU without fla / causal-conv1d / mamba-ssm, every kind is split; a
+   kernel that takes the keyword and ignores it leaks in the replay and is split as well.
+
+Why splitting is the fallback rather than the rule: it needs no knowledge of each family's internals and is exact
+whatever runs underneath, at one mixer call per document (measured in ``benchmarks/bench_packing_hybrid.py``); the
+hand-off is one call per layer, which is what the varlen kernels are for.
 
 >>> import torch
 >>> rows = segment_bounds(torch.tensor([[0, 1, 2, 0, 1]]))
@@ -41,7 +52,7 @@ from typing import Any
 import torch
 
 __all__ = ["SequenceMixer", "DocumentSplit", "find_sequence_mixers", "probe_sequence_mixers", "split_documents",
-           "segment_bounds"]
+           "segment_bounds", "handoff_call", "describe"]
 
 _ORIGINAL_ATTR = "_hf_gradfix_unsplit_forward"
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "cu_seqlens_q", "cu_seqlens_k")
@@ -57,10 +68,27 @@ class SequenceMixer:
     type_name: str
     modules: list[str]
     leak: float
+    #: the kernels keep the documents apart when given the boundaries (measured by :func:`handoff_call`'s replay):
+    #: one call per layer instead of one per document
+    handoff: bool = False
 
     @property
     def label(self) -> str:
         return f"{self.attribute} ({self.type_name}, {len(self.modules)} layer(s))"
+
+
+def describe(mixers: list[SequenceMixer]) -> str:
+    """What the fix line says about ``mixers``: which run one by one, which the kernels keep apart.
+
+    >>> describe([SequenceMixer("conv", "Lfm2ShortConv", ["model.layers.0.conv"], 0.3)])
+    'documents run one by one through conv (Lfm2ShortConv, 1 layer(s))'
+    """
+    split = ", ".join(m.label for m in mixers if not m.handoff)
+    handed = ", ".join(m.label for m in mixers if m.handoff)
+    parts = [f"documents run one by one through {split}"] if split else []
+    if handed:
+        parts.append(f"documents kept apart by the kernels (seq_idx / cu_seq_lens) in {handed}")
+    return ", ".join(parts)
 
 
 def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -144,10 +172,43 @@ def find_sequence_mixers(model: torch.nn.Module, batch: dict, run_kwargs: dict |
         hidden = _hidden_of(args, kwargs)
         if hidden is None or tuple(hidden.shape[:2]) != (len(bounds), int(batch["position_ids"].shape[-1])):
             continue
-        leak = _replay_leak(modules[kinds[key][0]], args, kwargs, hidden, bounds, gen)
+        module = modules[kinds[key][0]]
+        leak = _replay_leak(module, args, kwargs, hidden, bounds, gen)
         if leak > 0.0:
-            mixers.append(SequenceMixer(key[0], key[1], kinds[key], leak))
+            mixers.append(SequenceMixer(key[0], key[1], kinds[key], leak,
+                                        handoff=_handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen)))
     return mixers
+
+
+def _handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen) -> bool:
+    """Whether ``module`` keeps the documents apart when :func:`handoff_call` gives it the boundaries, in eval and in
+    training mode (a mixer may take another kernel while training: Bamba's fused split-conv1d-scan): by structure (no
+    gradient of one document's outputs reaches another's positions, exactly), and its outputs those of each document
+    run alone (a kernel that reads the keyword but means something else by it computes other values)."""
+    def call(*a, **kw):
+        return handoff_call(module, a, kw, bounds)
+
+    was_training = module.training
+    try:
+        for training in (False, True):
+            if _replay_leak(module, args, kwargs, hidden, bounds, gen, call=call, training=training) != 0.0:
+                return False
+            module.train(training)
+            with torch.no_grad():
+                got = _first_tensor(call(*args, **kwargs))
+                alone = _first_tensor(_per_document_call(module, args, kwargs, bounds))
+            if got is None or alone is None or got.shape != alone.shape:
+                return False
+            # the same weights, the same kernel, other segment lengths: agreement to the dtype's rounding
+            tol = 1e-4 if alone.dtype in (torch.float32, torch.float64) else 3e-2
+            scale = float(alone.float().norm()) or 1.0
+            if not float((got.float() - alone.float()).norm()) <= tol * scale:
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - a torch fallback refusing seq_idx / cu_seqlens, a kernel's shape assertion
+        return False
+    finally:
+        module.train(was_training)
 
 
 def probe_sequence_mixers(model: torch.nn.Module) -> list[SequenceMixer] | None:
@@ -176,7 +237,7 @@ def probe_sequence_mixers(model: torch.nn.Module) -> list[SequenceMixer] | None:
         model.train(was_training)
 
 
-def _replay_leak(module, args, kwargs, hidden, bounds, gen) -> float:
+def _replay_leak(module, args, kwargs, hidden, bounds, gen, *, call=None, training: bool = False) -> float:
     # Every per-token hidden input is a leaf (a convolved attention reads key_hidden_states / value_hidden_states
     # too): the leak is measured to all of them, through one shared leaf where they were the same tensor.
     shape = tuple(hidden.shape)
@@ -193,14 +254,15 @@ def _replay_leak(module, args, kwargs, hidden, bounds, gen) -> float:
     kwargs = {k: leaf(v) for k, v in kwargs.items()}
     x = leaves[id(hidden)]
     was_training = module.training
-    module.eval()
+    module.train(training)
     try:
         with torch.enable_grad():
-            out = _first_tensor(module(*args, **kwargs))
+            out = _first_tensor((call or module)(*args, **kwargs))
     finally:
         module.train(was_training)
     if out is None or not out.requires_grad or tuple(out.shape[:2]) != tuple(x.shape[:2]):
-        return 0.0
+        # nothing measurable: no leak for the probe of 1., but never a pass for a hand-off (``call`` given)
+        return 0.0 if call is None else float("inf")
     worst = 0.0
     inputs = list(leaves.values())
     for r, row in enumerate(bounds):
@@ -224,7 +286,8 @@ def _replay_leak(module, args, kwargs, hidden, bounds, gen) -> float:
 @dataclass
 class DocumentSplit:
     """What :func:`split_documents` changed on one model; :meth:`restore` undoes it. ``calls``: per-document mixer calls
-    made so far (a packed forward with d documents adds d per wrapped module)."""
+    made so far (a packed forward with d documents adds d per wrapped module); ``handoff_calls``: packed forwards of
+    a handed-off mixer (one per layer, the boundaries given to the kernels)."""
 
     model_ref: Any
     modules: list[str]
@@ -232,6 +295,7 @@ class DocumentSplit:
     bounds: list | None = None
     calls: int = 0
     split_forwards: int = 0
+    handoff_calls: int = 0
     _wrapped: list = field(default_factory=list)
 
     def restore(self) -> int:
@@ -282,13 +346,13 @@ def split_documents(model: torch.nn.Module, mixers: list[SequenceMixer]) -> Docu
             module = modules[name]
             if getattr(module.__dict__.get("forward"), _ORIGINAL_ATTR, None) is not None:
                 continue
-            module.forward = _split_forward(module, split)
+            module.forward = _split_forward(module, split, handoff=mixer.handoff)
             split._wrapped.append(module)
             split.modules.append(name)
     return split
 
 
-def _split_forward(module: torch.nn.Module, split: DocumentSplit):
+def _split_forward(module: torch.nn.Module, split: DocumentSplit, handoff: bool = False):
     own = module.__dict__.get("forward")
     original = own if own is not None else module.forward  # the bound class forward
 
@@ -299,21 +363,72 @@ def _split_forward(module: torch.nn.Module, split: DocumentSplit):
         if bounds is None or hidden is None or cache is not None or tuple(hidden.shape[:2]) != (
                 len(bounds), sum(b - a for a, b in bounds[0])):
             return original(*args, **kwargs)
-        rows_out = []
-        width = hidden.shape[1]
-        for r, row in enumerate(bounds):
-            pieces = []
-            for a, b in row:
-                sub_args = tuple(_slice(v, r, a, b, len(bounds), width) for v in args)
-                sub_kwargs = {k: _slice_kw(k, v, r, a, b, len(bounds), width) for k, v in kwargs.items()}
-                pieces.append(original(*sub_args, **sub_kwargs))
-                split.calls += 1
-            rows_out.append(_cat(pieces, 1))
+        if handoff:
+            split.handoff_calls += 1
+            return handoff_call(original, args, kwargs, bounds)
+        split.calls += sum(len(row) for row in bounds)
         split.split_forwards += 1
-        return _cat(rows_out, 0)
+        return _per_document_call(original, args, kwargs, bounds)
 
     setattr(forward, _ORIGINAL_ATTR, own if own is not None else _CLASS_FORWARD)
     return forward
+
+
+def _per_document_call(forward, args: tuple, kwargs: dict, bounds: list[list[tuple[int, int]]]) -> Any:
+    """``forward`` once per document of each row, on that document's slice of every per-token input; the outputs
+    concatenated back into rows."""
+    width = _hidden_of(args, kwargs).shape[1]
+    rows_out = []
+    for r, row in enumerate(bounds):
+        pieces = []
+        for a, b in row:
+            sub_args = tuple(_slice(v, r, a, b, len(bounds), width) for v in args)
+            sub_kwargs = {k: _slice_kw(k, v, r, a, b, len(bounds), width) for k, v in kwargs.items()}
+            pieces.append(forward(*sub_args, **sub_kwargs))
+        rows_out.append(_cat(pieces, 1))
+    return _cat(rows_out, 0)
+
+
+def handoff_call(forward, args: tuple, kwargs: dict, bounds: list[list[tuple[int, int]]]) -> Any:
+    """Call ``forward`` once on the packed rows flattened into one row ``[1, rows * width, ...]``, with the document
+    boundaries in the keywords the varlen kernels read: ``seq_idx`` (int32 ``[1, tokens]``, the document index of every
+    token), ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 offsets) and ``max_length_q`` / ``max_length_k``; the output
+    goes back to ``[rows, width, ...]``. Flattening is exact for a mixer (per-token work plus a sequence scan that
+    restarts at every boundary) and is what fla's ``cu_seqlens`` asks for (one row). A per-pair ``[rows, heads, T, T]``
+    mask cannot be flattened: refused with a ``ValueError`` (the probe then splits that kind)."""
+    hidden = _hidden_of(args, kwargs)
+    rows, width = int(hidden.shape[0]), int(hidden.shape[1])
+    lengths = [b - a for row in bounds for a, b in row]
+    device = hidden.device
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+
+    def flat(v):
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (rows, width):
+            return v.reshape(1, rows * width, *v.shape[2:])
+        if isinstance(v, torch.Tensor) and v.dim() == 4 and v.shape[0] == rows and v.shape[-1] == width:
+            raise ValueError("a per-pair attention mask cannot be flattened into one row")
+        if isinstance(v, (tuple, list)):
+            return type(v)(flat(x) for x in v)
+        if isinstance(v, dict):
+            return {k: flat(x) for k, x in v.items()}
+        return v
+
+    flat_kwargs = {k: flat(v) for k, v in kwargs.items() if k not in _VARLEN_KEYS + _MAX_LEN_KEYS + ("seq_idx",)}
+    cu = cu.to(device)
+    flat_kwargs.update(seq_idx=seq_idx.to(device)[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=max(lengths), max_length_k=max(lengths))
+    out = forward(*(flat(v) for v in args), **flat_kwargs)
+
+    def unflat(v):
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (1, rows * width):
+            return v.reshape(rows, width, *v.shape[2:])
+        return v
+
+    if isinstance(out, (tuple, list)):
+        return type(out)([unflat(out[0])] + [None if isinstance(x, torch.Tensor) and rows > 1 else x for x in out[1:]])
+    return unflat(out)
 
 
 def _slice(v: Any, r: int, a: int, b: int, rows: int, width: int) -> Any:
