@@ -29,9 +29,10 @@ What this module does, by behaviour rather than by a list of classes:
    convention, which Gated DeltaNet hands to fla's ``cu_seqlens``). Where that replay measures no leak, in eval and in
    training mode, the kind is *handed off* (one call per layer, the kernels reset the state and the window at every
    boundary); where it raises or leaks it is split as in 2. The decision is the measurement, on the machine that
-   trains: the torch fallbacks refuse ``seq_idx`` / ``cu_seqlens`` outright (a ``ValueError`` in 5.x, a
-   ``TypeError`` in 4.57), so on a CPU, or on a GPU without fla / causal-conv1d / mamba-ssm, every kind is split; a
-   kernel that takes the keyword and ignores it leaks in the replay and is split as well.
+   trains: transformers 5.x's torch fallbacks refuse ``seq_idx`` / ``cu_seqlens`` outright (a ``ValueError``), and
+   4.57's mixers do not take them (a ``TypeError``) or ignore them off CUDA (a leak), so on a CPU, or on a GPU without
+   fla / causal-conv1d / mamba-ssm, every kind is split; a kernel that takes the keyword and ignores it leaks in the
+   replay and is split as well.
 
 Why splitting is the fallback rather than the rule: it needs no knowledge of each family's internals and is exact
 whatever runs underneath, at one mixer call per document (measured in ``benchmarks/bench_packing_hybrid.py``); the
