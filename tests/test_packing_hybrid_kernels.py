@@ -24,6 +24,7 @@ def test_kernel_handoff_checks_pass_in_their_own_process():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     env.pop("HF_GRADFIX_STANDIN_IGNORE_SEQ_IDX", None)
+    env.pop("HF_GRADFIX_STANDIN_MISREAD_SEQ_IDX", None)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                           str(STANDINS / "handoff_checks.py")], cwd=HERE.parent, env=env, capture_output=True,
                          text=True, timeout=900)

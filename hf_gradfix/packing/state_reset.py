@@ -200,8 +200,10 @@ def _handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen) -> bool:
                 alone = _first_tensor(_per_document_call(module, args, kwargs, bounds))
             if got is None or alone is None or got.shape != alone.shape:
                 return False
-            # the same weights, the same kernel, other segment lengths: agreement to the dtype's rounding
-            tol = 1e-4 if alone.dtype in (torch.float32, torch.float64) else 3e-2
+            # The same weights and kernel on other segment lengths: a rounding apart (GPU kernels run fp32 matmuls in
+            # tf32, ~1e-3). What this catches is a keyword meaning something else (O(1) apart); the leak is decided
+            # above, exactly.
+            tol = 1e-2 if alone.dtype in (torch.float32, torch.float64) else 5e-2
             scale = float(alone.float().norm()) or 1.0
             if not float((got.float() - alone.float()).norm()) <= tol * scale:
                 return False
@@ -408,7 +410,7 @@ def handoff_call(forward, args: tuple, kwargs: dict, bounds: list[list[tuple[int
     def flat(v):
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (rows, width):
             return v.reshape(1, rows * width, *v.shape[2:])
-        if isinstance(v, torch.Tensor) and v.dim() == 4 and v.shape[0] == rows and v.shape[-1] == width:
+        if isinstance(v, torch.Tensor) and rows > 1 and v.dim() == 4 and v.shape[0] == rows and v.shape[-1] == width:
             raise ValueError("a per-pair attention mask cannot be flattened into one row")
         if isinstance(v, (tuple, list)):
             return type(v)(flat(x) for x in v)

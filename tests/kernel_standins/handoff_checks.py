@@ -155,3 +155,23 @@ def test_control_a_kernel_that_ignores_seq_idx_is_split_not_handed_off(family, m
     err = _rows_error(model, [samples[:3], samples[3:]])
     assert forced.handoff_calls > 0 and err > GRAD_TOL, err
     forced.restore()
+
+
+@families
+def test_control_a_kernel_that_misreads_seq_idx_is_split_not_handed_off(family, monkeypatch):
+    """The convolution reads ``seq_idx`` as a padding mask: no document reaches another (the structural check passes)
+    but its values are not each document's alone; the probe's value check splits it, and the split is exact."""
+    monkeypatch.setenv("HF_GRADFIX_STANDIN_MISREAD_SEQ_IDX", "1")
+    model = _built(family)
+    samples = H.make_samples("causal", n=5, seed=2, lo=4, hi=14)
+    mixers = _probe_mixers(model)
+    assert not any(m.handoff for m in mixers)
+    split = state_reset.split_documents(model, mixers)
+    assert _rows_error(model, [samples[:3], samples[3:]]) <= GRAD_TOL and split.calls > 0
+    split.restore()
+    for m in mixers:
+        m.handoff = True
+    forced = state_reset.split_documents(model, mixers)
+    err = _rows_error(model, [samples[:3], samples[3:]])
+    assert forced.handoff_calls > 0 and err > GRAD_TOL, err
+    forced.restore()

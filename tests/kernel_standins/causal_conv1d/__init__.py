@@ -31,6 +31,8 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
             raise RuntimeError("seq_idx must be int32 of shape (batch, seqlen)")
     if os.environ.get("HF_GRADFIX_STANDIN_IGNORE_SEQ_IDX") == "1":
         seq_idx = None
+    if seq_idx is not None and os.environ.get("HF_GRADFIX_STANDIN_MISREAD_SEQ_IDX") == "1":
+        x = x * (seq_idx == 0)[:, None, :]  # read as a padding mask: nothing leaks, but the values are wrong
     out = torch.zeros_like(x, dtype=torch.float32)
     xf = x.float()
     for lag in range(width):  # out[t] += w[width-1-lag] * x[t-lag], where t-lag is in the same sequence
