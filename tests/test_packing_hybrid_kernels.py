@@ -1,5 +1,5 @@
-"""Hybrid packing with the varlen kernels installed: the document boundaries handed to causal-conv1d and fla (one
-mixer call per layer) where the probe measures that they keep the documents apart, split where they do not.
+"""Hybrid packing with the varlen kernels installed: the document boundaries handed to causal-conv1d, fla and
+mamba-ssm (one mixer call per layer) where the probe measures that they keep the documents apart, split where they do not.
 
 The kernels need CUDA and Triton, so the checks run on pure-PyTorch stand-ins with the kernels' import paths and
 signatures (``tests/kernel_standins``), in a process of their own: transformers binds the kernels when it first

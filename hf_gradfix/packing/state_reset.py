@@ -367,8 +367,12 @@ def _split_forward(module: torch.nn.Module, split: DocumentSplit, handoff: bool 
                 len(bounds), sum(b - a for a, b in bounds[0])):
             return original(*args, **kwargs)
         if handoff:
-            split.handoff_calls += 1
-            return handoff_call(original, args, kwargs, bounds)
+            try:
+                out = handoff_call(original, args, kwargs, bounds)
+                split.handoff_calls += 1
+                return out
+            except _CannotFlatten:  # several rows with a [rows, heads, T, T] mask: this call runs per document
+                pass
         split.calls += sum(len(row) for row in bounds)
         split.split_forwards += 1
         return _per_document_call(original, args, kwargs, bounds)
@@ -392,13 +396,18 @@ def _per_document_call(forward, args: tuple, kwargs: dict, bounds: list[list[tup
     return _cat(rows_out, 0)
 
 
+class _CannotFlatten(ValueError):
+    """The inputs of a hand-off cannot be flattened into one row (raised before the mixer runs)."""
+
+
 def handoff_call(forward, args: tuple, kwargs: dict, bounds: list[list[tuple[int, int]]]) -> Any:
     """Call ``forward`` once on the packed rows flattened into one row ``[1, rows * width, ...]``, with the document
     boundaries in the keywords the varlen kernels read: ``seq_idx`` (int32 ``[1, tokens]``, the document index of every
     token), ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 offsets) and ``max_length_q`` / ``max_length_k``; the output
     goes back to ``[rows, width, ...]``. Flattening is exact for a mixer (per-token work plus a sequence scan that
     restarts at every boundary) and is what fla's ``cu_seqlens`` asks for (one row). A per-pair ``[rows, heads, T, T]``
-    mask cannot be flattened: refused with a ``ValueError`` (the probe then splits that kind)."""
+    mask of several rows cannot be flattened: :class:`_CannotFlatten` (a ``ValueError``) is raised before ``forward``
+    runs, and the split's forward runs that call per document instead."""
     hidden = _hidden_of(args, kwargs)
     rows, width = int(hidden.shape[0]), int(hidden.shape[1])
     lengths = [b - a for row in bounds for a, b in row]
@@ -411,7 +420,7 @@ def handoff_call(forward, args: tuple, kwargs: dict, bounds: list[list[tuple[int
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (rows, width):
             return v.reshape(1, rows * width, *v.shape[2:])
         if isinstance(v, torch.Tensor) and rows > 1 and v.dim() == 4 and v.shape[0] == rows and v.shape[-1] == width:
-            raise ValueError("a per-pair attention mask cannot be flattened into one row")
+            raise _CannotFlatten("a per-pair attention mask of several rows cannot be flattened into one row")
         if isinstance(v, (tuple, list)):
             return type(v)(flat(x) for x in v)
         if isinstance(v, dict):

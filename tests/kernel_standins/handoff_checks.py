@@ -1,4 +1,4 @@
-"""Hybrid packing with the varlen kernels installed (stand-ins, see README.md): hf_gradfix hands the document
+"""Hybrid packing with the varlen kernels installed (stand-ins of causal-conv1d, fla and mamba-ssm, see README.md): hf_gradfix hands the document
 boundaries to the kernels (one mixer call per layer) where the probe measures that they keep the documents apart, and
 splits where they do not. Run by ``tests/test_packing_hybrid_kernels.py`` in its own process, with this folder first on
 ``PYTHONPATH`` (transformers binds the kernels when it imports a modeling module).
@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from fla.ops import gated_delta_rule
+from mamba_ssm.ops.triton import ssd_combined
 
 import harness as H
 import hf_gradfix
@@ -23,7 +24,7 @@ from test_exactness import GRAD_TOL
 from test_packing_hybrid import _has, build, packed_row_error
 from test_packing_trainer import BUDGET, _train, _windows
 
-FAMILIES = ["lfm2", "qwen3_5"]
+FAMILIES = ["lfm2", "qwen3_5", "bamba"]
 families = pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.skipif(
     not _has(f), reason=f"this transformers has no {f}")) for f in FAMILIES])
 
@@ -55,6 +56,7 @@ def test_trainer_hands_the_boundaries_to_the_kernels_exactly(family, mode):
     model = _built(family)
     samples = H.make_samples("causal", n=10, seed=0, lo=3, hi=30, prompt_mask_frac=0.3)
     with_seq_idx = causal_conv1d.CALLS["with_seq_idx"]
+    scans = ssd_combined.CALLS["with_seq_idx"]
     hf_gradfix.patch({"packing": {"enabled": True, "token_budget": BUDGET, "mode": mode}})
     try:
         trainer, grads = _train(model, samples, ga=2)
@@ -66,6 +68,8 @@ def test_trainer_hands_the_boundaries_to_the_kernels_exactly(family, mode):
     split = model._hf_gradfix_document_split
     assert split.handoff_calls > 0 and split.calls == 0, (split.handoff_calls, split.calls)
     assert causal_conv1d.CALLS["with_seq_idx"] > with_seq_idx
+    if family == "bamba":  # training runs mamba-ssm's fused split-conv1d-scan, with seq_idx
+        assert ssd_combined.CALLS["with_seq_idx"] > scans
     windows = _windows(samples, 2)
     assert len(windows) == len(grads) >= 2 and any(len(b) > 1 for w in windows for b in w)
     for k, (window, g) in enumerate(zip(windows, grads)):
@@ -175,3 +179,28 @@ def test_control_a_kernel_that_misreads_seq_idx_is_split_not_handed_off(family, 
     err = _rows_error(model, [samples[:3], samples[3:]])
     assert forced.handoff_calls > 0 and err > GRAD_TOL, err
     forced.restore()
+
+
+def test_an_attention_handed_off_on_one_row_runs_per_document_with_several_masked_rows():
+    """Inkling2's sliding-window attention reads ``seq_idx`` itself and is handed off on the probe's one row; with
+    several padded rows it receives a ``[rows, 1, T, T]`` mask, which cannot be flattened: those calls run once per
+    document (no error), the convolutions stay handed off, and the rows are exact."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hybrid_packing_table",
+                                                  H.REPO_ROOT / "benchmarks" / "hybrid_packing_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    try:
+        model = table.build("inkling2_text").float()
+    except Exception as e:  # noqa: BLE001 - a transformers without the family
+        pytest.skip(f"transformers {transformers.__version__} cannot build inkling2_text: {e}")
+    mixers = _probe_mixers(model)
+    assert all(m.handoff for m in mixers), [(m.label, m.handoff) for m in mixers]
+    split = state_reset.split_documents(model, mixers)
+    samples = H.make_samples("causal", n=5, seed=2, lo=4, hi=14, vocab=int(model.config.vocab_size))
+    err = _rows_error(model, [samples[:3], samples[3:]])
+    assert err <= GRAD_TOL, err
+    # every kind was handed off on one row, so a per-document call can only be the mask's fallback
+    assert split.calls > 0 and split.handoff_calls > 0, (split.calls, split.handoff_calls)
+    split.restore()
