@@ -201,6 +201,19 @@ def test_low_rank_optimizers_honour_on_nonfinite(opt_cls):
     assert not bool(torch.isfinite(model[0].weight).all())
 
 
+@pytest.mark.parametrize("opt_cls", [GaLoreAdamW, ApolloAdamW])
+def test_low_rank_optimizers_take_huge_finite_gradients_as_finite(opt_cls):
+    """Gradients of 3e38 are finite although their 2-norm overflows to inf (the fast first pass): the max-abs pass
+    settles it, so on_nonfinite='error' steps; the NaN of the same loop (the control) still stops it."""
+    model, opt, _ = _plain_loop_state(opt_cls, "error")
+    model[0].weight.grad.fill_(3e38)
+    assert not torch.isfinite(torch.linalg.vector_norm(model[0].weight.grad))  # the 2-norm does overflow
+    opt.step()
+    model, opt, _ = _plain_loop_state(opt_cls, "error")
+    with pytest.raises(NonFiniteError, match="NaN or infinite"):
+        opt.step()
+
+
 def test_low_rank_optimizer_range_checks():
     model = torch.nn.Sequential(torch.nn.Linear(16, 12))
     for kw, match in (({"scale": float("inf")}, "scale"), ({"seed": 2**70}, "seed"), ({"on_nonfinite": "nope"}, "on_nonfinite")):

@@ -1,5 +1,5 @@
-"""Training diagnostics that need only torch: the gradient noise scale (:mod:`.noise_scale`) and the memory
-timeline of a training step (:mod:`.memory_timeline`).
+"""Training diagnostics that need only torch: the gradient noise scale (:mod:`.noise_scale`), the memory
+timeline of a training step (:mod:`.memory_timeline`) and the fast finiteness check of gradients (:mod:`.finite`).
 
 >>> from hf_gradfix.diagnostics import NoiseScaleEstimator
 >>> NoiseScaleEstimator(beta=0.9).update(small_sq=13.6, b_small=8, big_sq=1.79, b_big=128).b_simple > 0

@@ -28,6 +28,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..config import GradFixConfig
+from ..diagnostics.finite import tensors_finite
 from ..errors import InvalidArgumentError, NonFiniteError
 
 logger = logging.getLogger("hf_gradfix")
@@ -55,15 +56,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
-def _norms_finite(grads: list[torch.Tensor], order: float) -> torch.Tensor:
-    norms = torch._foreach_norm(grads, order) if hasattr(torch, "_foreach_norm") else [
-        torch.linalg.vector_norm(g, order) for g in grads]
-    return torch.isfinite(torch.stack([n.float() for n in norms])).all()
-
-
 def grads_finite(params: Any) -> bool:
     """True when every gradient of ``params`` is finite (this rank's shard; one 2-norm per tensor, one sync; a
-    non-finite 2-norm is settled by the max-abs).
+    non-finite 2-norm is settled by the max-abs: :func:`hf_gradfix.diagnostics.finite.tensors_finite`).
 
     >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.tensor([1.0, float("nan")])
     >>> grads_finite([p])
@@ -72,19 +67,7 @@ def grads_finite(params: Any) -> bool:
     >>> grads_finite([p])
     True
     """
-    grads = [_local(p.grad).detach() for p in params if getattr(p, "grad", None) is not None]
-    grads = [g for g in grads if g.numel() and g.is_floating_point()]
-    if not grads:
-        return True
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    # A finite 2-norm means every element is finite (NaN and inf propagate through squares and sums). It is the fast
-    # pass: on CPU torch's inf-norm takes ~30x as long (3.6 vs 0.1 ms for 0.86M fp32 gradients, torch 2.13).
-    if bool(torch.stack([_norms_finite(gs, 2.0).cpu() for gs in by_device.values()]).all()):
-        return True
-    # A non-finite 2-norm may be an overflow of large finite values: max |g| decides (no sum, no overflow)
-    return bool(torch.stack([_norms_finite(gs, float("inf")).cpu() for gs in by_device.values()]).all())
+    return tensors_finite(_local(p.grad) for p in params if getattr(p, "grad", None) is not None)
 
 
 def agree_any(flags: list[bool], device: torch.device | None = None) -> list[bool]:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import projection as proj
+from ..diagnostics.finite import tensors_finite
 from ..errors import InvalidArgumentError, InvalidTypeError, NonFiniteError, UsageError
 from ..torch_private import require
 from .groups import OptimizerConfigError, low_rank_param_groups, select_targets
@@ -848,12 +849,13 @@ class LowRankAdamW(torch.optim.Optimizer):
         return loss
 
     def _grads_finite(self) -> bool:
-        """Every gradient finite on every rank (one max-abs per tensor; one all-reduce under torch.distributed)."""
+        """Every gradient finite on every rank (a 2-norm per tensor, the max-abs only where one overflows; one
+        all-reduce under torch.distributed)."""
         grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
         grads += [_local(acc) for acc in self._lowrank_acc.values()]  # low-rank accumulated gradients
         if grads and _is_fake(grads[0]):
             return True  # traced under fake tensors (hf-gradfix plan --simulate): values do not exist
-        ok = all(bool(torch.isfinite(n).all()) for n in torch._foreach_norm(grads, float("inf"))) if grads else True
+        ok = tensors_finite(grads)
         if _world() > 1:
             dist = torch.distributed
             device = grads[0].device if grads and dist.get_backend() != "gloo" else torch.device("cpu")
