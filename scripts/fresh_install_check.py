@@ -56,16 +56,22 @@ def install_lines(page: Path = PAGES[0]) -> list[str]:
     return lines
 
 
-def python_snippets(page: Path) -> list[str]:
-    """Every ```python block of a page not marked ``<!-- not-run: reason -->`` (what tests/test_docs.py runs)."""
+def fenced_blocks(page: Path) -> list[tuple[str, str, str]]:
+    """(language, body, the text just before the fence) of every fenced block of a page, bodies dedented (a block
+    inside a list item). ``tests/test_docs.py`` reads the pages with this too."""
     text = page.read_text(encoding="utf-8")
     out = []
     for m in FENCE.finditer(text):
-        if m["lang"] not in ("python", "py") or NOT_RUN.search(text[: m.start()].rstrip()[-300:]):
-            continue
         n = len(m["indent"])
-        out.append("\n".join(line[n:] if line[:n].strip() == "" else line for line in m["body"].splitlines()))
+        body = "\n".join(line[n:] if line[:n].strip() == "" else line for line in m["body"].splitlines())
+        out.append((m["lang"], body, text[: m.start()].rstrip()[-300:]))
     return out
+
+
+def python_snippets(page: Path) -> list[str]:
+    """Every ```python block of a page not marked ``<!-- not-run: reason -->`` (what tests/test_docs.py runs)."""
+    return [body for lang, body, before in fenced_blocks(page)
+            if lang in ("python", "py") and not NOT_RUN.search(before)]
 
 
 RUN_PAGE = """

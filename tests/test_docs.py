@@ -32,8 +32,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ ]*$", re.S | re.M)
-NOT_RUN = re.compile(r"<!--\s*not-run:\s*(?P<reason>\S[^>]*?)\s*-->\s*$")
+# the pages' fenced blocks are read as the fresh-install check reads them (one reader, one not-run marker)
+_spec = importlib.util.spec_from_file_location("fresh_install_check", ROOT / "scripts" / "fresh_install_check.py")
+_fresh = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_fresh)
+fenced_blocks, NOT_RUN = _fresh.fenced_blocks, _fresh.NOT_RUN
 REPO_PATH = re.compile(r"(?<![\w./-])((?:configs|examples|benchmarks|scripts|docs|tests|hf_gradfix)/[\w./*-]*[\w*])")
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 # files the text names as what a command writes, not as inputs
@@ -42,17 +45,6 @@ WRITTEN_BY_COMMANDS = {"benchmarks/results/gpu-check.md"}  # bash scripts/gpu_ch
 
 def _rel(page: Path) -> str:
     return str(page.relative_to(ROOT))
-
-
-def _blocks(page: Path) -> list[tuple[str, str, str]]:
-    """(language, body, text just before the fence) of every fenced block of a page."""
-    text = page.read_text(encoding="utf-8")
-    return [(m["lang"], _dedent(m["body"], len(m["indent"])), text[: m.start()].rstrip()[-300:])
-            for m in FENCE.finditer(text)]
-
-
-def _dedent(body: str, n: int) -> str:
-    return "\n".join(line[n:] if line[:n].strip() == "" else line for line in body.splitlines())
 
 
 def _mkdocs_available() -> bool:
@@ -124,7 +116,7 @@ def test_generated_references_hold_every_key_and_command(site):
 
 def _snippets(page: Path) -> list[str]:
     out = []
-    for lang, body, before in _blocks(page):
+    for lang, body, before in fenced_blocks(page):
         if lang not in ("python", "py"):
             continue
         marker = NOT_RUN.search(before)
@@ -169,7 +161,7 @@ def test_python_snippets_run(page, scratch):
 def test_not_run_markers_are_few():
     skipped = []
     for page in PAGES:
-        for lang, _body, before in _blocks(page):
+        for lang, _body, before in fenced_blocks(page):
             if lang in ("python", "py") and NOT_RUN.search(before):
                 skipped.append(_rel(page))
     assert len(skipped) <= 3, skipped
@@ -181,7 +173,7 @@ def test_not_run_markers_are_few():
 def _commands() -> list[tuple[str, str]]:
     out = []
     for page in PAGES:
-        for lang, body, _before in _blocks(page):
+        for lang, body, _before in fenced_blocks(page):
             if lang in ("python", "py", "yaml", "yml", "json", "text"):
                 continue
             for line in body.splitlines():
@@ -249,7 +241,7 @@ def test_yaml_examples_validate_and_match_their_files():
 
     checked = 0
     for page in PAGES:
-        for lang, body, _before in _blocks(page):
+        for lang, body, _before in fenced_blocks(page):
             if lang not in ("yaml", "yml"):
                 continue
             data = yaml.safe_load(body)
