@@ -13,6 +13,12 @@ from pathlib import Path
 
 _seconds_per_file: dict[str, float] = defaultdict(float)
 
+# The kernel stand-ins (pure-PyTorch causal_conv1d / fla / mamba_ssm packages) must never be imported by the suite's
+# own processes: `--doctest-modules tests` would put their folder on sys.path, and transformers would then bind them
+# as the installed kernels for every hybrid model. tests/test_packing_hybrid_kernels.py runs them in a process of
+# their own (tests/test_layout.py checks that this process has not imported them).
+collect_ignore = ["kernel_standins"]
+
 
 def pytest_runtest_logreport(report):
     if os.environ.get("HF_GRADFIX_TIMINGS_DIR"):

@@ -171,3 +171,18 @@ def test_the_cycle_check_fails_on_a_cycle(tmp_path):
 def test_the_plan_command_line_sits_beside_the_other_clis():
     assert (PKG / "plan_cli.py").is_file() and not (PKG / "plan" / "cli.py").exists()
     assert "hf_gradfix.plan_cli" in imported_modules(PKG / "cli.py")
+
+
+def test_the_suite_process_never_sees_the_kernel_stand_ins():
+    """tests/kernel_standins (pure-PyTorch causal_conv1d / fla / mamba_ssm) stay out of the suite's own processes:
+    were they importable here, transformers would bind them as installed kernels for every hybrid model the suite
+    builds (tests/conftest.py's collect_ignore keeps `--doctest-modules tests` from putting them on sys.path)."""
+    import importlib.util
+    import sys
+
+    standins = (PKG.parent / "tests" / "kernel_standins").resolve()
+    assert not any(Path(p).resolve() == standins for p in sys.path if p)
+    for name in ("causal_conv1d", "fla", "mamba_ssm"):
+        spec = importlib.util.find_spec(name)
+        origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        assert origin is None or standins not in origin.parents, f"{name} imports from {origin}"

@@ -43,13 +43,13 @@ from transformers import Trainer, TrainerCallback
 from ..diagnostics.noise_scale import NoiseScaleEstimate, NoiseScaleMonitor, plot_noise_scale
 from ..loss.counting import CountRule, count_targets, is_token_level
 from .callback import _find_trainer
+from .instance_methods import InstanceMethods
 from .state import _dp_world, state_of
 from ..errors import HfGradfixError, InvalidArgumentError
 
 logger = logging.getLogger("hf_gradfix")
 
 _REFUSED_BACKENDS = ("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM")
-_MISSING = object()
 
 
 class GradientNoiseScaleError(HfGradfixError, RuntimeError):
@@ -95,8 +95,7 @@ class GradientNoiseScaleCallback(TrainerCallback):
         self.unit = "targets"
         self._trainer: Trainer | None = None
         self._active = False
-        self._saved: dict[str, object] = {}
-        self._wrappers: dict[str, object] = {}
+        self._methods = InstanceMethods()
         self._sizes: collections.deque[float] = collections.deque()
         self._window_size: float | None = None
         self._weighting = "tokens"
@@ -202,53 +201,23 @@ class GradientNoiseScaleCallback(TrainerCallback):
 
     def _install(self, trainer: Trainer) -> None:
         """Wrap methods on the trainer instance and its callback handler (their classes are untouched)."""
-        wrappers = {"get_batch_samples": self._wrap_get_batch_samples, "log": self._wrap_log,
-                    "training_step": self._wrap_raising, "call_event": self._wrap_raising}  # fmt: skip
+        self._methods.wrap(trainer, "get_batch_samples", self._wrap_get_batch_samples)
+        self._methods.wrap(trainer, "log", self._wrap_log)
+        self._methods.wrap(trainer, "training_step", self._wrap_raising)
+        self._methods.wrap(trainer.callback_handler, "call_event", self._wrap_raising)
         if hasattr(trainer, "_get_grad_norm"):  # transformers 5.x: the pre-clip norm, whatever computes it
-            wrappers["_get_grad_norm"] = self._wrap_get_grad_norm
-        for name, make in wrappers.items():
-            owner = self._owner(trainer, name)
-            if self._wrappers.get(name) is not None and owner.__dict__.get(name) is self._wrappers[name]:
-                continue  # still installed from a previous train() call
-            self._saved[name] = owner.__dict__.get(name, _MISSING)
-            wrapper = make(getattr(owner, name))
-            self._wrappers[name] = wrapper
-            setattr(owner, name, wrapper)
-        if not hasattr(trainer, "_get_grad_norm"):  # transformers 4.57: read what clip_grad_norm_ returns
-            accelerator = trainer.accelerator
-            ours = self._wrappers.get("clip_grad_norm_")
-            if ours is None or accelerator.__dict__.get("clip_grad_norm_") is not ours:
-                self._saved["clip_grad_norm_"] = accelerator.__dict__.get("clip_grad_norm_", _MISSING)
-                wrapper = self._wrap_get_grad_norm(accelerator.clip_grad_norm_)
-                self._wrappers["clip_grad_norm_"] = wrapper
-                accelerator.clip_grad_norm_ = wrapper
+            self._methods.wrap(trainer, "_get_grad_norm", self._wrap_get_grad_norm)
+        else:  # transformers 4.57: read what clip_grad_norm_ returns
+            self._methods.wrap(trainer.accelerator, "clip_grad_norm_", self._wrap_get_grad_norm)
 
     def _uninstall(self) -> None:
-        trainer = self._trainer
-        for name, wrapper in list(self._wrappers.items()):
-            owner = self._owner(trainer, name)
-            saved = self._saved.pop(name, _MISSING)
-            del self._wrappers[name]  # from now on that wrapper only passes calls through
-            if owner.__dict__.get(name) is not wrapper:
-                continue  # someone wrapped it after us: leave the chain as it is
-            if saved is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, saved)
-
-    @staticmethod
-    def _owner(trainer: Trainer, name: str):
-        if name == "clip_grad_norm_":
-            return trainer.accelerator
-        if name == "call_event":
-            return trainer.callback_handler
-        return trainer
+        self._methods.remove_all()  # from now on our wrappers left in a chain only pass calls through
 
     # -- wrappers -------------------------------------------------------------------------------------------------
-    # Each wrapper acts only while it is the installed one (``self._wrappers``): a wrapper left in a chain by
-    # someone who wrapped the same method after us passes calls through, so nothing is counted twice.
+    # Each wrapper acts only while it is installed (``InstanceMethods.live``): a wrapper left in a chain by someone
+    # who wrapped the same method after us passes calls through, so nothing is counted twice.
     def _live(self, wrapper) -> bool:
-        return self._active and wrapper in self._wrappers.values()
+        return self._active and self._methods.live(wrapper)
 
     def _wrap_get_batch_samples(self, original):
         def get_batch_samples(epoch_iterator, num_batches, device):

@@ -38,6 +38,7 @@ from transformers import Trainer, TrainerCallback
 from ..loss.counting import mean_term_share
 from ..loss.moe import routing_stats, window_share
 from .callback import _find_trainer
+from .instance_methods import InstanceMethods
 from ..errors import GradFixError
 from .state import GradFixState, _dp_world, _nd_dims, _tp_size, state_of
 from .windows import _IdleMicroBatch
@@ -644,27 +645,28 @@ class RouterHealthCallback(TrainerCallback):
 
     def __init__(self):
         self._trainer: Trainer | None = None
-        self._original_log = None
+        self._methods = InstanceMethods()  # the trainer's log, wrapped for one train()
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = _find_trainer(self)
-        if trainer is None or self._trainer is trainer:
+        if trainer is None:
             return
+        if self._trainer is not None and self._trainer is not trainer:
+            self._methods.remove_all()  # another trainer's run that ended by an exception
         self._trainer = trainer
-        original = trainer.log
-        self._original_log = original
 
-        def log(logs, *a, **kw):
-            if isinstance(logs, dict) and "loss" in logs:
-                logs.update(self._values(trainer))
-            return original(logs, *a, **kw)
+        def wrap_log(original):
+            def log(logs, *a, **kw):
+                if self._methods.live(log) and isinstance(logs, dict) and "loss" in logs:
+                    logs.update(self._values(trainer))
+                return original(logs, *a, **kw)
+            return log
 
-        trainer.log = log
+        self._methods.wrap(trainer, "log", wrap_log)  # kept where a train() that raised left it installed
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._trainer is not None and self._original_log is not None:
-            self._trainer.__dict__.pop("log", None)
-        self._trainer, self._original_log = None, None
+        self._methods.remove_all()
+        self._trainer = None
 
     @staticmethod
     def _values(trainer: Trainer) -> dict[str, float]:

@@ -21,6 +21,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..packing.balance import document_cost
+from .instance_methods import InstanceMethods
 
 TOKENS_KEY, COMPUTE_KEY = "packing/imbalance_tokens", "packing/imbalance_compute"
 
@@ -52,37 +53,34 @@ class PackingBalanceLog(TrainerCallback):
     def __init__(self, trainer, cost_coeff: float | None) -> None:
         self.trainer, self.cost_coeff = trainer, cost_coeff
         self.windows: list[tuple[float, float]] = []  # this rank's (tokens, cost) per window since the last log
-        self.wrappers: dict[str, Any] = {}  # the installed ones; a wrapper no longer here passes calls through
+        self.methods = InstanceMethods()  # get_batch_samples and log, wrapped on the trainer for one train()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        if self.wrappers and all(trainer.__dict__.get(n) is w for n, w in self.wrappers.items()):
+        if self.methods.all_installed():
             return  # still installed (a train() that ended by an exception)
-        self.wrappers = {}
-        original_samples, original_log = trainer.get_batch_samples, trainer.log
 
-        def get_batch_samples(epoch_iterator, num_batches, *rest, **kw):
-            batches, num_items = original_samples(epoch_iterator, num_batches, *rest, **kw)
-            if self.wrappers.get("get_batch_samples") is get_batch_samples and batches:
-                lengths = [n for batch in batches for n in document_lengths(batch)]
-                cost = float(document_cost(lengths, self.cost_coeff).sum()) if self.cost_coeff is not None else 0.0
-                self.windows.append((float(sum(lengths)), cost))
-            return batches, num_items
+        def wrap_get_batch_samples(original):
+            def get_batch_samples(epoch_iterator, num_batches, *rest, **kw):
+                batches, num_items = original(epoch_iterator, num_batches, *rest, **kw)
+                if self.methods.live(get_batch_samples) and batches:
+                    lengths = [n for batch in batches for n in document_lengths(batch)]
+                    cost = float(document_cost(lengths, self.cost_coeff).sum()) if self.cost_coeff is not None else 0.0
+                    self.windows.append((float(sum(lengths)), cost))
+                return batches, num_items
+            return get_batch_samples
 
-        def log(logs, *a, **kw):
-            if self.wrappers.get("log") is log and isinstance(logs, dict) and "loss" in logs and self.windows:
-                logs.update(self._values())
-            return original_log(logs, *a, **kw)
+        def wrap_log(original):
+            def log(logs, *a, **kw):
+                if self.methods.live(log) and isinstance(logs, dict) and "loss" in logs and self.windows:
+                    logs.update(self._values())
+                return original(logs, *a, **kw)
+            return log
 
-        self.wrappers = {"get_batch_samples": get_batch_samples, "log": log}
-        for name, wrapper in self.wrappers.items():
-            setattr(trainer, name, wrapper)
+        self.methods.wrap(self.trainer, "get_batch_samples", wrap_get_batch_samples)
+        self.methods.wrap(self.trainer, "log", wrap_log)
 
     def on_train_end(self, args, state, control, **kwargs):
-        for name, wrapper in self.wrappers.items():
-            if self.trainer.__dict__.get(name) is wrapper:  # someone wrapped it after us: leave the chain as it is
-                del self.trainer.__dict__[name]
-        self.wrappers = {}
+        self.methods.remove_all()
         self.windows.clear()
 
     def _values(self) -> dict[str, float]:
