@@ -484,3 +484,24 @@ def test_lean_section_runs_on_cpu_and_renders():
     results = dict(environment={"device": "cpu"}, sections={"lean": dict(sec, seconds=1.0)},
                    not_provable_on_one_gpu=[], started="now")
     assert "## The lean loss head beside the stock head" in G.render_markdown(results)
+
+
+def test_hybrid_section_runs_on_cpu_and_renders():
+    """The GPU check's hybrid section on this CPU (torch fallbacks: every state-carrying layer split): each family's
+    packed row within 1e-5 of each document alone, stock's row on the same model beside it as the control (a larger
+    error, or transformers' refusal), and its table in the results file."""
+    G._ROWS.append([])
+    try:
+        sec = G.section_hybrid("cpu", False)
+    finally:
+        G._ROWS.pop()
+    assert sec["status"] == "passed" and sec["rows"], sec
+    for row in sec["rows"]:
+        assert row["layers"] and not any(x["handed_to_kernels"] for x in row["layers"]), row
+        assert row["grad_rel_err"] <= 1e-5, row
+        stock = row["stock_grad_rel_err"]
+        assert (isinstance(stock, str) and stock.startswith("raised")) or stock > 1e-5, row
+    results = dict(environment={"device": "cpu"}, sections={"hybrid": dict(sec, seconds=1.0)},
+                   not_provable_on_one_gpu=[], started="now")
+    text = G.render_markdown(results)
+    assert "## Hybrid packing" in text and "| lfm2 | split: conv (Lfm2ShortConv" in text, text
