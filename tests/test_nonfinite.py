@@ -242,3 +242,39 @@ def test_two_ranks_agree_to_skip_when_one_rank_sees_a_nan(tmp_path):
         assert len(r["warnings"]) == 1 and "optimizer step 2" in r["warnings"][0]
     assert "micro-batch 2 of 2" in r1["warnings"][0]  # the rank that saw it names the micro-batch
     assert "another rank had a non-finite loss" in r0["warnings"][0]  # rank 0's own losses were finite
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_the_guard_leaves_the_callback_list_as_stock_builds_it(disable_tqdm, tmp_path):
+    """transformers' test_trainer_callback.py asserts the exact callback list (default callbacks, a custom one given
+    at construction, PrinterCallback without tqdm): patched, the list is stock's, and the guard still runs (it raises
+    on the poisoned step under on_nonfinite: error, the control that it is attached)."""
+    from hf_gradfix.integration.internal_callbacks import internal_callbacks
+    from hf_gradfix.integration.nonfinite import guard_of
+
+    class Custom(transformers.TrainerCallback):
+        pass
+
+    def build():
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), report_to="none", use_cpu=True, disable_tqdm=disable_tqdm, max_steps=4,
+            save_strategy="no", gradient_accumulation_steps=2, per_device_train_batch_size=1, seed=3,
+            remove_unused_columns=False)
+        return _InOrder(model=H.build_model("llama", seed=0), args=args, train_dataset=H.TokenDataset(_samples()),
+                        callbacks=[Custom()])
+
+    def names(trainer):
+        return sorted(type(cb).__name__ for cb in trainer.callback_handler.callbacks)
+
+    stock = names(build())
+    hf_gradfix.patch({"loss": {"on_nonfinite": "error"}})
+    try:
+        trainer = build()
+        assert names(trainer) == stock
+        guard = guard_of(trainer)
+        assert guard is not None and guard in internal_callbacks(trainer)
+        _poison(trainer.model)
+        with pytest.raises(NonFiniteError):
+            trainer.train()
+    finally:
+        hf_gradfix.unpatch()

@@ -88,7 +88,9 @@ def attach(trainer: Trainer, config: GradFixConfig) -> DeepSpeedGuard | None:
     if guard is None:
         guard = DeepSpeedGuard(trainer)
         trainer.__dict__[_ATTR] = guard
-        trainer.add_callback(guard)
+        from .internal_callbacks import add_internal_callback
+
+        add_internal_callback(trainer, guard)  # out of the user's callback list
     return guard
 
 

@@ -30,6 +30,7 @@ from transformers import Trainer, TrainerCallback
 from ..config import GradFixConfig
 from ..diagnostics.finite import tensors_finite
 from ..errors import InvalidArgumentError, NonFiniteError
+from .internal_callbacks import add_internal_callback
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -233,12 +234,15 @@ class NonFiniteGuard(TrainerCallback):
 def attach(trainer: Trainer, config: GradFixConfig) -> NonFiniteGuard:
     """Guard ``trainer`` against non-finite steps per ``config.loss.on_nonfinite`` (idempotent; updates the mode).
 
+    The guard runs after the trainer's callbacks without joining its callback list
+    (:mod:`hf_gradfix.integration.internal_callbacks`).
+
     >>> import transformers
+    >>> from transformers.trainer_callback import CallbackHandler
     >>> from hf_gradfix.config import GradFixConfig
-    >>> t = object.__new__(transformers.Trainer); t.callback_handler = type("H", (), {"callbacks": []})()
-    >>> t.add_callback = t.callback_handler.callbacks.append
-    >>> attach(t, GradFixConfig()).mode
-    'warn'
+    >>> t = object.__new__(transformers.Trainer); t.callback_handler = CallbackHandler([], None, None, None, None)
+    >>> attach(t, GradFixConfig()).mode, t.callback_handler.callbacks
+    ('warn', [])
     """
     mode = config.loss.on_nonfinite
     guard = trainer.__dict__.get(_ATTR)
@@ -257,7 +261,7 @@ def attach(trainer: Trainer, config: GradFixConfig) -> NonFiniteGuard:
         return loss
 
     trainer.training_step = training_step
-    trainer.add_callback(guard)
+    add_internal_callback(trainer, guard)
     return guard
 
 

@@ -181,10 +181,11 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
             cost_part = f", of compute {plan.step_imbalance(costs):.3f}"
         logger.info("hf_gradfix packing balance: %s; epoch 0's slowest rank per step / the mean, of tokens %.3f%s",
                     balance_how, plan.step_imbalance(), cost_part)
+        from .internal_callbacks import add_internal_callback, internal_callbacks
         from .packing_balance_log import PackingBalanceLog
 
-        if not any(isinstance(cb, PackingBalanceLog) for cb in trainer.callback_handler.callbacks):
-            trainer.add_callback(PackingBalanceLog(trainer, c))  # the imbalance of each window, in the logs
+        if not any(isinstance(cb, PackingBalanceLog) for cb in internal_callbacks(trainer)):
+            add_internal_callback(trainer, PackingBalanceLog(trainer, c))  # each window's imbalance, in the logs
     return trainer.accelerator.prepare(loader)
 
 
