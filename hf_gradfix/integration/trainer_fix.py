@@ -33,6 +33,7 @@ from transformers import Trainer
 
 from ..config import GradFixConfig
 from ..errors import GradFixError
+from ..probe_mode import probe_mode
 from ..loss.counting import CountRule, count_targets
 from ..loss.probe import LossBehaviour, NonFiniteProbeError, ProbeError, detect_count_rule, probe_honors_num_items
 from .state import (  # noqa: F401  (re-exported: documented and imported from here by user code and tests)
@@ -221,7 +222,6 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping, prepared: bool
     # the probes edit labels on copies: a plain dict of the same tensors (a batch compute_loss was given is prepared
     # already: a trainer's own _prepare_inputs may have side effects, e.g. generation)
     batch = dict(batch if prepared else trainer._prepare_inputs(batch))
-    was_training = model.training
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     holder: dict[str, Any] = {}
 
@@ -237,7 +237,10 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping, prepared: bool
         return loss
 
     state.in_probe = True
-    model.eval()  # no dropout, no router jitter: the probes compare forwards exactly
+    # no dropout, no router jitter: the probes compare forwards exactly (quantized layers keep their mode, every
+    # module's mode comes back as it was: hf_gradfix/probe_mode.py)
+    modes = probe_mode(model)
+    modes.__enter__()
     # TRL's trainers record per-forward metrics (entropy, token accuracy) in `_metrics[mode]` from compute_loss; the
     # probe's forwards must not be averaged into the next logged eval metrics
     saved_metrics = copy.deepcopy(trainer.__dict__["_metrics"]) if "_metrics" in trainer.__dict__ else None
@@ -283,7 +286,7 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping, prepared: bool
 
                 state.chain = _probe_callable(chain_loss, batch, state, f"{owner.__name__}.compute_loss")
     finally:
-        model.train(was_training)
+        modes.__exit__(None, None, None)
         state.in_probe = False
         if saved_metrics is not None:
             trainer.__dict__["_metrics"] = saved_metrics

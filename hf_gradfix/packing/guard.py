@@ -27,6 +27,7 @@ from .attention import (
 )
 from .collator import PackedCollator
 from ..errors import HfGradfixError, InvalidArgumentError
+from ..probe_mode import probe_mode
 
 __all__ = ["PackingCheckError", "PackingCheckReport", "check_model_packs_correctly", "check_model_packs_under_cp",
            "probe_lengths"]
@@ -293,12 +294,12 @@ def check_model_packs_correctly(
         )
         return _fail(report, raise_on_failure, exc)
 
-    was_training = model.training
+    modes = probe_mode(model)  # eval, quantized layers as they are, modes put back
     impl_used = getattr(config, "_attn_implementation", None)
     details: dict[str, Any] = {}
     longest = max(range(len(seqs)), key=lambda i: (lengths[i], -i))
     try:
-        model.eval()
+        modes.__enter__()
         with use_attention_implementation(model, attn_implementation) as impl_used, torch.no_grad():
             # 1. every sequence alone, as unpacked training runs it: input_ids only, the model's own positions
             separate: list[torch.Tensor | None] = [None] * len(seqs)
@@ -408,7 +409,7 @@ def check_model_packs_correctly(
                     control = None
                     details["control_exception"] = repr(e2)
     finally:
-        model.train(was_training)
+        modes.__exit__(None, None, None)
 
     def part(t: torch.Tensor, where: dict[int, tuple[int, int]], i: int) -> torch.Tensor:
         r, off = where[i]
@@ -430,14 +431,11 @@ def check_model_packs_correctly(
             for i in b:
                 short_placement[i] = (r, off)
                 off += short_lengths[i]
-        model.eval()
         try:
-            with use_attention_implementation(model, attn_implementation):
+            with probe_mode(model), use_attention_implementation(model, attn_implementation):
                 leak = _structural_leak(model, short_batch, short_placement, short_lengths, extra, device, seed)
         except Exception as e:  # noqa: BLE001 - a model whose forward cannot run with gradients: the value check stands
             details["structural_check_exception"] = repr(e)
-        finally:
-            model.train(was_training)
         if leak is not None:
             details["structural_leak"] = leak[0]
     max_diff = max(diffs)
@@ -575,8 +573,8 @@ def check_model_packs_under_cp(
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
     extra = {"use_cache": False} if _accepts(model, "use_cache") else {}
-    was_training = model.training
-    model.eval()
+    modes = probe_mode(model)
+    modes.__enter__()
     details: dict[str, Any] = {}
     try:
         with torch.no_grad():
@@ -595,7 +593,7 @@ def check_model_packs_under_cp(
                                     f"{str(exc).splitlines()[0] if str(exc) else ''})", details)
         return _fail(report, raise_on_failure, exc)
     finally:
-        model.train(was_training)
+        modes.__exit__(None, None, None)
     original = torch.empty_like(out)
     original[layout.indices[0].to(out.device)] = out  # back to the padded row's order
     starts = [sum(layout.doc_lengths[0][:i]) for i in range(len(lengths))]

@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from ..probe_mode import probe_mode
+
 __all__ = ["SequenceMixer", "DocumentSplit", "find_sequence_mixers", "probe_sequence_mixers", "split_documents",
            "segment_bounds", "handoff_call", "describe"]
 
@@ -189,13 +191,11 @@ def _handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen) -> bool:
     def call(*a, **kw):
         return handoff_call(module, a, kw, bounds)
 
-    was_training = module.training
     try:
         for training in (False, True):
             if _replay_leak(module, args, kwargs, hidden, bounds, gen, call=call, training=training) != 0.0:
                 return False
-            module.train(training)
-            with torch.no_grad():
+            with probe_mode(module, training), torch.no_grad():
                 got = _first_tensor(call(*args, **kwargs))
                 alone = _first_tensor(_per_document_call(module, args, kwargs, bounds))
             if got is None or alone is None or got.shape != alone.shape:
@@ -210,8 +210,6 @@ def _handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen) -> bool:
         return True
     except Exception:  # noqa: BLE001 - a torch fallback refusing seq_idx / cu_seqlens, a kernel's shape assertion
         return False
-    finally:
-        module.train(was_training)
 
 
 def probe_sequence_mixers(model: torch.nn.Module) -> list[SequenceMixer] | None:
@@ -229,15 +227,12 @@ def probe_sequence_mixers(model: torch.nn.Module) -> list[SequenceMixer] | None:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     batch = PackedCollator(mode="varlen")(docs)
     probe = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
-    was_training = model.training
-    model.eval()
     try:
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        with probe_mode(model), torch.random.fork_rng(
+                devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             return find_sequence_mixers(model, probe)
     except Exception:  # noqa: BLE001 - a model that cannot run a packed row
         return None
-    finally:
-        model.train(was_training)
 
 
 def _replay_leak(module, args, kwargs, hidden, bounds, gen, *, call=None, training: bool = False) -> float:
@@ -256,13 +251,8 @@ def _replay_leak(module, args, kwargs, hidden, bounds, gen, *, call=None, traini
     args = tuple(leaf(v) for v in args)
     kwargs = {k: leaf(v) for k, v in kwargs.items()}
     x = leaves[id(hidden)]
-    was_training = module.training
-    module.train(training)
-    try:
-        with torch.enable_grad():
-            out = _first_tensor((call or module)(*args, **kwargs))
-    finally:
-        module.train(was_training)
+    with probe_mode(module, training), torch.enable_grad():
+        out = _first_tensor((call or module)(*args, **kwargs))
     if out is None or not out.requires_grad or tuple(out.shape[:2]) != tuple(x.shape[:2]):
         # nothing measurable: no leak for the probe of 1., but never a pass for a hand-off (``call`` given)
         return 0.0 if call is None else float("inf")

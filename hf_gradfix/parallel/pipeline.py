@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import HfGradfixError
+from ..probe_mode import probe_mode
 
 __all__ = [
     "SCHEDULES",
@@ -430,8 +431,8 @@ def check_stages_reproduce_forward(model, plan: PPPlan | None = None, num_stages
     ids = (torch.arange(12, device=device).reshape(2, 6) * 7 + 3) % max(vocab, 1)
     mask = torch.ones_like(ids)
     pos = torch.arange(6, device=device).expand(2, 6)
-    was_training = model.training
-    model.eval()
+    modes = probe_mode(model)
+    modes.__enter__()
     try:
         with torch.no_grad():
             expected = model(input_ids=ids, attention_mask=mask).logits.float()
@@ -445,7 +446,7 @@ def check_stages_reproduce_forward(model, plan: PPPlan | None = None, num_stages
             f"({type(err).__name__}: {str(err).splitlines()[0][:160]}); use pp: 1 for this model"
         ) from None
     finally:
-        model.train(was_training)
+        modes.__exit__(None, None, None)
     scale = expected.abs().max().clamp(min=1e-6)
     if got.shape != expected.shape or float((got - expected).abs().max() / scale) > 1e-3:
         raise PipelineError(
