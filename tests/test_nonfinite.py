@@ -278,3 +278,38 @@ def test_the_guard_leaves_the_callback_list_as_stock_builds_it(disable_tqdm, tmp
             trainer.train()
     finally:
         hf_gradfix.unpatch()
+
+
+@pytest.mark.parametrize("way_in", ["patch", "callback"])
+def test_the_guard_follows_a_callback_handler_a_subclass_replaces(way_in, tmp_path):
+    """A Trainer subclass that builds a new callback handler from the old one's list after super().__init__ (as TRL's
+    experimental BEMA DPOTrainer does): the guard still runs on the new handler (on_nonfinite: error raises at the
+    poisoned step), by either way in; the callback list stays the user's."""
+    from transformers.trainer_callback import CallbackHandler
+
+    class NewHandler(_InOrder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            old = self.callback_handler
+            self.callback_handler = CallbackHandler(old.callbacks, self.model, self.processing_class, self.optimizer,
+                                                    self.lr_scheduler)
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=4, save_strategy="no",
+        gradient_accumulation_steps=2, per_device_train_batch_size=1, seed=3, remove_unused_columns=False,
+        disable_tqdm=True)
+    config = {"loss": {"on_nonfinite": "error"}}
+    model = H.build_model("llama", seed=0)
+    handle = _poison(model)
+    if way_in == "patch":
+        hf_gradfix.patch(config)
+    try:
+        callbacks = [hf_gradfix.GradFixCallback(config)] if way_in == "callback" else []
+        trainer = NewHandler(model=model, args=args, train_dataset=H.TokenDataset(_samples()), callbacks=callbacks)
+        assert not any(type(cb).__name__ == "NonFiniteGuard" for cb in trainer.callback_handler.callbacks)
+        with pytest.raises(NonFiniteError):
+            trainer.train()
+    finally:
+        if way_in == "patch":
+            hf_gradfix.unpatch()
+        handle.remove()

@@ -84,13 +84,13 @@ def attach(trainer: Trainer, config: GradFixConfig) -> DeepSpeedGuard | None:
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return None
     explain_accelerate_warnings()
+    from .internal_callbacks import add_internal_callback
+
     guard = trainer.__dict__.get(_ATTR)
     if guard is None:
         guard = DeepSpeedGuard(trainer)
         trainer.__dict__[_ATTR] = guard
-        from .internal_callbacks import add_internal_callback
-
-        add_internal_callback(trainer, guard)  # out of the user's callback list
+    add_internal_callback(trainer, guard)  # out of the user's callback list; idempotent
     return guard
 
 

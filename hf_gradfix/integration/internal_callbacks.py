@@ -34,16 +34,19 @@ _METHODS = "_hf_gradfix_internal_methods"
 
 def internal_callbacks(trainer: Any) -> list:
     """hf_gradfix's handlers on ``trainer`` (in the order they run, after the callback list)."""
-    handler = getattr(trainer, "callback_handler", None)
-    return list(handler.__dict__.get(_LIST, ())) if handler is not None else []
+    return list(trainer.__dict__.get(_LIST, ()))
 
 
 def add_internal_callback(trainer: Any, callback: Any) -> None:
-    """Run ``callback``'s event methods on every event of ``trainer``, after the callback list (idempotent)."""
-    handler = trainer.callback_handler
-    callbacks = handler.__dict__.setdefault(_LIST, [])
+    """Run ``callback``'s event methods on every event of ``trainer``, after the callback list (idempotent).
+
+    The handlers are kept on the trainer and the trainer's *current* callback handler is wrapped: calling this again
+    after a subclass replaced the handler (TRL's experimental BEMA DPOTrainer builds a new one from the old one's
+    callback list after ``super().__init__``) wraps the new one."""
+    callbacks = trainer.__dict__.setdefault(_LIST, [])
     if not any(c is callback for c in callbacks):
         callbacks.append(callback)
+    handler = trainer.callback_handler
     methods = handler.__dict__.get(_METHODS)
     if methods is None:
         methods = handler.__dict__[_METHODS] = InstanceMethods()
@@ -57,7 +60,7 @@ def add_internal_callback(trainer: Any, callback: Any) -> None:
                 return control
             extra = {name: getattr(handler, name, None) for name in (
                 "model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader")}
-            for callback in list(handler.__dict__.get(_LIST, ())):
+            for callback in list(trainer.__dict__.get(_LIST, ())):
                 method = getattr(callback, event, None)
                 if method is None:
                     continue

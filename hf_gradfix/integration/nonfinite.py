@@ -119,6 +119,7 @@ class NonFiniteGuard(TrainerCallback):
         trainer = self.trainer
         optimizer = getattr(trainer, "optimizer", None)
         self._restore(optimizer)
+        self._own_the_check(optimizer)  # also here: on_train_begin is not seen on a handler built after attach
         params = [p for p in trainer.model.parameters() if p.requires_grad]
         # under DeepSpeed the gradients live in the engine's partitions (p.grad is None): its overflow check, which
         # reduces over every rank, says whether they were finite
@@ -223,12 +224,15 @@ class NonFiniteGuard(TrainerCallback):
             self._overflow_set = False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        optimizer = getattr(self.trainer, "optimizer", None)
+        self._own_the_check(getattr(self.trainer, "optimizer", None))
+        return control
+
+    @staticmethod
+    def _own_the_check(optimizer: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)
         if hasattr(inner, "on_nonfinite"):
             # a low-rank optimizer: the guard owns the check on a Trainer (one warning, one decision)
             inner.nonfinite_checked_by_caller = True
-        return control
 
 
 def attach(trainer: Trainer, config: GradFixConfig) -> NonFiniteGuard:
@@ -248,6 +252,7 @@ def attach(trainer: Trainer, config: GradFixConfig) -> NonFiniteGuard:
     guard = trainer.__dict__.get(_ATTR)
     if guard is not None:
         guard.mode = mode
+        add_internal_callback(trainer, guard)  # idempotent; wraps a callback handler a subclass put in since
         return guard
     guard = NonFiniteGuard(trainer, mode)
     trainer.__dict__[_ATTR] = guard
@@ -258,6 +263,9 @@ def attach(trainer: Trainer, config: GradFixConfig) -> NonFiniteGuard:
         # else looked up on the class at call time: a later class swap (hf_gradfix's fixed class) is honoured
         loss = previous(*args, **kwargs) if previous is not None else type(trainer).training_step(trainer, *args, **kwargs)
         guard.after_micro_batch(loss)
+        # a callback handler a subclass built after this attach (from the old one's list) gets the dispatch too, before
+        # the step's on_pre_optimizer_step (a dictionary lookup when nothing changed)
+        add_internal_callback(trainer, guard)
         return loss
 
     trainer.training_step = training_step
