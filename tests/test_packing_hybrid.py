@@ -56,25 +56,35 @@ families = pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.
     not _has(f), reason=f"this transformers has no {f}")) for f in FAMILIES])
 
 
-def packed_row_error(model, samples) -> float:
-    """One row of ``samples`` packed by transformers' DataCollatorWithFlattening through ``model`` as it is: the
-    relative gradient error of its token-mean loss against each sample alone (the ground truth); inf where the model
-    refuses packed input."""
-    _, gt = H.ground_truth(model, samples, "causal")
-    collator = transformers.DataCollatorWithFlattening()
-    batch = collator([{"input_ids": list(s["input_ids"]), "labels": list(s["labels"])} for s in samples])
+def row_grad_error(model, gt: dict, inputs: dict, labels: torch.Tensor) -> float:
+    """Packed rows (``inputs``, ``labels`` [rows, T] with -100 at every document's first token and on padding) through
+    ``model``: the relative gradient error of their token-mean loss (shifted within each row) against ``gt``."""
     model.zero_grad(set_to_none=True)
     model.train()
-    try:  # use_cache=False, as hf_gradfix's packing sets it (a cache holds the state across the row by design)
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.float()
-    except ValueError:  # transformers' own refusal of packed input on this path (Qwen3.5 without fla)
-        return float("inf")
-    labels = batch["labels"]  # -100 at each document's first token: its shifted target belongs to the previous one
-    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
-    (loss / (labels[0, 1:] != -100).sum()).backward()
+    # use_cache=False, as hf_gradfix's packing sets it (a cache holds the state across the row by design)
+    logits = model(**inputs, use_cache=False).logits.float()
+    shifted = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), shifted.flatten(), ignore_index=-100,
+                                             reduction="sum")
+    (loss / (shifted != -100).sum()).backward()
     got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return H.rel_err(got, gt)
+
+
+def packed_row_error(model, samples, **collator_kw) -> float:
+    """One row of ``samples`` packed by transformers' DataCollatorWithFlattening (``collator_kw``: e.g.
+    ``return_seq_idx=True``; every key it returns goes to the model) through ``model`` as it is: the relative gradient
+    error of its token-mean loss against each sample alone (the ground truth); inf where the model refuses packed
+    input."""
+    _, gt = H.ground_truth(model, samples, "causal")
+    batch = transformers.DataCollatorWithFlattening(**collator_kw)(
+        [{"input_ids": list(s["input_ids"]), "labels": list(s["labels"])} for s in samples])
+    try:
+        return row_grad_error(model, gt, {k: v for k, v in batch.items() if k != "labels"}, batch["labels"])
+    except ValueError:  # transformers' own refusal of packed input on this path (Qwen3.5 without fla)
+        model.zero_grad(set_to_none=True)
+        return float("inf")
 
 
 @families

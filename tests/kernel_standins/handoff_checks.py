@@ -21,7 +21,7 @@ import hf_gradfix
 from hf_gradfix.packing import state_reset
 from hf_gradfix.packing.collator import PackedCollator
 from test_exactness import GRAD_TOL
-from test_packing_hybrid import _has, build, packed_row_error
+from test_packing_hybrid import _has, build, packed_row_error, row_grad_error
 from test_packing_trainer import BUDGET, _train, _windows
 
 FAMILIES = ["lfm2", "qwen3_5", "bamba"]
@@ -80,19 +80,11 @@ def test_trainer_hands_the_boundaries_to_the_kernels_exactly(family, mode):
 
 def _rows_error(model, bins) -> float:
     """Several packed rows in one batch (``rows`` mode, padded): relative gradient error vs each document alone."""
-    samples = [s for b in bins for s in b]
-    _, gt = H.ground_truth(model, samples, "causal")
+    _, gt = H.ground_truth(model, [s for b in bins for s in b], "causal")
     batch = PackedCollator(mode="rows", pad_token_id=H.PAD_ID)(
         [[{"input_ids": list(s["input_ids"]), "labels": list(s["labels"])} for s in b] for b in bins])
-    model.zero_grad(set_to_none=True)
-    model.train()
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.float()
-    labels = batch["labels"][:, 1:]
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), reduction="sum")
-    (loss / (labels != -100).sum()).backward()
-    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return H.rel_err(got, gt)
+    return row_grad_error(model, gt, {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]},
+                          batch["labels"])
 
 
 @families
@@ -112,22 +104,6 @@ def test_several_rows_are_flattened_into_one_for_the_kernels(family):
     split.restore()
 
 
-def _flattened_row_error(model, samples, **collator_kw) -> float:
-    """One row packed by transformers' DataCollatorWithFlattening (``collator_kw``) through the unchanged model."""
-    _, gt = H.ground_truth(model, samples, "causal")
-    batch = transformers.DataCollatorWithFlattening(**collator_kw)(
-        [{"input_ids": list(s["input_ids"]), "labels": list(s["labels"])} for s in samples])
-    labels = batch.pop("labels")
-    model.zero_grad(set_to_none=True)
-    model.train()
-    logits = model(**batch, use_cache=False).logits.float()
-    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
-    (loss / (labels[0, 1:] != -100).sum()).backward()
-    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return H.rel_err(got, gt)
-
-
 @families
 def test_stock_with_the_kernels_is_exact_only_with_seq_idx(family):
     """transformers alone, the kernels installed, a row packed by DataCollatorWithFlattening: with its defaults, and
@@ -137,35 +113,18 @@ def test_stock_with_the_kernels_is_exact_only_with_seq_idx(family):
     model = _built(family)
     samples = H.make_samples("causal", n=4, seed=1, lo=6, hi=20)
     assert packed_row_error(model, samples) > GRAD_TOL
-    assert _flattened_row_error(model, samples, return_flash_attn_kwargs=True) > GRAD_TOL
-    assert _flattened_row_error(model, samples, return_flash_attn_kwargs=True, return_seq_idx=True) <= GRAD_TOL
+    assert packed_row_error(model, samples, return_flash_attn_kwargs=True) > GRAD_TOL
+    assert packed_row_error(model, samples, return_flash_attn_kwargs=True, return_seq_idx=True) <= GRAD_TOL
 
 
 @families
-def test_control_a_kernel_that_ignores_seq_idx_is_split_not_handed_off(family, monkeypatch):
-    """The convolution takes ``seq_idx`` and ignores it: the probe measures the leak and splits (still exact); the
-    same kernel handed the boundaries anyway (the probe's verdict overridden) fails the tolerance."""
-    monkeypatch.setenv("HF_GRADFIX_STANDIN_IGNORE_SEQ_IDX", "1")
-    model = _built(family)
-    samples = H.make_samples("causal", n=5, seed=2, lo=4, hi=14)
-    mixers = _probe_mixers(model)
-    assert not any(m.handoff for m in mixers)
-    split = state_reset.split_documents(model, mixers)
-    assert _rows_error(model, [samples[:3], samples[3:]]) <= GRAD_TOL and split.calls > 0
-    split.restore()
-    for m in mixers:
-        m.handoff = True
-    forced = state_reset.split_documents(model, mixers)
-    err = _rows_error(model, [samples[:3], samples[3:]])
-    assert forced.handoff_calls > 0 and err > GRAD_TOL, err
-    forced.restore()
-
-
-@families
-def test_control_a_kernel_that_misreads_seq_idx_is_split_not_handed_off(family, monkeypatch):
-    """The convolution reads ``seq_idx`` as a padding mask: no document reaches another (the structural check passes)
-    but its values are not each document's alone; the probe's value check splits it, and the split is exact."""
-    monkeypatch.setenv("HF_GRADFIX_STANDIN_MISREAD_SEQ_IDX", "1")
+@pytest.mark.parametrize("misbehaviour", ["HF_GRADFIX_STANDIN_IGNORE_SEQ_IDX", "HF_GRADFIX_STANDIN_MISREAD_SEQ_IDX"])
+def test_control_a_kernel_that_ignores_or_misreads_seq_idx_is_split_not_handed_off(family, misbehaviour, monkeypatch):
+    """The convolution takes ``seq_idx`` and ignores it (the probe measures the leak), or reads it as a padding mask
+    (no document reaches another, so the structural check passes, but the values are not each document's alone: the
+    probe's value check): either way the probe splits it (still exact), and the same kernel handed the boundaries
+    anyway (the probe's verdict overridden) fails the tolerance."""
+    monkeypatch.setenv(misbehaviour, "1")
     model = _built(family)
     samples = H.make_samples("causal", n=5, seed=2, lo=4, hi=14)
     mixers = _probe_mixers(model)
