@@ -184,9 +184,10 @@ def test_recorder_on_fsdp2_equals_the_trace(tmp_path):
         {k: v for k, v in traced.items() if k != "temporaries"}
     # The peak itself depends on thread timing: gloo completes FSDP2's async reduce-scatter on a background thread,
     # and in about 1 run in 6 a layer's reduce-scatter buffers are still alive when the next layer's backward
-    # samples (measured on 4.57.6: 6,750,024 vs 6,695,240 B, +0.8 %, every category maximum equal). The trace is the
-    # lower bound; the bound above it is one reduce-scatter's worth of overlap.
-    assert pred.peak <= steady.peak <= pred.peak * 1.01, (steady.peak, pred.peak)
+    # samples (measured: 4.57.6 +54,784 B; CI on 5.x +197,632 B, +3 %; every category maximum equal). The trace is
+    # the lower bound; the bound above it is one reduce-scatter's worth of overlap, the layer's unsharded gradient
+    # (726,016 B here), as for the temporaries above.
+    assert pred.peak <= steady.peak <= pred.peak + layer_grad, (steady.peak, pred.peak, layer_grad)
     _assert_sums(accumulated)
     assert [e["label"] for e in accumulated.events()].count("backward layer 0") == 2
 
