@@ -1052,11 +1052,11 @@ def run_ddp(
     if patch:
         cmd.append("--patch")
     cmd.extend(extra)
-    from multiproc import worker_env
+    from multiproc import run_launch, worker_env
 
     env = worker_env()
     try:
-        proc = subprocess.run(cmd, cwd=str(REPO_ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+        proc = run_launch(cmd, cwd=str(REPO_ROOT), env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"DDP scenario {scenario!r} timed out after {timeout}s\nstdout:\n{e.stdout}\n"
                            f"stderr:\n{e.stderr}") from e
@@ -1087,11 +1087,10 @@ def run_ddp_many(jobs: Sequence[tuple[str, Sequence[str]]], nproc: int = 2, patc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(TESTS_DIR / "ddp_worker.py"),
            "--jobs", str(base / "jobs.json")]
-    from multiproc import worker_env
+    from multiproc import run_launch, worker_env
 
     try:
-        proc = subprocess.run(cmd, cwd=str(REPO_ROOT), env=worker_env(), capture_output=True, text=True,
-                              timeout=timeout)
+        proc = run_launch(cmd, cwd=str(REPO_ROOT), env=worker_env(), timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"DDP jobs timed out after {timeout}s\nstderr:\n{e.stderr}") from e
     try:

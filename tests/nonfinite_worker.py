@@ -22,6 +22,7 @@ from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 import harness as H  # noqa: E402
+from multiproc import finish_distributed  # noqa: E402
 import hf_gradfix  # noqa: E402
 from hf_gradfix.integration.nonfinite import NonFiniteWarning  # noqa: E402
 
@@ -69,6 +70,7 @@ def main() -> None:
         "same_as_previous": same, "finite": finite,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, NonFiniteWarning)],
     }))
+    finish_distributed()
 
 
 if __name__ == "__main__":

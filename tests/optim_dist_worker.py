@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import harness  # noqa: E402
+import multiproc  # noqa: E402
 
 WORLD = 2  # data-parallel ranks
 GA = 2  # micro-batches per optimizer step and rank
@@ -280,7 +281,7 @@ def launch(out: str | os.PathLike, cases=None, timeout: float = 240) -> dict[str
     env["PYTHONPATH"] = os.pathsep.join([str(_TESTS.parent), str(_TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        proc = subprocess.run(cmd, cwd=str(_TESTS.parent), env=env, capture_output=True, text=True, timeout=timeout)
+        proc = multiproc.run_launch(cmd, cwd=str(_TESTS.parent), env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"optimizer workers timed out after {timeout}s\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}") from e
     if proc.returncode != 0:

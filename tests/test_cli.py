@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 import harness as H
+from multiproc import run_launch
 from hf_gradfix.cli import main, resolve_config
 from hf_gradfix.config import ConfigError
 from hf_gradfix.parallel import ParallelDimsError
@@ -113,7 +114,7 @@ def test_launch_hands_accelerate_its_keys_and_every_rank_the_section(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HF_GRADFIX_CONFIG", None)
     cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(path), str(script), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = run_launch(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, s in enumerate(seen):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import yaml
 
 import harness as H
+from multiproc import run_launch
 from hf_gradfix.cli import main, resolve_config
 from hf_gradfix.parallel.deepspeed import DeepSpeedConfigError, check_clipping, deepspeed_settings
 
@@ -132,6 +132,8 @@ _SCRIPT = textwrap.dedent('''
                        stage=trainer.model_wrapped.zero_optimization_stage(), world=trainer.args.world_size,
                        use_cpu_env=os.environ.get("ACCELERATE_USE_CPU"), on_nonfinite=hf_gradfix.state_of(trainer).config.loss.on_nonfinite),
                   open(sys.argv[1] + "/result.json", "w"))
+    from multiproc import finish_distributed
+    finish_distributed()
 ''')
 
 
@@ -150,8 +152,8 @@ def test_hf_gradfix_launch_runs_zero3_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR", "HF_GRADFIX_CONFIG")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HGF_TESTS=str(H.TESTS_DIR),
                PYTHONPATH=os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)]))
-    proc = subprocess.run([sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(cfg), str(script), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    proc = run_launch([sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(cfg), str(script), str(tmp_path)],
+                      env=env, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result == dict(deepspeed=True, engine="DeepSpeedEngine", stage=3, world=2, use_cpu_env=None, on_nonfinite="skip")

@@ -221,3 +221,36 @@ def test_c_ddp_llama_stock_exact(stock_trainer):
     print(f"\n(c) DDP llama {transformers.__version__}: " + ", ".join(
         f"rel {r['rel_err']:.2e} norm {r['norm_ratio']:.6f} loss {r['loss_rel_err']:.1e}" for r in rows)
         + f" [{wall:.1f}s]")
+
+
+_SIGNAL_PROBE = """
+import os, pathlib, sys
+tries = pathlib.Path(sys.argv[1]) / ("tries_" + sys.argv[2])
+n = int(tries.read_text()) + 1 if tries.exists() else 1
+tries.write_text(str(n))
+if sys.argv[2] == "abort" and n == 1:
+    os.abort()  # what gloo's "terminate called without an active exception" does to a rank
+if sys.argv[2] == "raise":
+    raise ValueError("a wrong number")
+"""
+
+
+@pytest.mark.distributed
+def test_a_launch_is_relaunched_once_for_a_rank_killed_by_a_signal_never_for_an_exception(tmp_path):
+    """multiproc.run_launch, which every multi-process test launches through: a rank dying by SIGABRT is relaunched
+    once, on a fresh port, with a warning; a Python exception in a rank is a verdict and fails at once (control)."""
+    from multiproc import free_port, run_launch, worker_env
+
+    script = tmp_path / "probe.py"
+    script.write_text(_SIGNAL_PROBE)
+
+    def launch(mode):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", "1",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path), mode]
+        return run_launch(cmd, env=worker_env(), timeout=300)
+
+    with pytest.warns(UserWarning, match=r"probe.py: rank 0 died by signal 6; relaunched once"):
+        assert launch("abort").returncode == 0
+    assert (tmp_path / "tries_abort").read_text() == "2"
+    assert launch("raise").returncode != 0
+    assert (tmp_path / "tries_raise").read_text() == "1"

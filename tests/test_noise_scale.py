@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import harness as H
+from multiproc import run_launch
 import hf_gradfix
 from hf_gradfix.diagnostics import NoiseScaleEstimator, NoiseScaleMonitor, resolve_window
 
@@ -342,13 +343,12 @@ def test_ddp_small_batches_are_local_and_big_batch_global(tmp_path):
     global window, and every rank ends with the same estimates: equal to a single-process estimator fed with
     explicitly computed micro-batch and window gradients."""
     import os
-    import subprocess
 
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()), __file__, "--gns-ddp-worker", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=600)
+    proc = run_launch(cmd, cwd=str(H.REPO_ROOT), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["history"] == ranks[1]["history"] and len(ranks[0]["history"]) >= 2
@@ -408,6 +408,9 @@ def _ddp_worker(out_dir: str) -> None:
     torch.save({"rank": rank, "beta": cb.beta, "history": [e.as_dict() for e in cb.history], "records": cb.monitor.records,
                 "idx_batches": [s["idx_batches"] for s in record.steps], "samples": samples, "initial_state": initial},
                os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
+    from multiproc import finish_distributed
+
+    finish_distributed()
 
 
 if __name__ == "__main__" and "--gns-ddp-worker" in sys.argv:

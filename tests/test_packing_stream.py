@@ -11,6 +11,7 @@ import transformers
 from transformers import Trainer
 
 import harness as H
+from multiproc import run_launch
 import hf_gradfix
 from hf_gradfix.packing.collator import PackedBatchError
 from hf_gradfix.packing.stream import StreamingPacker
@@ -195,7 +196,6 @@ def test_streamed_packed_training_under_ddp_is_exact(tmp_path):
     """2 processes (gloo): each gets its own rows of the one global row sequence, equal in number; every step's
     all-reduced gradient equals the ground truth over the rows BOTH ranks trained in that window."""
     import os
-    import subprocess
     import sys
 
     import ddp_packing_worker as W
@@ -203,7 +203,7 @@ def test_streamed_packed_training_under_ddp_is_exact(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path), "stream"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_launch(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     rows = list(StreamingPacker(W.stream(), W.BUDGET, buffer_size=W.STREAM_BUFFER, num_replicas=2, rank="all"))
@@ -378,7 +378,6 @@ def test_stream_ending_inside_a_window_under_ddp_is_stepped_on_both_ranks(tmp_pa
     """2 processes, GA 3: the last window of each pass holds fewer rows than 3 per rank; both ranks step it in its
     pass with the all-reduced gradient of the rows both trained, normalized by their global target count."""
     import os
-    import subprocess
     import sys
 
     import ddp_packing_worker as W
@@ -386,7 +385,7 @@ def test_stream_ending_inside_a_window_under_ddp_is_stepped_on_both_ranks(tmp_pa
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path), "stream_end"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_launch(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "carry no 'labels'" not in proc.stderr
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

@@ -8,6 +8,7 @@ import transformers
 from transformers import Trainer
 
 import harness as H
+from multiproc import run_launch
 import hf_gradfix
 from hf_gradfix.packing import PackedBatchSampler
 from hf_gradfix.packing.guard import PackingCheckError
@@ -158,7 +159,6 @@ def test_packed_training_under_ddp_is_exact(tmp_path, balance):
     ground truth's over the samples the sampler's plan put in it (the deal moves rows between ranks, never the
     loss)."""
     import os
-    import subprocess
     import sys
 
     import ddp_packing_worker as W
@@ -169,7 +169,7 @@ def test_packed_training_under_ddp_is_exact(tmp_path, balance):
     if balance == "compute":
         cmd.append("compute")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_launch(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     samples = W.samples()

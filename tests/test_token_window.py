@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import harness as H
+from multiproc import run_launch
 from hf_gradfix import TokenWindow
 from hf_gradfix.errors import UsageError
 
@@ -179,7 +180,7 @@ def _launch_ddp(out: Path):
            str(H.TESTS_DIR / "token_window_worker.py"), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(cmd, cwd=str(H.REPO_ROOT), env=env, capture_output=True, text=True, timeout=600)
+    proc = run_launch(cmd, cwd=str(H.REPO_ROOT), env=env, timeout=600)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-12000:], file=sys.stderr)
     assert proc.returncode == 0, "token_window_worker failed (output printed)"
