@@ -280,6 +280,63 @@ def test_the_guard_leaves_the_callback_list_as_stock_builds_it(disable_tqdm, tmp
         hf_gradfix.unpatch()
 
 
+@pytest.mark.parametrize("replay", [True, False], ids=["replayed", "control-not-replayed"])
+@pytest.mark.parametrize("way_in", ["patch", "callback"])
+def test_handlers_get_on_train_begin_on_a_callback_handler_a_subclass_replaces(way_in, replay, tmp_path, monkeypatch):
+    """hf_gradfix's own handlers (the DeepSpeed checks link the engine and check clipping in on_train_begin) on a
+    Trainer subclass that builds a new callback handler after super().__init__: the run's on_train_begin reaches
+    them once, with the run's state, before its first optimizer step. Control: without the replay the guard's
+    training_step only re-wraps the new handler, and on_train_begin is missed (the assertion must fail)."""
+    from transformers.trainer_callback import CallbackHandler
+
+    from hf_gradfix.integration import nonfinite
+    from hf_gradfix.integration.internal_callbacks import add_internal_callback
+
+    class Recorder:
+        def __init__(self):
+            self.events = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.events.append(("on_train_begin", state))
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.events.append(("on_pre_optimizer_step", state))
+
+    recorder = Recorder()
+
+    class NewHandler(_InOrder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            add_internal_callback(self, recorder)  # as the DeepSpeed checks are, before the subclass's rebuild
+            old = self.callback_handler
+            self.callback_handler = CallbackHandler(old.callbacks, self.model, self.processing_class, self.optimizer,
+                                                    self.lr_scheduler)
+
+    if not replay:
+        real = nonfinite.add_internal_callback
+        monkeypatch.setattr(nonfinite, "add_internal_callback", lambda trainer, callback, **kw: real(trainer, callback))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2, save_strategy="no",
+        gradient_accumulation_steps=2, per_device_train_batch_size=1, seed=3, remove_unused_columns=False,
+        disable_tqdm=True)
+    if way_in == "patch":
+        hf_gradfix.patch()
+    try:
+        callbacks = [hf_gradfix.GradFixCallback()] if way_in == "callback" else []
+        trainer = NewHandler(model=H.build_model("llama", seed=0), args=args, train_dataset=H.TokenDataset(_samples()),
+                             callbacks=callbacks)
+        trainer.train()
+    finally:
+        if way_in == "patch":
+            hf_gradfix.unpatch()
+    seen = [(event, state is trainer.state) for event, state in recorder.events]
+    want = [("on_train_begin", True), ("on_pre_optimizer_step", True), ("on_pre_optimizer_step", True)]
+    if replay:
+        assert seen == want
+    else:
+        assert seen == want[1:]
+
+
 @pytest.mark.parametrize("way_in", ["patch", "callback"])
 def test_the_guard_follows_a_callback_handler_a_subclass_replaces(way_in, tmp_path):
     """A Trainer subclass that builds a new callback handler from the old one's list after super().__init__ (as TRL's

@@ -30,6 +30,7 @@ __all__ = ["add_internal_callback", "internal_callbacks"]
 
 _LIST = "_hf_gradfix_internal_callbacks"
 _METHODS = "_hf_gradfix_internal_methods"
+_BEGAN = "_hf_gradfix_internal_began"  # the TrainerState whose on_train_begin the handlers saw
 
 
 def internal_callbacks(trainer: Any) -> list:
@@ -37,12 +38,14 @@ def internal_callbacks(trainer: Any) -> list:
     return list(trainer.__dict__.get(_LIST, ()))
 
 
-def add_internal_callback(trainer: Any, callback: Any) -> None:
+def add_internal_callback(trainer: Any, callback: Any, *, in_training: bool = False) -> None:
     """Run ``callback``'s event methods on every event of ``trainer``, after the callback list (idempotent).
 
     The handlers are kept on the trainer and the trainer's *current* callback handler is wrapped: calling this again
     after a subclass replaced the handler (TRL's experimental BEMA DPOTrainer builds a new one from the old one's
-    callback list after ``super().__init__``) wraps the new one."""
+    callback list after ``super().__init__``) wraps the new one. ``in_training``: the caller runs inside ``train()``
+    (the guard's ``training_step``); if this run's ``on_train_begin`` went through an unwrapped handler, the
+    handlers get it now, once, before the first optimizer step (the DeepSpeed checks link the engine there)."""
     callbacks = trainer.__dict__.setdefault(_LIST, [])
     if not any(c is callback for c in callbacks):
         callbacks.append(callback)
@@ -50,24 +53,33 @@ def add_internal_callback(trainer: Any, callback: Any) -> None:
     methods = handler.__dict__.get(_METHODS)
     if methods is None:
         methods = handler.__dict__[_METHODS] = InstanceMethods()
-    if methods.all_installed():
-        return
+    if not methods.all_installed():
+        def wrap(original):
+            def call_event(event, args, state, control, **kwargs):
+                control = original(event, args, state, control, **kwargs)
+                if not methods.live(call_event):  # unlinked by someone's later wrapper: pass through
+                    return control
+                return _dispatch(trainer, handler, event, args, state, control, **kwargs)
+            return call_event
 
-    def wrap(original):
-        def call_event(event, args, state, control, **kwargs):
-            control = original(event, args, state, control, **kwargs)
-            if not methods.live(call_event):  # unlinked by someone's later wrapper: pass through
-                return control
-            extra = {name: getattr(handler, name, None) for name in (
-                "model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader")}
-            for callback in list(trainer.__dict__.get(_LIST, ())):
-                method = getattr(callback, event, None)
-                if method is None:
-                    continue
-                result = method(args, state, control, **{**extra, **kwargs})
-                if result is not None:
-                    control = result
-            return control
-        return call_event
+        methods.wrap(handler, "call_event", wrap)
+    state = getattr(trainer, "state", None)
+    if in_training and state is not None and trainer.__dict__.get(_BEGAN) is not state:
+        _dispatch(trainer, handler, "on_train_begin", trainer.args, state, trainer.control)
 
-    methods.wrap(handler, "call_event", wrap)
+
+def _dispatch(trainer: Any, handler: Any, event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+    """Call ``event`` on every handler of ``trainer`` as the callback handler calls its list; the last returned
+    control wins. Which run's ``on_train_begin`` was seen is kept by its state (``train()`` makes a new one)."""
+    if event == "on_train_begin":
+        trainer.__dict__[_BEGAN] = state
+    extra = {name: getattr(handler, name, None) for name in (
+        "model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader")}
+    for callback in list(trainer.__dict__.get(_LIST, ())):
+        method = getattr(callback, event, None)
+        if method is None:
+            continue
+        result = method(args, state, control, **{**extra, **kwargs})
+        if result is not None:
+            control = result
+    return control

@@ -119,7 +119,7 @@ class NonFiniteGuard(TrainerCallback):
         trainer = self.trainer
         optimizer = getattr(trainer, "optimizer", None)
         self._restore(optimizer)
-        self._own_the_check(optimizer)  # also here: on_train_begin is not seen on a handler built after attach
+        self._own_the_check(optimizer)  # also here: cheap, and independent of which handler dispatched on_train_begin
         params = [p for p in trainer.model.parameters() if p.requires_grad]
         # under DeepSpeed the gradients live in the engine's partitions (p.grad is None): its overflow check, which
         # reduces over every rank, says whether they were finite
@@ -264,8 +264,8 @@ def attach(trainer: Trainer, config: GradFixConfig) -> NonFiniteGuard:
         loss = previous(*args, **kwargs) if previous is not None else type(trainer).training_step(trainer, *args, **kwargs)
         guard.after_micro_batch(loss)
         # a callback handler a subclass built after this attach (from the old one's list) gets the dispatch too, before
-        # the step's on_pre_optimizer_step (a dictionary lookup when nothing changed)
-        add_internal_callback(trainer, guard)
+        # the step's on_pre_optimizer_step, and the run's missed on_train_begin (a dictionary lookup when nothing changed)
+        add_internal_callback(trainer, guard, in_training=True)
         return loss
 
     trainer.training_step = training_step
