@@ -68,8 +68,9 @@ def main(out: str, streaming: bool = False, stream_end: bool = False, balance: s
                  if "loss" in h]
     torch.save({"grads": capture.grads, "logged": logged, "init": init, "imbalance": imbalance},
                f"{out}/rank{rank}.pt")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from multiproc import finish_distributed
+
+    finish_distributed()
 
 
 if __name__ == "__main__":

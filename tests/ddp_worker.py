@@ -227,9 +227,9 @@ def main(argv=None) -> None:
         jobs = [argv]
     for job in jobs:
         _run_job(job)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    from multiproc import finish_distributed
+
+    finish_distributed()
 
 
 def _run_job(argv) -> None:

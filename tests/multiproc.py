@@ -83,13 +83,27 @@ def run_launch(cmd: list[str], *, env: dict | None = None, cwd: str | os.PathLik
 
 
 def finish_distributed() -> None:
-    """A worker's last step: every rank reaches it, then the process group is destroyed. A Trainer run leaves the
-    group alive; gloo's threads then meet interpreter teardown, the suspected source of the rare SIGABRT above."""
+    """A worker's last step, after its records are written: every rank reaches it, the process group is destroyed
+    and the process ends with exit code 0 *without* running Python's teardown (``os._exit``).
+
+    Why the exit: a DDP-wrapped model (a Trainer's) keeps the gloo group alive past ``destroy_process_group``; when
+    it is collected, ``~ProcessGroupGloo`` joins gloo's run-loop thread while holding the GIL, and that thread may
+    still be freeing a finished work's tensor, which needs the GIL. Seen in gdb on a hung rank (stock transformers
+    4.57, no hf_gradfix): deadlock; during interpreter finalization the same thread's GIL request ends in
+    "terminate called without an active exception" (SIGABRT), 2 launches in 8 under load. A torch issue
+    (pytorch#190489, pytorch PR #179291), not the code under test. Call it only on success: an exception must reach
+    the launcher."""
+    import logging
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    logging.shutdown()  # file handlers (a job's rank log) flushed and closed, as teardown would
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch_cases(
@@ -140,7 +154,8 @@ def launch_cases(
 def run_cases(names: Iterable[str], out: Path, rank: int, run_one: Callable[[str], None],
               cleanup: Callable[[str], None] | None = None) -> None:
     """The worker's loop: each case in order, its traceback into ``OUT/<case>/FAILED_rank<r>`` (then re-raised, so
-    the launch fails), ``cleanup(name)`` after every case, a barrier between cases, the group destroyed at the end."""
+    the launch fails), ``cleanup(name)`` after every case, a barrier between cases, :func:`finish_distributed` at the
+    end (the process exits there)."""
     import torch
 
     for name in names:
@@ -154,4 +169,4 @@ def run_cases(names: Iterable[str], out: Path, rank: int, run_one: Callable[[str
             if cleanup is not None:
                 cleanup(name)
         torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish_distributed()

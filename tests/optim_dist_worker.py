@@ -315,7 +315,7 @@ def main(argv=None) -> None:
         record = run_case(case, rank, world, mesh)
         torch.save(record, out / f"{case}.rank{rank}.pt")
         dist.barrier()
-    dist.destroy_process_group()
+    multiproc.finish_distributed()
 
 
 if __name__ == "__main__":

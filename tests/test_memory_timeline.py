@@ -147,8 +147,12 @@ def _fsdp2_worker(rank: int, world: int, path: str, port: int) -> None:
         if rank == 0:
             with open(path, "wb") as f:
                 pickle.dump(rec.timelines[1:], f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    from multiproc import finish_distributed
+
+    finish_distributed()  # no Python teardown: the gloo exit race of tests/multiproc.py
 
 
 def _tiny_llama_layer():

@@ -108,6 +108,9 @@ def main() -> None:
                     steps_run=steps_run[0]), Path(args.out) / f"rank{rank}.pt")
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    from multiproc import finish_distributed
+
+    finish_distributed()
 
 
 if __name__ == "__main__":
