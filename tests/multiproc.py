@@ -58,11 +58,11 @@ def run_launch(cmd: list[str], *, env: dict | None = None, cwd: str | os.PathLik
     """``subprocess.run(cmd)`` for a multi-process launch (``torch.distributed.run`` or ``hf-gradfix launch``),
     output captured, relaunched once, on a fresh port, when a rank was killed by a signal.
 
-    A rank killed by a signal (SIGABRT inside gloo, "terminate called without an active exception": seen about once
-    in 100 launches on a loaded 2-core machine, in CP, ZeRO-3, DDP and Trainer launches alike, never reproduced in
-    reruns) is not a verdict on the code under test: one relaunch, said aloud with the first launch's stderr tail.
-    A Python exception (an assertion, a refusal, a wrong number) is never relaunched. ``before_relaunch`` clears
-    what the first launch wrote.
+    A rank killed by a signal (SIGABRT inside gloo at exit, "terminate called without an active exception": about
+    once in 100 launches on a loaded 2-core machine, in CP, ZeRO-3, DDP and Trainer launches alike, until workers
+    ended with :func:`finish_distributed`; kept for what that does not cover) is not a verdict on the code under
+    test: one relaunch, said aloud with the first launch's stderr tail. A Python exception (an assertion, a refusal,
+    a wrong number) is never relaunched. ``before_relaunch`` clears what the first launch wrote.
     """
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     killed = _KILLED_RANK.search(proc.stderr)
