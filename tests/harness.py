@@ -1043,16 +1043,12 @@ def run_ddp(
     own_dir = out_dir is None
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix=f"hgf_ddp_{scenario}_"))
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        python or sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(nproc), "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        str(TESTS_DIR / "ddp_worker.py"), "--scenario", scenario, "--out", str(out),
-    ]
+    from multiproc import run_launch, torchrun, worker_env
+
+    cmd = torchrun(TESTS_DIR / "ddp_worker.py", "--scenario", scenario, "--out", str(out), nproc=nproc, python=python)
     if patch:
         cmd.append("--patch")
     cmd.extend(extra)
-    from multiproc import run_launch, worker_env
 
     env = worker_env()
     try:
@@ -1084,10 +1080,9 @@ def run_ddp_many(jobs: Sequence[tuple[str, Sequence[str]]], nproc: int = 2, patc
         argv = ["--scenario", scenario, "--out", str(base / f"job{i}")] + (["--patch"] if patch else []) + list(extra)
         argv_list.append(argv)
     (base / "jobs.json").write_text(json.dumps(argv_list))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(TESTS_DIR / "ddp_worker.py"),
-           "--jobs", str(base / "jobs.json")]
-    from multiproc import run_launch, worker_env
+    from multiproc import run_launch, torchrun, worker_env
+
+    cmd = torchrun(TESTS_DIR / "ddp_worker.py", "--jobs", str(base / "jobs.json"), nproc=nproc)
 
     try:
         proc = run_launch(cmd, cwd=str(REPO_ROOT), env=worker_env(), timeout=timeout)

@@ -49,6 +49,13 @@ def worker_env(**extra: str) -> dict:
     return env
 
 
+def torchrun(script: str | os.PathLike, *args: str, nproc: int = 2, python: str | None = None) -> list[str]:
+    """The ``torch.distributed.run`` command line every test launch uses: ``nproc`` processes on one node, rendezvous
+    on 127.0.0.1 at a free port (``run_launch`` swaps it for a fresh one on a relaunch)."""
+    return [python or sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
+
+
 _KILLED_RANK = re.compile(r"failed \(exitcode: -(\d+)\) local_rank: (\d+)")
 _PORT_FLAGS = ("--master_port", "--main_process_port")
 
@@ -127,13 +134,12 @@ def launch_cases(
     import torch
 
     out = Path(tempfile.mkdtemp(prefix=f"hgf_{Path(worker).stem}_"))
+    worker_args = ["--out", str(out), flag, ",".join(names)]
     if via_config is not None:
-        launcher = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(via_config),
-                    "--main_process_port", str(free_port())]
+        cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(via_config),
+               "--main_process_port", str(free_port()), str(TESTS_DIR / worker), *worker_args]
     else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
-                    "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    cmd = launcher + [str(TESTS_DIR / worker), "--out", str(out), flag, ",".join(names)]
+        cmd = torchrun(TESTS_DIR / worker, *worker_args, nproc=nproc)
 
     def fresh_out() -> None:
         shutil.rmtree(out, ignore_errors=True)

@@ -266,22 +266,11 @@ def launch(out: str | os.PathLike, cases=None, timeout: float = 240) -> dict[str
     """
     import subprocess
 
-    import harness
-
     cases = list(cases or CASES)
     out = Path(out)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(WORLD), "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(harness._free_port()),
-        str(Path(__file__).resolve()), "--out", str(out), "--cases", ",".join(cases),
-    ]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_TESTS.parent), str(_TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("HF_HUB_OFFLINE", "1")
+    cmd = multiproc.torchrun(Path(__file__).resolve(), "--out", str(out), "--cases", ",".join(cases), nproc=WORLD)
     try:
-        proc = multiproc.run_launch(cmd, cwd=str(_TESTS.parent), env=env, timeout=timeout)
+        proc = multiproc.run_launch(cmd, cwd=str(_TESTS.parent), env=multiproc.worker_env(), timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"optimizer workers timed out after {timeout}s\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}") from e
     if proc.returncode != 0:

@@ -239,15 +239,13 @@ if sys.argv[2] == "raise":
 def test_a_launch_is_relaunched_once_for_a_rank_killed_by_a_signal_never_for_an_exception(tmp_path):
     """multiproc.run_launch, which every multi-process test launches through: a rank dying by SIGABRT is relaunched
     once, on a fresh port, with a warning; a Python exception in a rank is a verdict and fails at once (control)."""
-    from multiproc import free_port, run_launch, worker_env
+    from multiproc import run_launch, torchrun, worker_env
 
     script = tmp_path / "probe.py"
     script.write_text(_SIGNAL_PROBE)
 
     def launch(mode):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path), mode]
-        return run_launch(cmd, env=worker_env(), timeout=300)
+        return run_launch(torchrun(script, tmp_path, mode, nproc=1), env=worker_env(), timeout=300)
 
     with pytest.warns(UserWarning, match=r"probe.py: rank 0 died by signal 6; relaunched once"):
         assert launch("abort").returncode == 0

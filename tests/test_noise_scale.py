@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import harness as H
-from multiproc import run_launch
+from multiproc import run_launch, torchrun, worker_env
 import hf_gradfix
 from hf_gradfix.diagnostics import NoiseScaleEstimator, NoiseScaleMonitor, resolve_window
 
@@ -342,13 +342,8 @@ def test_ddp_small_batches_are_local_and_big_batch_global(tmp_path):
     """Under DDP the hooks see each rank's own micro-batch gradient (not the all-reduced one), the big batch is the
     global window, and every rank ends with the same estimates: equal to a single-process estimator fed with
     explicitly computed micro-batch and window gradients."""
-    import os
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()), __file__, "--gns-ddp-worker", str(tmp_path)]  # fmt: skip
-    proc = run_launch(cmd, cwd=str(H.REPO_ROOT), env=env, timeout=600)
+    proc = run_launch(torchrun(__file__, "--gns-ddp-worker", tmp_path), cwd=str(H.REPO_ROOT), env=worker_env(),
+                      timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["history"] == ranks[1]["history"] and len(ranks[0]["history"]) >= 2

@@ -25,7 +25,7 @@ from hf_gradfix.integration.nonfinite import NonFiniteWarning
 from hf_gradfix.optim import ApolloAdamW, GaLoreAdamW
 
 import harness as H
-from multiproc import run_launch
+from multiproc import run_launch, torchrun, worker_env
 
 MARK = 3  # token id never drawn by make_samples for causal LM: the sample that carries it gets a NaN forward
 
@@ -226,15 +226,8 @@ def test_low_rank_optimizer_range_checks():
 def test_two_ranks_agree_to_skip_when_one_rank_sees_a_nan(tmp_path):
     """Only rank 1 sees the NaN loss: both ranks skip the same step and stay bit-equal to before it."""
     import json
-    import os
-    import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
-           str(H.TESTS_DIR / "nonfinite_worker.py"), str(tmp_path)]
-    proc = run_launch(cmd, env=env, timeout=600)
+    proc = run_launch(torchrun(H.TESTS_DIR / "nonfinite_worker.py", tmp_path), env=worker_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     for r in (r0, r1):

@@ -11,7 +11,7 @@ import transformers
 from transformers import Trainer
 
 import harness as H
-from multiproc import run_launch
+from multiproc import run_launch, torchrun, worker_env
 import hf_gradfix
 from hf_gradfix.packing.collator import PackedBatchError
 from hf_gradfix.packing.stream import StreamingPacker
@@ -195,15 +195,10 @@ def test_streamed_training_resumed_from_a_checkpoint_continues_with_the_same_row
 def test_streamed_packed_training_under_ddp_is_exact(tmp_path):
     """2 processes (gloo): each gets its own rows of the one global row sequence, equal in number; every step's
     all-reduced gradient equals the ground truth over the rows BOTH ranks trained in that window."""
-    import os
-    import sys
 
     import ddp_packing_worker as W
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path), "stream"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
-    proc = run_launch(cmd, env=env, timeout=600)
+    proc = run_launch(torchrun(H.TESTS_DIR / "ddp_packing_worker.py", tmp_path, "stream"), env=worker_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     rows = list(StreamingPacker(W.stream(), W.BUDGET, buffer_size=W.STREAM_BUFFER, num_replicas=2, rank="all"))
@@ -377,15 +372,10 @@ def test_resume_at_the_end_of_a_pass_continues_like_the_straight_run(tmp_path):
 def test_stream_ending_inside_a_window_under_ddp_is_stepped_on_both_ranks(tmp_path):
     """2 processes, GA 3: the last window of each pass holds fewer rows than 3 per rank; both ranks step it in its
     pass with the all-reduced gradient of the rows both trained, normalized by their global target count."""
-    import os
-    import sys
 
     import ddp_packing_worker as W
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path), "stream_end"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
-    proc = run_launch(cmd, env=env, timeout=600)
+    proc = run_launch(torchrun(H.TESTS_DIR / "ddp_packing_worker.py", tmp_path, "stream_end"), env=worker_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "carry no 'labels'" not in proc.stderr
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

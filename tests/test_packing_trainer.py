@@ -8,7 +8,7 @@ import transformers
 from transformers import Trainer
 
 import harness as H
-from multiproc import run_launch
+from multiproc import run_launch, torchrun, worker_env
 import hf_gradfix
 from hf_gradfix.packing import PackedBatchSampler
 from hf_gradfix.packing.guard import PackingCheckError
@@ -158,18 +158,12 @@ def test_packed_training_under_ddp_is_exact(tmp_path, balance):
     """Two ranks, packed rows dealt by tokens or by compute (packing.balance): every window's gradient is the
     ground truth's over the samples the sampler's plan put in it (the deal moves rows between ranks, never the
     loss)."""
-    import os
-    import sys
 
     import ddp_packing_worker as W
     from hf_gradfix.packing.balance import attention_cost_coeff
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(H._free_port()), str(H.TESTS_DIR / "ddp_packing_worker.py"), str(tmp_path)]
-    if balance == "compute":
-        cmd.append("compute")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)])}
-    proc = run_launch(cmd, env=env, timeout=600)
+    cmd = torchrun(H.TESTS_DIR / "ddp_packing_worker.py", tmp_path, *(["compute"] if balance == "compute" else []))
+    proc = run_launch(cmd, env=worker_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     samples = W.samples()

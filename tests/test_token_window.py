@@ -7,7 +7,6 @@ unpadded, token-level CE summed by the task's rule and divided by the total coun
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 import harness as H
-from multiproc import run_launch
+from multiproc import run_launch, torchrun, worker_env
 from hf_gradfix import TokenWindow
 from hf_gradfix.errors import UsageError
 
@@ -175,12 +174,8 @@ def test_window_must_be_iterated_to_the_end():
 
 
 def _launch_ddp(out: Path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(H._free_port()),
-           str(H.TESTS_DIR / "token_window_worker.py"), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR), env.get("PYTHONPATH", "")])
-    proc = run_launch(cmd, cwd=str(H.REPO_ROOT), env=env, timeout=600)
+    proc = run_launch(torchrun(H.TESTS_DIR / "token_window_worker.py", "--out", out), cwd=str(H.REPO_ROOT),
+                      env=worker_env(), timeout=600)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-12000:], file=sys.stderr)
     assert proc.returncode == 0, "token_window_worker failed (output printed)"
