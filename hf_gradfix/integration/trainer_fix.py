@@ -106,6 +106,12 @@ def _aux_of(outputs: Any) -> torch.Tensor | None:
     return aux if torch.is_tensor(aux) else None
 
 
+def _router_term(state: GradFixState, outputs: Any, like: torch.Tensor) -> torch.Tensor | None:
+    """``coef * aux_loss``: the MoE router term of a model whose aux coefficient the probes found, else None."""
+    aux = _aux_of(outputs) if state.aux_coef else None
+    return state.aux_coef * aux.to(like.device) if aux is not None else None
+
+
 def _zero_connected(loss: torch.Tensor | None, outputs: Any, model: torch.nn.Module) -> torch.Tensor:
     """A zero loss that still reaches every parameter the forward used, so DDP's hooks all fire.
 
@@ -1323,12 +1329,21 @@ class _GradFixDefaultLoss(Trainer):
                 )
                 n_used = n
         elif labels is not None and smoothed_lean:
-            base = _loss_of(outputs)  # the smoothed sum over this micro-batch's targets / the window's count
+            # the smoothed sum over this micro-batch's targets / the window's count, plus the router term a MoE model
+            # adds when it is given labels (taken out here, added back below by the declared convention)
+            raw = _loss_of(outputs)
+            aux_term = _router_term(state, outputs, raw)
+            base = raw - aux_term if aux_term is not None else raw
+            aux = aux_term if aux_term is not None else 0.0
             n_used = n
         elif labels is not None:
             rule = model_behaviour.count_rule if model_behaviour is not None else CountRule.UNSHIFTED
             mean = self.label_smoother(outputs, labels, shift_labels=rule is CountRule.SHIFTED)
             base = self._gradfix_mean_to_window(mean, labels, model_behaviour, n, outputs, model)
+            # the label smoother reads the logits only: a MoE model's router loss, computed beside them, is added here
+            # by the declared convention (stock's label-smoothing path drops it without a word)
+            aux_term = _router_term(state, outputs, base)
+            aux = aux_term if aux_term is not None else 0.0
             n_used = n
         else:
             raw = _loss_of(outputs)
@@ -1338,8 +1353,7 @@ class _GradFixDefaultLoss(Trainer):
                     f"The model did not return a loss from the inputs, only the following keys: {keys}. "
                     f"For reference, the inputs it received are {','.join(inputs.keys())}."
                 )
-            aux_tensor = _aux_of(outputs) if state.aux_coef else None
-            aux_term = state.aux_coef * aux_tensor.to(raw.device) if aux_tensor is not None else None
+            aux_term = _router_term(state, outputs, raw)
             main = raw - aux_term if aux_term is not None else raw
             if model_behaviour.honors_num_items or n is None:
                 base = main
