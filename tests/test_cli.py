@@ -278,6 +278,36 @@ def test_the_lock_files_ship_inside_the_package():
     assert (ROOT / "requirements").resolve() == LOCK_DIR
 
 
+def test_the_cli_commands_and_the_cli_page_agree():
+    """docs/cli.md names every command the parser has (read from the parser, not a copy) and says how many; the
+    generated help covers each (docs/hooks.py)."""
+    import argparse
+    import re
+
+    from hf_gradfix.cli import build_parser
+
+    def subcommands(parser):
+        return {name: sub for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+                for name, sub in action.choices.items()}
+
+    commands = set()
+    for name, sub in subcommands(build_parser()).items():
+        inner = subcommands(sub)
+        # a command group with one subcommand (config check) is named with it; configs lists its own
+        commands.add(f"{name} {next(iter(inner))}" if len(inner) == 1 else name)
+    page = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `hf-gradfix ([a-z ]+)` \|", page, flags=re.M))
+    assert listed == commands, (listed, commands)
+    words = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+    assert f"with {words[len(commands)]} commands" in page
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import hooks
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    assert {" ".join(c) for c in hooks.CLI_COMMANDS if c} == commands
+
+
 def test_shipped_configs_by_name_from_outside_the_clone(tmp_path):
     """Typed where a user stands (a folder outside the clone): config check / launch take a shipped configuration by
     name; configs list names every shipped file; show prints it; copy writes an editable copy and never overwrites.
