@@ -940,7 +940,34 @@ def _check_accelerate(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
     if (isinstance(rank, int) and isinstance(machines, int) and not isinstance(rank, bool) and machines >= 1
             and not 0 <= rank < machines):
         bad(("machine_rank",), f"invalid value {rank}; it must be < num_machines ({machines})")
+    for section, message in _ignored_engine_sections(acc):
+        bad((section,), message)
     return problems
+
+
+#: accelerate's engine sections and the distributed_type that reads each (accelerate launch decides the engine from
+#: distributed_type alone: tests/test_deepspeed_config.py checks this against its own launch parser)
+_ENGINE_SECTIONS = (("deepspeed_config", "DEEPSPEED", "DeepSpeed"), ("fsdp_config", "FSDP", "FSDP"))
+
+
+def _ignored_engine_sections(acc: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(section, problem) for an engine section accelerate launch would ignore: ``deepspeed_config`` next to
+    ``distributed_type: FSDP`` launches FSDP without a word, and the reverse; an empty section is accelerate's own
+    default and says nothing.
+
+    >>> _ignored_engine_sections({"distributed_type": "FSDP", "fsdp_config": {}, "deepspeed_config": {"zero_stage": 2}})[0][1][:65]
+    'ignored: distributed_type is FSDP, so accelerate launch runs FSDP'
+    """
+    kind = acc.get("distributed_type", "NO")
+    if not isinstance(kind, str) or kind not in _DISTRIBUTED_TYPES:
+        return []  # refused as a value of its own
+    out = []
+    for section, engine, name in _ENGINE_SECTIONS:
+        if isinstance(acc.get(section), Mapping) and acc[section] and kind != engine:
+            out.append((section, f"ignored: distributed_type is {kind}, so accelerate launch runs {kind} and never "
+                                 f"reads {section}; fix: set distributed_type: {engine} to run {name}, or remove "
+                                 f"{section}"))
+    return out
 
 
 def _env_note(message: str, via_env: bool) -> str:

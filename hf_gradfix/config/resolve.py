@@ -101,7 +101,7 @@ class ResolvedConfig:
     global_batch_tokens: int | None
     deepspeed: Any = None  # hf_gradfix.parallel.deepspeed.DeepSpeedSettings when the file selects DeepSpeed
     use_cpu: bool = False
-    notes: list = field(default_factory=list)  # what accelerate will ignore in the file, one line each
+    notes: list = field(default_factory=list)  # what the launch needs to know about the file, one line each
 
     def lines(self) -> list[str]:
         g = self.gradfix
@@ -215,8 +215,6 @@ def resolve_config(
     ``for_launch`` (``config check`` and ``launch``): also refuse what accelerate's launcher cannot run, with the
     same line from both."""
     from ..parallel import ParallelDims
-    from ..parallel.deepspeed import ignored_engine_sections
-
     path = str(path)
     cf = read_config_file(path)
     acc, section, gradfix = cf.accelerate, cf.section, cf.gradfix
@@ -321,7 +319,7 @@ def resolve_config(
         global_batch_tokens=global_tokens,
         deepspeed=deepspeed,
         use_cpu=bool(acc.get("use_cpu")),
-        notes=ignored_engine_sections(acc) + ([
+        notes=([
             f"plain `accelerate launch` stops on the {SECTION}: section (its own parser knows no such key and "
             f"says \"try upgrading accelerate\"): launch this file with `hf-gradfix launch --config_file {path} "
             "train.py`, which gives accelerate its keys and every rank the section"] if section is not None and acc
