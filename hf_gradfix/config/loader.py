@@ -54,7 +54,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from ..errors import InvalidTypeError
-from .schema import ConfigError, GradFixConfig
+from .schema import ConfigError, GradFixConfig, cp_balance_without_cp
 
 __all__ = ["ENV_VAR", "SECTION", "ConfigFile", "load_config", "read_config_file", "config_from_dict", "config_to_dict"]
 
@@ -697,6 +697,10 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
             gradfix = _build_root(GradFixConfig, section, origin=shown, lines=lines, prefix=prefix)
         except ConfigError as err:
             problems.extend(err.problems)
+    if gradfix is not None and accelerate:  # what the section asks of the mesh the file's accelerate keys launch
+        where = prefix + ("parallel", "cp_balance")
+        problems += [f"{shown}:{_line_of(lines, where) or '?'}: {_dotted(where[len(prefix):])}: {message}"
+                     for message in _launch_conflicts(gradfix, accelerate)]
     if problems:
         text = problems[0] if len(problems) == 1 else (
             f"{len(problems)} problems in {shown}:\n" + _bulleted(problems)
@@ -706,6 +710,21 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
         section = None  # `hf_gradfix:` with nothing under it
     return ConfigFile(path=shown, accelerate=accelerate, section=dict(section) if section is not None else None,
                       gradfix=gradfix if gradfix is not None else GradFixConfig())
+
+
+def _launch_conflicts(gradfix: GradFixConfig, acc: Mapping[str, Any]) -> list[str]:
+    """Settings of the section that do nothing on the mesh the file's accelerate keys launch: ``cp_balance:
+    long_documents`` where neither the section (its own degrees) nor accelerate's ``parallelism_config`` sets cp > 1
+    (a section without accelerate keys is checked on the trainer's mesh at install)."""
+    par = gradfix.parallel
+    if par.cp_balance != "long_documents" or par.mesh_given():  # the section's own mesh: its schema checks it
+        return []
+    pc = acc.get(_PC) if isinstance(acc.get(_PC), Mapping) else {}
+    cp = pc.get(f"{_PC_PREFIX}cp_size")
+    if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or cp > 1):
+        return []  # cp > 1, or a value _check_accelerate refuses already
+    return [cp_balance_without_cp(f"the launch this file describes has cp 1 (no {_PC_PREFIX}cp_size > 1 in its "
+                                  f"{_PC}, no parallel degrees in the section)")]
 
 
 def _load_file(source: str | os.PathLike, via_env: bool = False) -> GradFixConfig:

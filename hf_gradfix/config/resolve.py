@@ -14,7 +14,6 @@ Shared by ``hf-gradfix config check`` / ``launch`` (:mod:`hf_gradfix.cli`) and `
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +32,7 @@ def parallel_requested(section: ParallelConfig) -> bool:
     >>> parallel_requested(ParallelConfig(cp_balance="long_documents"))  # a layout option, not a mesh
     False
     """
-    def degrees(config: ParallelConfig) -> dict:  # cp_balance*: how cp lays out packed rows, not a mesh of its own
-        return {k: v for k, v in dataclasses.asdict(config).items() if not k.startswith("cp_balance")}
-
-    return degrees(section) != degrees(ParallelConfig())
+    return section.mesh_given()  # cp_balance*: how cp lays out packed rows, not a mesh of its own
 
 
 def describe_balance(balance: str, threshold: int | None, cp: int) -> str:
