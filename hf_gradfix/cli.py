@@ -318,10 +318,20 @@ def _cmd_configs(ns: argparse.Namespace) -> int:
     if ns.configs_command == "show":
         print(path.read_text(encoding="utf-8"), end="")
         return 0
+    if not ns.dest.strip():
+        raise InvalidArgumentError("DEST is empty; give a file or a folder to copy into (default: this folder)")
     dest = os.path.join(ns.dest, path.name) if os.path.isdir(ns.dest) else ns.dest
-    if os.path.exists(dest):
+    if os.path.lexists(dest):
         raise InvalidArgumentError(f"{dest}: exists; copy refuses to overwrite (give another DEST)")
-    shutil.copyfile(path, dest)
+    folder = os.path.dirname(dest) or "."
+    if not os.path.isdir(folder):
+        what = f"{folder} is not a folder" if os.path.exists(folder) else f"the folder {folder} does not exist"
+        raise InvalidArgumentError(f"{dest}: {what}; give an existing folder, or a file path in one")
+    try:
+        with open(path, "rb") as src, open(dest, "xb") as out:  # "x": never overwrite, even a file made meanwhile
+            shutil.copyfileobj(src, out)
+    except OSError as err:  # no permission, a read-only or full disk, a name too long: one line, not a traceback
+        raise InvalidArgumentError(f"{dest}: cannot write it ({err.strerror or err}); give another DEST") from None
     print(f"copied {ns.name} to {dest}")
     return 0
 

@@ -1,8 +1,10 @@
 """``hf-gradfix env``: the versions and the device a bug report needs, paste-ready (like ``accelerate env``).
 
 Lists Python, the platform, hf_gradfix and every package of the stack it works with (installed version or "not
-installed"), the device (CUDA / CPU, GPU names and memory), and, when run from a clone (``requirements/lock-tf5.txt``
-next to the package), every pinned package whose installed version differs from the lock CI tested.
+installed"), the device (CUDA / CPU, GPU names and memory), the packages hf_gradfix integrates with that are installed
+at a version CI did not test, with the command that installs the tested set (the line ``patch()`` warns with), and the
+pins of the tested lock (shipped with the package: ``hf_gradfix/requirements/``) whose installed version differs:
+only the pins whose package is installed count, an optional extra nobody installed is not a difference.
 
 >>> lines = environment_lines()
 >>> lines[0].startswith("- hf_gradfix version: ")
@@ -19,7 +21,6 @@ from pathlib import Path
 #: the stack, by distribution name (what pip calls it)
 PACKAGES = ("torch", "transformers", "accelerate", "trl", "peft", "datasets", "deepspeed", "flash-attn",
             "bitsandbytes", "numba", "tokenizers", "safetensors", "matplotlib", "pyyaml")
-LOCK = Path(__file__).resolve().parent.parent / "requirements" / "lock-tf5.txt"
 
 
 def _version(name: str) -> str | None:
@@ -41,21 +42,26 @@ def _device_lines() -> list[str]:
     return [f"- device: CPU only (torch {torch.__version__} sees no CUDA device)"]
 
 
-def lock_drift(lock: Path = LOCK) -> list[str] | None:
-    """``name: installed X, locked Y`` for every pin of ``lock`` that differs (None when there is no lock file: an
-    installed package, not a clone)."""
+def _lock_lines() -> list[str]:
+    """The ``tested versions`` and ``lock`` lines: the integrated packages that differ from the tested lock (with the
+    command that installs it), then every installed pin of that lock that differs."""
+    from .integration.versions import lock_drift, lock_of_installed, untested_versions
+
+    lock = lock_of_installed()
     if not lock.is_file():
-        return None
-    out = []
-    for line in lock.read_text(encoding="utf-8").splitlines():
-        line = line.split("#", 1)[0].strip()
-        if "==" not in line:
-            continue
-        name, pinned = (part.strip() for part in line.split("==", 1))
-        installed = _version(name)
-        if installed != pinned:
-            out.append(f"{name}: installed {installed or 'not installed'}, locked {pinned}")
-    return out
+        return [f"- lock: {lock} is missing (a copy of the package without its data files)"]
+    untested = untested_versions()
+    lines = [f"- untested versions: {untested}" if untested else
+             f"- untested versions: none (every installed package hf_gradfix integrates with is at its {lock.name} "
+             "version)"]
+    drift, installed = lock_drift(lock)
+    shown = "; ".join(f"{name}: installed {version}, locked {pinned}" for name, version, pinned in drift[:20])
+    if not drift:
+        lines.append(f"- lock: the {installed} installed pin(s) of {lock.name} are at their locked versions ({lock})")
+    else:
+        lines.append(f"- lock: {len(drift)} of the {installed} installed pin(s) of {lock.name} differ: {shown}"
+                     + (f"; and {len(drift) - 20} more" if len(drift) > 20 else "") + f" ({lock})")
+    return lines
 
 
 def environment_lines() -> list[str]:
@@ -67,12 +73,5 @@ def environment_lines() -> list[str]:
              f"- platform: {platform.platform()}"]
     lines += [f"- {name}: {_version(name) or 'not installed'}" for name in PACKAGES]
     lines += _device_lines()
-    drift = lock_drift()
-    if drift is None:
-        lines.append("- lock: no requirements/lock-tf5.txt beside the package (an installed copy, not a clone)")
-    elif not drift:
-        lines.append(f"- lock: every pin of {LOCK.name} is installed at its locked version")
-    else:
-        lines.append(f"- lock: {len(drift)} pin(s) of {LOCK.name} differ: " + "; ".join(drift[:20])
-                     + (f"; and {len(drift) - 20} more" if len(drift) > 20 else ""))
+    lines += _lock_lines()
     return lines

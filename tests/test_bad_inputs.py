@@ -15,6 +15,7 @@ import sys
 import typing
 
 import pytest
+import torch
 import yaml
 
 from hf_gradfix.cli import main
@@ -427,6 +428,10 @@ CLI_ROWS = [  # (id, argv with {tmp}, fragment, seconds, MiB)
     ("launch --num_processes 0", ["launch", "--num_processes", "0", "x.py"], "--num_processes 0: invalid value; it must be a whole number >= 1", 60, 400),
     ("launch --main_process_port 70000", ["launch", "--main_process_port", "70000", "x.py"], "--main_process_port 70000: invalid value", 60, 400),
     ("verify --data FIFO", ["verify", "--data", "{tmp}/fifo.jsonl"], "--data {tmp}/fifo.jsonl: is a named pipe (FIFO)", 60, 400),
+    # issue 50: a FileNotFoundError traceback from the plugin's own code
+    ("configs copy into a missing folder", ["configs", "copy", "ep", "{tmp}/no/such/x.yaml"],
+     "{tmp}/no/such/x.yaml: the folder {tmp}/no/such does not exist", 60, 400),
+    ("configs copy under a file", ["configs", "copy", "ep", "{tmp}/ok.yaml/x.yaml"], "{tmp}/ok.yaml is not a folder", 60, 400),
 ]
 
 
@@ -625,3 +630,152 @@ def test_verify_model_with_a_malicious_pickle_is_one_line_and_never_runs_it(tmp_
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert "its weights file is a pickle that holds more than tensors" in err and "posix.system" in err, err
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------ issue 50: settings that do nothing where they are
+# A setting that does nothing in the combination given is refused in one line naming the key, its value, why and the
+# fix (the rule optimizer.* follows), from the library (a file, and the dict) and config check / launch alike; what
+# depends on the model or the trainer, before the first optimizer step. Each path that reads the setting was read:
+# aux_bias_rate only under aux_loss: bias; the router-loss conventions and the lean head inside the loss fix only;
+# packing.balance where a packed dataset's rows are dealt; cp_balance where packed rows are split over cp > 1 ranks.
+
+SILENT_CASES = [  # (id, section, key fragment, fragment)
+    ("aux_bias_rate under micro", {"loss": {"aux_bias_rate": 0.01}},
+     "hf_gradfix.loss.aux_bias_rate: invalid value 0.01", "aux_loss: micro would ignore it"),
+    ("aux_bias_rate under global", {"loss": {"aux_loss": "global", "aux_bias_rate": 0.01}},
+     "hf_gradfix.loss.aux_bias_rate: invalid value 0.01", "aux_loss: global would ignore it"),
+    ("bias at rate 0", {"loss": {"aux_loss": "bias", "aux_bias_rate": 0.0}},
+     "hf_gradfix.loss.aux_bias_rate: invalid value 0", "never moves the router biases"),
+    ("global with the loss fix off", {"loss": {"enabled": False, "aux_loss": "global"}},
+     "hf_gradfix.loss.aux_loss: invalid value 'global'", "loss.enabled: false turns off"),
+    ("bias with the loss fix off", {"loss": {"enabled": False, "aux_loss": "bias"}},
+     "hf_gradfix.loss.aux_loss: invalid value 'bias'", "set loss.enabled: true or remove aux_loss"),
+    ("lean head with the loss fix off", {"loss": {"enabled": False, "head": "lean"}},
+     "hf_gradfix.loss.head: invalid value 'lean'", "loss.enabled: false turns off"),
+    ("balance compute with packing off", {"packing": {"balance": "compute"}},
+     "hf_gradfix.packing.balance: invalid value 'compute'", "set packing.enabled: true or remove balance"),
+    ("balance compute with rl_forwards only", {"packing": {"rl_forwards": True, "balance": "compute"}},
+     "hf_gradfix.packing.balance: invalid value 'compute'", "not dataset rows"),
+    ("long_documents on the section's cp 1 mesh", {"parallel": {"dp_shard": 2, "cp_balance": "long_documents"}},
+     "hf_gradfix.parallel.cp_balance: invalid value 'long_documents'", "this section's mesh has cp: 1"),
+]
+
+#: the same keys where they act: accepted (the control)
+ACTING_CASES = [
+    {"loss": {"aux_loss": "bias", "aux_bias_rate": 0.01}},
+    {"loss": {"enabled": False, "aux_loss": "as_is", "on_nonfinite": "skip"}},  # as_is is stock; on_nonfinite acts
+    {"packing": {"enabled": True, "balance": "compute"}},
+    {"parallel": {"cp_balance": "long_documents"}},  # a dict: cp may come from the launch, decided on the trainer
+]
+
+
+@pytest.mark.parametrize("name, section, key_fragment, fragment", SILENT_CASES, ids=[c[0] for c in SILENT_CASES])
+def test_a_setting_that_does_nothing_here_is_one_line(tmp_path, capsys, name, section, key_fragment, fragment):
+    path = _write(tmp_path, {**BASE, "hf_gradfix": section})
+    _same_everywhere(path, capsys, [key_fragment, fragment])
+    with pytest.raises(ConfigError) as info:  # the dict path of the library (patch(dict), GradFixCallback(dict))
+        load_config(section)
+    assert str(info.value).startswith(key_fragment) and fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("section", ACTING_CASES, ids=lambda s: str(s))
+def test_the_same_settings_where_they_act_are_accepted(section):
+    load_config(section)
+
+
+def test_long_documents_is_refused_where_the_launch_has_cp_1(tmp_path, capsys):
+    """cp from the file's accelerate keys: cp 1 refused by the library and config check / launch alike; accelerate's
+    parallelism_config_cp_size: 2 is accepted (the control)."""
+    section = {"parallel": {"cp_balance": "long_documents"}, "packing": {"enabled": True}}
+    path = _write(tmp_path, {**BASE, "hf_gradfix": section})
+    _same_everywhere(path, capsys, ["hf_gradfix.parallel.cp_balance: invalid value 'long_documents'",
+                                    "the launch this file describes has cp 1"])
+    gpu = {k: v for k, v in BASE.items() if k != "use_cpu"}
+    path = _write(tmp_path, {**gpu, "distributed_type": "MULTI_GPU",
+                             "parallelism_config": {"parallelism_config_cp_size": 2}, "hf_gradfix": section})
+    assert load_config(path).parallel.cp_balance == "long_documents"
+    assert main(["config", "check", path]) == 0
+    assert "cp_balance: long_documents" in capsys.readouterr().out
+
+
+def _plain_trainer(model=None, **args):
+    import harness as H
+
+    model = model if model is not None else H.build_model("llama")
+    return H.make_trainer(model, H.make_samples("causal", n=8, seed=1), "causal",
+                          extra_args={"max_steps": 1, "per_device_train_batch_size": 2, **args})
+
+
+def _refused_at_construction(config, fragments):
+    import hf_gradfix
+    from hf_gradfix.errors import GradFixError
+
+    for how in ("patch", "callback"):
+        if how == "patch":
+            hf_gradfix.patch(config)
+        try:
+            with pytest.raises(GradFixError) as info:
+                if how == "patch":
+                    _plain_trainer()
+                else:
+                    import harness as H
+
+                    H.make_trainer(H.build_model("llama"), H.make_samples("causal", n=4),
+                                   "causal", callbacks=[hf_gradfix.GradFixCallback(config)])
+        finally:
+            hf_gradfix.unpatch()
+        message = str(info.value)
+        assert "\n" not in message and all(f in message for f in fragments), (how, message)
+
+
+def test_rl_forwards_on_a_trainer_without_trl_forwards_is_one_line():
+    """packing.rl_forwards packs TRL GRPO / RLOO log-prob forwards: on a plain Trainer it would do nothing (it was
+    silent); refused when the trainer is built, by patch() and GradFixCallback alike. Control: the same trainer
+    without it is built and fixed."""
+    import hf_gradfix
+
+    _refused_at_construction({"packing": {"rl_forwards": True}},
+                             ["hf_gradfix.packing.rl_forwards: invalid value True", "Trainer has not",
+                              "remove packing.rl_forwards"])
+    hf_gradfix.patch({})
+    try:
+        assert hf_gradfix.state_of(_plain_trainer()) is not None
+    finally:
+        hf_gradfix.unpatch()
+
+
+def test_long_documents_on_a_trainer_without_cp_is_one_line():
+    """A dict cannot know the launch's cp: the trainer's mesh decides, at construction (cp 1: refused)."""
+    _refused_at_construction({"parallel": {"cp_balance": "long_documents"}},
+                             ["hf_gradfix.parallel.cp_balance: invalid value 'long_documents'",
+                              "this trainer's mesh has cp 1 (no parallel mesh)"])
+
+
+@pytest.mark.parametrize("conv", ["global", "previous"])
+def test_a_router_loss_convention_on_a_model_without_router_loss_is_one_line(conv):
+    """aux_loss: global / previous on a MoE model with output_router_logits=False (no router loss to act on) trained
+    as if nothing was asked; refused on the first batch, before any optimizer step, weights untouched. Control: the
+    same model with output_router_logits=True trains its step."""
+    import harness as H
+
+    import hf_gradfix
+    from hf_gradfix.errors import GradFixError
+
+    hf_gradfix.patch({"loss": {"aux_loss": conv}, "log_fixes": False})
+    try:
+        model = H.build_moe("qwen3_moe")
+        model.config.output_router_logits = False
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = _plain_trainer(model)
+        with pytest.raises(GradFixError) as info:
+            trainer.train()
+        message = str(info.value)
+        assert "\n" not in message and f"hf_gradfix.loss.aux_loss: invalid value {conv!r}" in message, message
+        assert "output_router_logits=True" in message and "remove aux_loss" in message, message
+        assert trainer.state.global_step == 0
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        control = _plain_trainer(H.build_moe("qwen3_moe"))
+        control.train()
+        assert control.state.global_step == 1
+    finally:
+        hf_gradfix.unpatch()

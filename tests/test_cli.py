@@ -170,15 +170,142 @@ def test_version_and_env_for_a_bug_report(tmp_path):
     assert "- device: " in report.stdout and "- lock: " in report.stdout
 
 
-def test_lock_drift_names_what_differs(tmp_path):
+def _versions_as(monkeypatch, **overrides):
+    """importlib.metadata.version as if every package of the tested lock were installed at its locked version (the
+    control, whatever this venv holds), except ``overrides`` (name -> version, None = not installed)."""
     from importlib import metadata
 
-    from hf_gradfix.env_report import lock_drift
+    from hf_gradfix.integration import versions
 
-    lock = tmp_path / "lock.txt"
-    lock.write_text(f"torch=={metadata.version('torch')}\npyyaml==0.0.1  # a pin nobody has\n")
-    assert lock_drift(lock) == [f"pyyaml: installed {metadata.version('pyyaml')}, locked 0.0.1"]
-    assert lock_drift(tmp_path / "none.txt") is None
+    lock = versions.read_lock(versions.LOCK_DIR / "lock-tf5.txt")
+    real = metadata.version
+
+    def version(name):
+        if name in overrides:
+            if overrides[name] is None:
+                raise metadata.PackageNotFoundError(name)
+            return overrides[name]
+        return lock.get(name) or real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(versions, "_warned", False)
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV, raising=False)
+    return lock
+
+
+def _untested_warnings(record):
+    from hf_gradfix.integration.versions import UntestedVersionWarning
+
+    return [str(w.message) for w in record if issubclass(w.category, UntestedVersionWarning)]
+
+
+def test_patch_and_env_name_untested_versions_with_the_install_command(monkeypatch):
+    """A supported but untested version (transformers 5.99, peft 0.99: what a plain install of the newest releases
+    brings) is named at patch() in one warning, once per process, with the command that installs the tested set from
+    the lock shipped inside the package; `env` prints the same line. Control: every package at its locked version, no
+    warning and `env` says none."""
+    import warnings
+
+    import hf_gradfix
+    from hf_gradfix.env_report import environment_lines
+    from hf_gradfix.integration import versions
+
+    lock = _versions_as(monkeypatch, transformers="5.99.0", peft="0.99.0")
+    path = versions.LOCK_DIR / "lock-tf5.txt"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        hf_gradfix.patch()
+        hf_gradfix.unpatch()
+        hf_gradfix.patch()  # once per process
+        hf_gradfix.unpatch()
+        hf_gradfix.GradFixCallback()
+    [line] = _untested_warnings(record)
+    assert "\n" not in line and line.startswith("hf_gradfix: untested versions: ")
+    assert f"peft 0.99.0 (tested: {lock['peft']})" in line and f"transformers 5.99.0 (tested: {lock['transformers']})" in line
+    command = f"pip install -c {path} peft=={lock['peft']} transformers=={lock['transformers']}"
+    assert line.endswith(command), line
+    assert path.is_file() and path.resolve().is_relative_to(Path(hf_gradfix.__file__).resolve().parent)  # shipped
+    [env_line] = [x for x in environment_lines() if x.startswith("- untested versions: ")]
+    assert env_line == "- untested versions: " + line[len("hf_gradfix: untested versions: "):]
+
+    _versions_as(monkeypatch)  # the control: the tested set
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        hf_gradfix.patch()
+        hf_gradfix.unpatch()
+    assert not _untested_warnings(record)
+    assert "- untested versions: none (every installed package hf_gradfix integrates with is at its lock-tf5.txt " \
+           "version)" in environment_lines()
+
+
+def test_the_tested_lock_follows_the_installed_transformers_line(monkeypatch):
+    from hf_gradfix.integration import versions
+
+    _versions_as(monkeypatch, transformers="4.57.6")
+    assert versions.lock_of_installed().name == "lock-tf457.txt"
+    _versions_as(monkeypatch, transformers="5.24.0")
+    assert versions.lock_of_installed().name == "lock-tf5.txt"
+
+
+def test_env_counts_only_the_pins_whose_package_is_installed(monkeypatch):
+    """Optional extras nobody installed (deepspeed, bitsandbytes, mkdocs, ...) are not differences: `env` counts the
+    lock's installed pins only. Control: a pin installed at another version is counted and named."""
+    from hf_gradfix.env_report import environment_lines
+
+    lock = _versions_as(monkeypatch, deepspeed=None, bitsandbytes=None, mkdocs=None, pyyaml="0.0.1")
+    [line] = [x for x in environment_lines() if x.startswith("- lock: ")]
+    assert line.startswith(f"- lock: 1 of the {len(lock) - 3} installed pin(s) of lock-tf5.txt differ: "
+                           f"pyyaml: installed 0.0.1, locked {lock['pyyaml']} ("), line
+    assert "deepspeed" not in line and "not installed" not in line
+    assert not any(x.startswith("- untested versions: ") and "deepspeed" in x for x in environment_lines())
+    _versions_as(monkeypatch, deepspeed=None)
+    [line] = [x for x in environment_lines() if x.startswith("- lock: ")]
+    assert line.startswith(f"- lock: the {len(lock) - 1} installed pin(s) of lock-tf5.txt are at their locked versions")
+
+
+def test_the_lock_files_ship_inside_the_package():
+    """pyproject's package-data covers every lock (what a wheel installs beside the code), and requirements/ at the
+    root of the clone is the same folder (scripts and CI name it there)."""
+    import fnmatch
+    import tomllib
+
+    from hf_gradfix.integration.versions import LOCK_DIR
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["hf_gradfix"]
+    locks = sorted(p.relative_to(LOCK_DIR.parent).as_posix() for p in LOCK_DIR.glob("lock-*.txt"))
+    assert locks == ["requirements/lock-tf457.txt", "requirements/lock-tf5.txt"]
+    assert all(any(fnmatch.fnmatch(name, g) for g in globs) for name in locks), (locks, globs)
+    assert (ROOT / "requirements").resolve() == LOCK_DIR
+
+
+def test_the_cli_commands_and_the_cli_page_agree():
+    """docs/cli.md names every command the parser has (read from the parser, not a copy) and says how many; the
+    generated help covers each (docs/hooks.py)."""
+    import argparse
+    import re
+
+    from hf_gradfix.cli import build_parser
+
+    def subcommands(parser):
+        return {name: sub for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+                for name, sub in action.choices.items()}
+
+    commands = set()
+    for name, sub in subcommands(build_parser()).items():
+        inner = subcommands(sub)
+        # a command group with one subcommand (config check) is named with it; configs lists its own
+        commands.add(f"{name} {next(iter(inner))}" if len(inner) == 1 else name)
+    page = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `hf-gradfix ([a-z ]+)` \|", page, flags=re.M))
+    assert listed == commands, (listed, commands)
+    words = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+    assert f"with {words[len(commands)]} commands" in page
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import hooks
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    assert {" ".join(c) for c in hooks.CLI_COMMANDS if c} == commands
 
 
 def test_shipped_configs_by_name_from_outside_the_clone(tmp_path):

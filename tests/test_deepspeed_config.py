@@ -236,10 +236,14 @@ def test_a_deepspeed_json_that_is_not_a_regular_file_or_too_large_is_refused_wit
     ("DEEPSPEED", {"fsdp_config": {"fsdp_version": 2}, "deepspeed_config": {"zero_stage": 2}}),
     ("MULTI_CPU", {"deepspeed_config": {"zero_stage": 3}}),
 ])
-def test_the_engine_is_decided_the_way_accelerate_decides_it(tmp_path, capsys, kind, extra):
-    """A file with both engine sections: accelerate's own launch parser says which engine runs; config check reports
-    that one and names the section accelerate ignores."""
+def test_an_engine_section_accelerate_ignores_is_refused_in_one_line(tmp_path, capsys, kind, extra):
+    """A file with an engine section its distributed_type does not select (issue 50: FSDP with a deepspeed_config
+    launched as FSDP without a word): accelerate's own launch parser says which engine runs; the library, config check
+    and launch refuse the file with one line naming the ignored section, distributed_type, that engine and the fix.
+    Control: the same file without the ignored section is accepted and runs accelerate's engine."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    from hf_gradfix.config import ConfigError, load_config
 
     data = {"compute_environment": "LOCAL_MACHINE", "distributed_type": kind, "num_processes": 2, "use_cpu": True,
             "hf_gradfix": {}, **extra}
@@ -253,12 +257,23 @@ def test_the_engine_is_decided_the_way_accelerate_decides_it(tmp_path, capsys, k
     except ValueError:
         pass  # a CPU machine: accelerate may refuse later checks; the engine flags are set before them
     theirs = "DEEPSPEED" if args.use_deepspeed else "FSDP" if args.use_fsdp else "other"
+    ignored = [s for s in extra if {"deepspeed_config": "DEEPSPEED", "fsdp_config": "FSDP"}[s] != theirs]
+    assert len(ignored) == 1, (theirs, extra)
+    section = ignored[0]
+    engine = {"deepspeed_config": "DEEPSPEED", "fsdp_config": "FSDP"}[section]
+    wanted = (f"{section}: ignored: distributed_type is {kind}, so accelerate launch runs {kind} and never reads "
+              f"{section}; fix: set distributed_type: {engine}")
+    with pytest.raises(ConfigError) as library:
+        load_config(str(path))  # what patch(config=path) reads
+    assert wanted in str(library.value) and "\n" not in str(library.value), str(library.value)
+    for argv in (["config", "check", str(path)], ["launch", "--config_file", str(path), "train.py"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and wanted in err and "Traceback" not in err, err
+    # control: without the ignored section the file is accepted, and the engine is the one accelerate runs
+    path.write_text(yaml.safe_dump({k: v for k, v in data.items() if k != section}))
     resolved = resolve_config(path, for_launch=True)
     ours = "DEEPSPEED" if resolved.deepspeed is not None else resolved.distributed_type.upper()
     assert (ours if ours in ("DEEPSPEED", "FSDP") else "other") == theirs
     assert main(["config", "check", str(path)]) == 0
-    out = capsys.readouterr().out
-    ignored = [s for s in extra if {"deepspeed_config": "DEEPSPEED", "fsdp_config": "FSDP"}[s] != theirs]
-    assert ignored
-    for section in ignored:
-        assert f"note              {section} is ignored: distributed_type is {kind}" in out
+    assert "ignored" not in capsys.readouterr().out

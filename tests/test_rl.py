@@ -101,6 +101,21 @@ def test_a_window_spanning_two_generation_batches_trains_as_stock_with_one_warni
         assert H.rel_err(a, b) <= 1e-6
 
 
+def test_top_entropy_quantile_trains_as_stock_with_one_warning():
+    """top_entropy_quantile < 1, no entropy bonus (issue 50: it trained fixed and silent where the docs say stock with
+    one warning): TRL trains only the tokens above that entropy quantile of each micro-batch, chosen inside each
+    forward, not over the window. bnpo: stock TRL (a mean of micro-batch token means) differs from the window mean the
+    plugin would train, so the gradients tell the two apart."""
+    extra = {"top_entropy_quantile": 0.5}
+    ours = rl_runs.run_rl(loss_type="bnpo", ga=2, spg=2, steps=2, extra=extra)
+    stock = rl_runs.run_rl(loss_type="bnpo", ga=2, spg=2, steps=2, extra=extra, mode="stock")
+    assert len(ours.warnings) == 1 and "top_entropy_quantile=0.5" in ours.warnings[0], ours.warnings
+    assert "trains exactly as TRL computes it" in ours.warnings[0]
+    assert len(ours.grads) == len(stock.grads) == 2
+    for a, b in zip(ours.grads, stock.grads):
+        assert H.rel_err(a, b) <= 1e-6
+
+
 def test_resume_mid_generation_batch_and_a_second_trainer(tmp_path):
     """A checkpoint after step 1 of a generation batch that spans steps 1-2: the resumed run regenerates, counts the
     windows it trains on, and stays exact; a second trainer in the same process (the resumed one) is fixed too."""

@@ -54,7 +54,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from ..errors import InvalidTypeError
-from .schema import ConfigError, GradFixConfig
+from .schema import ConfigError, GradFixConfig, cp_balance_without_cp
 
 __all__ = ["ENV_VAR", "SECTION", "ConfigFile", "load_config", "read_config_file", "config_from_dict", "config_to_dict"]
 
@@ -697,6 +697,10 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
             gradfix = _build_root(GradFixConfig, section, origin=shown, lines=lines, prefix=prefix)
         except ConfigError as err:
             problems.extend(err.problems)
+    if gradfix is not None and accelerate:  # what the section asks of the mesh the file's accelerate keys launch
+        where = prefix + ("parallel", "cp_balance")
+        problems += [f"{shown}:{_line_of(lines, where) or '?'}: {_dotted(where[len(prefix):])}: {message}"
+                     for message in _launch_conflicts(gradfix, accelerate)]
     if problems:
         text = problems[0] if len(problems) == 1 else (
             f"{len(problems)} problems in {shown}:\n" + _bulleted(problems)
@@ -706,6 +710,21 @@ def read_config_file(source: str | os.PathLike, *, via_env: bool = False, requir
         section = None  # `hf_gradfix:` with nothing under it
     return ConfigFile(path=shown, accelerate=accelerate, section=dict(section) if section is not None else None,
                       gradfix=gradfix if gradfix is not None else GradFixConfig())
+
+
+def _launch_conflicts(gradfix: GradFixConfig, acc: Mapping[str, Any]) -> list[str]:
+    """Settings of the section that do nothing on the mesh the file's accelerate keys launch: ``cp_balance:
+    long_documents`` where neither the section (its own degrees) nor accelerate's ``parallelism_config`` sets cp > 1
+    (a section without accelerate keys is checked on the trainer's mesh at install)."""
+    par = gradfix.parallel
+    if par.cp_balance != "long_documents" or par.mesh_given():  # the section's own mesh: its schema checks it
+        return []
+    pc = acc.get(_PC) if isinstance(acc.get(_PC), Mapping) else {}
+    cp = pc.get(f"{_PC_PREFIX}cp_size")
+    if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or cp > 1):
+        return []  # cp > 1, or a value _check_accelerate refuses already
+    return [cp_balance_without_cp(f"the launch this file describes has cp 1 (no {_PC_PREFIX}cp_size > 1 in its "
+                                  f"{_PC}, no parallel degrees in the section)")]
 
 
 def _load_file(source: str | os.PathLike, via_env: bool = False) -> GradFixConfig:
@@ -940,7 +959,34 @@ def _check_accelerate(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
     if (isinstance(rank, int) and isinstance(machines, int) and not isinstance(rank, bool) and machines >= 1
             and not 0 <= rank < machines):
         bad(("machine_rank",), f"invalid value {rank}; it must be < num_machines ({machines})")
+    for section, message in _ignored_engine_sections(acc):
+        bad((section,), message)
     return problems
+
+
+#: accelerate's engine sections and the distributed_type that reads each (accelerate launch decides the engine from
+#: distributed_type alone: tests/test_deepspeed_config.py checks this against its own launch parser)
+_ENGINE_SECTIONS = (("deepspeed_config", "DEEPSPEED", "DeepSpeed"), ("fsdp_config", "FSDP", "FSDP"))
+
+
+def _ignored_engine_sections(acc: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(section, problem) for an engine section accelerate launch would ignore: ``deepspeed_config`` next to
+    ``distributed_type: FSDP`` launches FSDP without a word, and the reverse; an empty section is accelerate's own
+    default and says nothing.
+
+    >>> _ignored_engine_sections({"distributed_type": "FSDP", "fsdp_config": {}, "deepspeed_config": {"zero_stage": 2}})[0][1][:65]
+    'ignored: distributed_type is FSDP, so accelerate launch runs FSDP'
+    """
+    kind = acc.get("distributed_type", "NO")
+    if not isinstance(kind, str) or kind not in _DISTRIBUTED_TYPES:
+        return []  # refused as a value of its own
+    out = []
+    for section, engine, name in _ENGINE_SECTIONS:
+        if isinstance(acc.get(section), Mapping) and acc[section] and kind != engine:
+            out.append((section, f"ignored: distributed_type is {kind}, so accelerate launch runs {kind} and never "
+                                 f"reads {section}; fix: set distributed_type: {engine} to run {name}, or remove "
+                                 f"{section}"))
+    return out
 
 
 def _env_note(message: str, via_env: bool) -> str:

@@ -14,7 +14,6 @@ Shared by ``hf-gradfix config check`` / ``launch`` (:mod:`hf_gradfix.cli`) and `
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +32,7 @@ def parallel_requested(section: ParallelConfig) -> bool:
     >>> parallel_requested(ParallelConfig(cp_balance="long_documents"))  # a layout option, not a mesh
     False
     """
-    def degrees(config: ParallelConfig) -> dict:  # cp_balance*: how cp lays out packed rows, not a mesh of its own
-        return {k: v for k, v in dataclasses.asdict(config).items() if not k.startswith("cp_balance")}
-
-    return degrees(section) != degrees(ParallelConfig())
+    return section.mesh_given()  # cp_balance*: how cp lays out packed rows, not a mesh of its own
 
 
 def describe_balance(balance: str, threshold: int | None, cp: int) -> str:
@@ -101,7 +97,7 @@ class ResolvedConfig:
     global_batch_tokens: int | None
     deepspeed: Any = None  # hf_gradfix.parallel.deepspeed.DeepSpeedSettings when the file selects DeepSpeed
     use_cpu: bool = False
-    notes: list = field(default_factory=list)  # what accelerate will ignore in the file, one line each
+    notes: list = field(default_factory=list)  # what the launch needs to know about the file, one line each
 
     def lines(self) -> list[str]:
         g = self.gradfix
@@ -215,8 +211,6 @@ def resolve_config(
     ``for_launch`` (``config check`` and ``launch``): also refuse what accelerate's launcher cannot run, with the
     same line from both."""
     from ..parallel import ParallelDims
-    from ..parallel.deepspeed import ignored_engine_sections
-
     path = str(path)
     cf = read_config_file(path)
     acc, section, gradfix = cf.accelerate, cf.section, cf.gradfix
@@ -321,7 +315,7 @@ def resolve_config(
         global_batch_tokens=global_tokens,
         deepspeed=deepspeed,
         use_cpu=bool(acc.get("use_cpu")),
-        notes=ignored_engine_sections(acc) + ([
+        notes=([
             f"plain `accelerate launch` stops on the {SECTION}: section (its own parser knows no such key and "
             f"says \"try upgrading accelerate\"): launch this file with `hf-gradfix launch --config_file {path} "
             "train.py`, which gives accelerate its keys and every rank the section"] if section is not None and acc

@@ -31,8 +31,9 @@ This module imports only the standard library (and :mod:`hf_gradfix.errors`, whi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import HfGradfixError
 
@@ -76,6 +77,11 @@ OnUndetermined = Literal["error", "warn"]
 AuxLossMode = Literal["micro", "micro_batch_mean", "global", "previous", "bias", "none", "as_is"]
 OnNonFinite = Literal["warn", "skip", "error"]
 LossHead = Literal["stock", "lean"]
+
+
+def _default(name: str, cls: type) -> Any:
+    """A field's default value (what a setting left out is)."""
+    return cls.__dataclass_fields__[name].default
 
 
 @dataclass
@@ -144,6 +150,37 @@ class LossConfig:
         },
     )
 
+    def conflicts(self) -> list[tuple[str, str]]:
+        """``(key, problem)`` for each setting that does nothing with the others given (every path that reads it
+        checked: the router-loss conventions and the lean head run inside the loss fix only, ``aux_bias_rate`` is read
+        by ``aux_loss: bias`` only).
+
+        >>> LossConfig(aux_bias_rate=0.01).conflicts()[0][0]
+        'aux_bias_rate'
+        >>> LossConfig(enabled=False, head="lean").conflicts()[0][0]
+        'head'
+        """
+        out: list[tuple[str, str]] = []
+        if self.aux_bias_rate != _default("aux_bias_rate", LossConfig) and self.aux_loss != "bias":
+            out.append(("aux_bias_rate", f"invalid value {self.aux_bias_rate:g}; aux_bias_rate is the bias update "
+                                         f"speed of aux_loss: bias only, aux_loss: {self.aux_loss} would ignore it: set "
+                                         "aux_loss: bias or remove aux_bias_rate"))
+        if self.aux_loss == "bias" and self.aux_bias_rate == 0:
+            out.append(("aux_bias_rate", "invalid value 0; with aux_loss: bias a rate of 0 never moves the router "
+                                         "biases, so nothing is balanced: set a rate > 0 (DeepSeek-V3: 0.001), or "
+                                         "aux_loss: none for no router loss at all"))
+        if not self.enabled:
+            # what loss.enabled: false leaves: the model's and trainer's own loss, stock; on_nonfinite still acts
+            if self.aux_loss in ("global", "previous", "bias", "none"):
+                out.append(("aux_loss", f"invalid value {self.aux_loss!r}; the router-loss conventions are part of "
+                                        "the loss fix, which loss.enabled: false turns off (the router loss stays "
+                                        "as transformers adds it): set loss.enabled: true or remove aux_loss"))
+            if self.head == "lean":
+                out.append(("head", "invalid value 'lean'; the lean head is the loss fix's own head, which "
+                                    "loss.enabled: false turns off (the model's head and loss run as stock): set "
+                                    "loss.enabled: true or remove head"))
+        return out
+
 
 PackingMode = Literal["varlen", "rows"]
 CPBalance = Literal["per_document", "long_documents"]
@@ -206,6 +243,18 @@ class PackingConfig:
             "and packing.guard, independent of packing.enabled (which packs a dataset of token samples)"
         },
     )
+
+    def conflicts(self) -> list[tuple[str, str]]:
+        """``(key, problem)`` for each setting that does nothing with the others given.
+
+        >>> PackingConfig(balance="compute").conflicts()[0][0]
+        'balance'
+        """
+        if self.balance != "tokens" and not self.enabled:  # read where a packed dataset's rows are dealt, nowhere else
+            return [("balance", f"invalid value {self.balance!r}; balance deals the rows of a packed dataset to the "
+                                "data-parallel ranks, and packing.enabled: false packs none (rl_forwards packs TRL's "
+                                "forwards, not dataset rows): set packing.enabled: true or remove balance")]
+        return []
 
 
 OptimizerName = Literal["none", "galore_adamw", "galore_adamw8bit", "apollo_adamw", "apollo_mini"]
@@ -372,18 +421,42 @@ class ParallelConfig:
         },
     )
 
+    def mesh_given(self) -> bool:
+        """True when a degree or the schedule differs from its default: the section then builds the mesh, and its
+        ``cp`` is the run's (:func:`hf_gradfix.config.resolve.parallel_requested`, the run time's rule). With the
+        defaults the launch's mesh stands (accelerate's ``parallelism_config`` may set cp there).
+
+        >>> ParallelConfig().mesh_given(), ParallelConfig(tp=2).mesh_given()
+        (False, True)
+        >>> ParallelConfig(cp_balance="long_documents").mesh_given()  # a layout option, not a mesh
+        False
+        """
+        return any(getattr(self, f.name) != f.default for f in dataclasses.fields(self)
+                   if not f.name.startswith("cp_balance"))
+
     def conflicts(self) -> list[tuple[str, str]]:
-        """``(key, problem)`` for each setting the chosen ``cp_balance`` would silently ignore.
+        """``(key, problem)`` for each setting the others given would silently ignore.
 
         >>> ParallelConfig(cp_balance_threshold=512).conflicts()[0][0]
         'cp_balance_threshold'
+        >>> ParallelConfig(tp=2, cp_balance="long_documents").conflicts()[0][0]
+        'cp_balance'
         """
         if self.cp_balance_threshold is not None and self.cp_balance != "long_documents":
             return [("cp_balance_threshold",
                      f"invalid value {self.cp_balance_threshold}; cp_balance_threshold applies with cp_balance: "
                      f"long_documents only, {self.cp_balance!r} would ignore it: set cp_balance: long_documents or "
                      "remove cp_balance_threshold")]
+        if self.cp_balance == "long_documents" and self.cp == 1 and self.mesh_given():
+            return [("cp_balance", cp_balance_without_cp("this section's mesh has cp: 1"))]
         return []
+
+
+def cp_balance_without_cp(why: str) -> str:
+    """The one problem text of ``parallel.cp_balance: long_documents`` on a run whose cp is 1, wherever it is found
+    (this schema, a launch file's accelerate keys, the trainer's mesh at install); ``why``: where cp 1 comes from."""
+    return (f"invalid value 'long_documents'; cp_balance lays packed rows over the context-parallel ranks, and {why}, "
+            "so nothing is split: set parallel.cp > 1 (or accelerate's parallelism_config_cp_size) or remove cp_balance")
 
 
 @dataclass

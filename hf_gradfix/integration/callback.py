@@ -11,7 +11,7 @@ from ..config.sources import combine, label_for, source_of
 from ..errors import HfGradfixError
 from .patching import fix_trainer, patch_sources, swap_to_fixed_class
 from .state import state_of
-from .versions import check_supported
+from .versions import check_supported, warn_if_untested
 
 
 class GradFixCallbackError(HfGradfixError, RuntimeError):
@@ -54,6 +54,7 @@ class GradFixCallback(TrainerCallback):
 
     def __init__(self, config: GradFixConfig | dict | str | None = None) -> None:
         check_supported()
+        warn_if_untested()  # once per process: the versions CI did not test, and how to install those it did
         self.source = source_of(config, label_for(config, "GradFixCallback"))
         self.config, self.settings_from = combine(patch_sources() + [self.source])  # a conflict is refused here
         self._trainer = None

@@ -32,7 +32,7 @@ from typing import Any
 from ..config import GradFixConfig
 from ..config.sources import SettingsSource, combine, env_source, label_for, source_of
 from ..errors import PatchError
-from .versions import check_supported
+from .versions import check_supported, warn_if_untested
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -77,6 +77,7 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
     """
     global _config, _source, _settings_from
     check_supported()
+    warn_if_untested()  # once per process: the versions CI did not test, and how to install those it did
     source = source_of(config, label_for(config, "patch"))
     resolved, settings_from = combine([env_source(), source])
     with _LOCK:

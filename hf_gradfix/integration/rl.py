@@ -17,7 +17,7 @@ by :data:`SUPPORTED_TRL`). The entropy sum ``E`` and aux ``X`` are read from TRL
 tensors, so the subtraction is exact); the policy part is what remains. The window's counts come from TRL's buffered
 generation batch, which holds every micro-batch of the window once ``steps_per_generation`` is a multiple of the
 accumulation steps (TRL's default: equal). Anything else (another TRL release, a window spanning two generation
-batches, ``top_entropy_quantile < 1`` with an entropy bonus) trains exactly as TRL computes it, with one warning.
+batches, ``top_entropy_quantile < 1``) trains exactly as TRL computes it, with one warning.
 
 >>> from hf_gradfix.integration.rl import SUPPORTED_TRL
 >>> "1.16.0" in SUPPORTED_TRL
@@ -128,10 +128,14 @@ def detect(trainer: Any, inputs: Any, scaled_for_ga: Any) -> RLPlan | str | None
     else:
         return (f"hf_gradfix: {name}'s loss (loss_type={loss_type!r}, loss_is_scaled_for_ga={scaled!r}) is not one "
                 "hf_gradfix knows how TRL normalizes; it trains exactly as TRL computes it.")
-    if getattr(trainer, "_entropy_bonus_enabled", False) and float(getattr(trainer, "top_entropy_quantile", 1.0)) < 1.0:
-        return (f"hf_gradfix: {name} with an entropy bonus over the top_entropy_quantile="
-                f"{trainer.top_entropy_quantile} tokens: that subset is chosen inside each forward, so the window's "
-                "count is not known before its first step; it trains exactly as TRL computes it.")
+    if float(getattr(trainer, "top_entropy_quantile", 1.0)) < 1.0:
+        # TRL masks the policy loss (and the entropy bonus) to the tokens above an entropy quantile of each micro-batch
+        # (gathered over the ranks): the window's own quantile, what one step on the whole window would select, is not
+        # known before its forwards, and the bonus's token count depends on it
+        return (f"hf_gradfix: {name} with top_entropy_quantile={trainer.top_entropy_quantile}: TRL trains only the "
+                "tokens above that entropy quantile of each micro-batch, a subset chosen inside each forward, not over "
+                "the optimizer window, so the window's objective is not known before its first step; it trains exactly "
+                "as TRL computes it.")
     unit = "completion tokens" if policy.objective is TOKEN_MEAN else "sequences"
     line = (f"{name} loss_type={loss_type}: the {policy.objective.name.replace('_', ' ')} over the optimizer window's "
             f"{unit} on every rank (TRL divides each micro-batch by "

@@ -245,9 +245,19 @@ def _is_rl_trainer(trainer: Any) -> bool:
 def attach(trainer: Any, config: Any) -> RLPacking | None:
     """Run ``trainer``'s log-prob forwards packed when ``config.packing.rl_forwards`` is on and it is a TRL
     GRPO / RLOO trainer whose forward is TRL 1.16's (idempotent; called where ``patch()`` and ``GradFixCallback``
-    install the fixes). Returns the trainer's :class:`RLPacking`, or None."""
-    if not getattr(config.packing, "rl_forwards", False) or not _is_rl_trainer(trainer):
+    install the fixes). Returns the trainer's :class:`RLPacking`, or None. A trainer without TRL's policy log-prob
+    forward (a plain Trainer, SFTTrainer, AsyncGRPOTrainer) is refused: the setting would do nothing on it."""
+    if not getattr(config.packing, "rl_forwards", False):
         return None
+    if not _is_rl_trainer(trainer):  # the setting would do nothing on this trainer: refused before any step
+        from ..errors import GradFixError
+
+        raise GradFixError(
+            f"hf_gradfix.packing.rl_forwards: invalid value True; it packs the policy log-prob forwards of TRL's "
+            f"GRPOTrainer / RLOOTrainer ({_METHOD} and _generate_and_score_completions), which "
+            f"{type(trainer).__name__} has not, so it would do nothing here: remove packing.rl_forwards (or give it "
+            f"to the GRPO / RLOO trainer alone: GradFixCallback({{'packing': {{'rl_forwards': True}}}})); "
+            "packing.enabled packs a dataset")
     packing = trainer.__dict__.get(_ATTR)
     if packing is not None:
         return packing

@@ -303,7 +303,20 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping, prepared: bool
 
 
 def _resolve_aux(trainer: Trainer, state: GradFixState, holder: dict) -> None:
-    """Find the coefficient of a MoE router aux loss the model adds to its loss, if any."""
+    """Find the coefficient of a MoE router aux loss the model adds to its loss, if any; refuse a router-loss
+    convention that has no router loss to act on."""
+    _find_aux_coef(trainer, state, holder)
+    conv = state.config.loss.aux_loss
+    if conv in ("global", "previous") and not state.aux_coef:
+        # measured on the probe forward: no aux_loss with the loss, or one that adds nothing (coefficient 0)
+        raise _ContradictedSetting(
+            f"hf_gradfix.loss.aux_loss: invalid value {conv!r}; {_model_name(trainer.model)} adds no router "
+            "load-balancing loss to its loss (measured on the first batch: no aux_loss, or router_aux_loss_coef 0; "
+            "a MoE model adds one with config.output_router_logits=True), so the convention has nothing to act on: "
+            "set output_router_logits=True (and router_aux_loss_coef > 0) on the model's config, or remove aux_loss")
+
+
+def _find_aux_coef(trainer: Trainer, state: GradFixState, holder: dict) -> None:
     behaviour = state.model
     aux = holder.get("aux")
     config = getattr(trainer.model, "config", None)
@@ -1405,6 +1418,17 @@ def fixed_class_for(cls: type) -> type:
     return _FIXED_CLASSES[cls]
 
 
+def _check_cp_balance(config: GradFixConfig, nd: Any) -> None:
+    """``parallel.cp_balance: long_documents`` on a trainer whose mesh has cp 1 (no mesh, or one without cp, from the
+    section, the model or accelerate) lays nothing out: refused before any step, as the loader refuses it in a file."""
+    cp = nd.dims.cp if nd is not None else 1
+    if config.parallel.cp_balance == "long_documents" and cp <= 1:
+        from ..config.schema import cp_balance_without_cp
+
+        raise GradFixError("hf_gradfix.parallel.cp_balance: " + cp_balance_without_cp(
+            f"this trainer's mesh has cp 1 ({nd.dims.describe() if nd is not None else 'no parallel mesh'})"))
+
+
 def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from: str = "defaults") -> GradFixState:
     """Make one trainer's loss exact (idempotent). Returns its state."""
     state = state_of(trainer)
@@ -1440,6 +1464,7 @@ def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from:
         state.nd = nd_setup(trainer, config.parallel, packing=config.packing.enabled, optimizer=config.optimizer.name)
         if state.nd is not None:
             state.fixes.append(state.nd.line)
+    _check_cp_balance(config, state.nd)
     if config.loss.enabled and config.loss.head == "lean":
         from .lean_head import LeanHead
 

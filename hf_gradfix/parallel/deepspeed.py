@@ -36,7 +36,6 @@ __all__ = [
     "DeepSpeedSettings",
     "check_clipping",
     "deepspeed_settings",
-    "ignored_engine_sections",
     "is_deepspeed",
     "zero_stage_of",
 ]
@@ -87,22 +86,6 @@ def is_deepspeed(acc: dict) -> bool:
     (``accelerate launch`` sets ``use_deepspeed`` from ``distributed_type`` alone and ignores a ``deepspeed_config``
     next to ``distributed_type: FSDP``)."""
     return str(acc.get("distributed_type", "")).upper() == "DEEPSPEED"
-
-
-def ignored_engine_sections(acc: dict) -> list[str]:
-    """The engine sections of accelerate's YAML that ``accelerate launch`` will ignore, one line each.
-
-    >>> ignored_engine_sections({"distributed_type": "FSDP", "fsdp_config": {}, "deepspeed_config": {"zero_stage": 2}})
-    ['deepspeed_config is ignored: distributed_type is FSDP, so accelerate runs FSDP (set distributed_type: DEEPSPEED to run DeepSpeed, or remove deepspeed_config)']
-    """
-    kind = str(acc.get("distributed_type", "NO")).upper()
-    out = []
-    for section, engine in (("deepspeed_config", "DEEPSPEED"), ("fsdp_config", "FSDP")):
-        if acc.get(section) and kind != engine:
-            out.append(f"{section} is ignored: distributed_type is {kind}, so accelerate runs {kind} (set "
-                       f"distributed_type: {engine} to run {'DeepSpeed' if engine == 'DEEPSPEED' else 'FSDP'}, or "
-                       f"remove {section})")
-    return out
 
 
 def _device(section: Any) -> str:
