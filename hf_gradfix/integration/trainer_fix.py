@@ -1004,7 +1004,7 @@ class _GradFixTop:
     def _gradfix_detect_rl(self, state, inputs) -> bool:
         """Whether this is a TRL policy-gradient trainer (GRPO, RLOO and their subclasses, decided by what compute_loss
         is given): then it is made exact by :mod:`.rl`, or left to TRL with one warning."""
-        from .rl import detect
+        from .rl import check_aux_convention, detect
 
         found = detect(self, inputs, _own_loss_is_scaled_for_ga(self))
         if found is None:
@@ -1012,6 +1012,7 @@ class _GradFixTop:
         if isinstance(found, str):
             _disable(self, state, found)
             return True
+        check_aux_convention(self, state.config.loss.aux_loss)
         found.data_ranks = _dp_world(self)
         state.rl = found
         state.fixes.append(found.line)
