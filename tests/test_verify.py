@@ -637,7 +637,7 @@ def test_verify_says_every_phase_stamped_from_its_first_second(tmp_path):
 
     lines: list[str] = []
     with Progress("verify", emit=lines.append, heartbeat=False):  # the CLI's own session nests into this one
-        assert main(["verify", "--steps", "1", "--json", "--", sys.executable, USER, "--fixed",
+        assert main(["verify", "--steps", "1", "--json", "--", sys.executable, USER, "--patch",
                      "--output_dir", str(tmp_path / "run")]) == 0
     stamps = [float(re.match(r"verify: \[(\d+\.\d) s\] ", x)[1]) for x in lines]
     assert stamps == sorted(stamps) and stamps[0] == 0.0, lines
