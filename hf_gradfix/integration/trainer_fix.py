@@ -627,12 +627,20 @@ class _GradFixTop:
             from .moe import save_state
 
             save_state(self, state, output_dir)
-        from .complete_checkpoints import mark
+        from .complete_checkpoints import finish
 
-        mark(self, output_dir)  # this process's files of the checkpoint are all written (complete_checkpoints.py)
-        # Every process's marker is on disk before rank 0 goes on to trainer_state.json and rotate_checkpoints:
-        # rotation then never deletes an older checkpoint while the new one can still be torn by another rank.
-        self.accelerator.wait_for_everyone()
+        # this process's files of the checkpoint are all written: its marker; every process's marker is on disk
+        # before rank 0 lists the folder's files and goes on to trainer_state.json and rotate_checkpoints, so
+        # rotation never deletes an older checkpoint while the new one can still be torn (complete_checkpoints.py)
+        finish(self, output_dir)
+
+    def _save_checkpoint(self, model, trial, *args, **kwargs):
+        # the start file before anything is written (a torn folder is known as the plugin's); a full disk is reported
+        # as such, naming the folder it tore (complete_checkpoints.py)
+        from .complete_checkpoints import saving
+
+        with saving(self, trial):
+            return super()._save_checkpoint(model, trial, *args, **kwargs)
 
     def save_model(self, output_dir=None, _internal_call=False):
         state = state_of(self)
