@@ -229,7 +229,12 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping, prepared: bool
         kwargs = dict(b)
         if n is not None:
             kwargs["num_items_in_batch"] = n
-        out = model(**kwargs)
+        if state.lean is not None:  # loss.head: lean: the first window's probes never materialize the logits
+            from .lean_head import probe_forward
+
+            out = probe_forward(state.lean, model, kwargs)
+        else:
+            out = model(**kwargs)
         holder.setdefault("aux", _aux_of(out))  # the first probe call: the batch whose additive term is measured
         loss = _loss_of(out)
         if loss is None:
@@ -1322,10 +1327,11 @@ class _GradFixDefaultLoss(Trainer):
             from .moe import before_forward
 
             before_forward(self, state)  # global / previous router loss: the window's routing counts
-        if state.lean is not None and not state.in_probe:  # loss.head: lean (integration/lean_head.py)
+        if state.lean is not None:  # loss.head: lean (integration/lean_head.py), the probes' calls too
             from .lean_head import call_model
 
-            outputs, smoothed_lean = call_model(self, state.lean, model, call, inputs, labels, n, model_behaviour)
+            outputs, smoothed_lean = call_model(self, state.lean, model, call, inputs, labels, n, model_behaviour,
+                                                probe=state.in_probe)
         else:
             outputs, smoothed_lean = model(**call), False
         if getattr(self.args, "past_index", -1) >= 0:  # removed in transformers 5
