@@ -1,8 +1,10 @@
 """The lean loss head (``loss.head: lean``) beside the stock head and TRL's fused head: peak memory of one training
-step (forward, loss, backward) and its time, at several vocabularies and tokens per micro-batch, in one run.
+step (forward, loss, backward) and its time, at several vocabularies and tokens per micro-batch, in one run; and the
+Trainer's first and second optimizer steps (``--trainer``), where the first window's loss probes run.
 
     python benchmarks/bench_lean_head.py                       # the CPU grid (~15 min on 2 cores), markdown table
     python benchmarks/bench_lean_head.py --vocab 32000 --tokens 2048 --repeats 1    # one cell
+    python benchmarks/bench_lean_head.py --trainer             # the Trainer's steps 1 and 2 (~3 min on 2 cores)
     python benchmarks/bench_lean_head.py --out benchmarks/results/lean_head.md
 
 Each (vocabulary, tokens, head) cell runs in its own process (the peak of one process is not reset by another's
@@ -17,6 +19,12 @@ records ``torch.cuda.max_memory_allocated`` instead. Time: the median of ``--rep
 A stock cell whose logits alone (tokens x vocabulary x 4 bytes, twice with their gradient) would not fit in
 ``--max-gib`` is not run, and says so. Also checked in every cell: the lean loss and gradient equal the stock ones
 (relative error of the head's weight gradient), so a fast wrong head cannot appear in the table.
+
+``--trainer``: the same model trained by ``transformers.Trainer`` for two optimizer steps (one row of ``tokens`` per
+step, no accumulation, SGD): the plain Trainer (stock) against hf_gradfix with ``loss.head: lean`` (``patch()``).
+Each step's peak is the resident high-water mark from ``on_step_begin`` to ``on_step_end`` above the resident set at
+``on_step_begin``; step 1 holds the first window's loss probes (five no-grad forwards, through the lean head since
+issue 50: before, through the stock head, step 1 peaked at 0.66x stock). Checked: the two runs' logged losses agree.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GRID = [(32000, 2048), (32000, 8192), (32000, 32768), (128256, 2048), (128256, 8192), (151936, 2048),
         (151936, 8192)]
+TRAINER_GRID = [(32000, 2048), (32000, 8192), (128256, 2048)]
+TRAINER_SECTION = "## The Trainer's first and second steps"
 HIDDEN = 64
 
 
@@ -100,9 +110,65 @@ def _cell(vocab: int, tokens: int, head: str, repeats: int) -> dict:
                 grad_sample=grad.flatten()[:: max(1, grad.numel() // 4096)].tolist())
 
 
+def _trainer_cell(vocab: int, tokens: int, head: str, steps: int = 2) -> dict:
+    """Two optimizer steps of ``transformers.Trainer`` (stock) or of hf_gradfix's with ``loss.head: lean``: each
+    step's resident peak above its start, its time, its logged loss; the lean head's call counts."""
+    import tempfile
+
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=tokens,
+                         tie_word_embeddings=False)
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").float()
+    rows = []
+    for _ in range(steps):
+        ids = torch.randint(4, vocab, (tokens,))
+        labels = ids.clone()
+        labels[: tokens // 4] = -100  # a prompt
+        rows.append({"input_ids": ids, "labels": labels})
+    measured: list[dict] = []
+
+    class Steps(tf.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.before = _rss_kib("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            measured.append({"peak_mib": (_rss_kib("VmHWM") - self.before) / 1024,
+                             "seconds": time.perf_counter() - self.t0})
+
+    with tempfile.TemporaryDirectory() as out:
+        args = tf.TrainingArguments(
+            output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=steps,
+            optim="sgd", learning_rate=1e-3, max_grad_norm=0.0, lr_scheduler_type="constant", logging_steps=1,
+            report_to="none", save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+            remove_unused_columns=False)
+        if head == "lean":
+            import hf_gradfix
+
+            hf_gradfix.patch({"loss": {"head": "lean"}, "log_fixes": False})
+        trainer = tf.Trainer(model=model, args=args, train_dataset=rows, callbacks=[Steps()],
+                             data_collator=lambda batch: {k: torch.stack([b[k] for b in batch]) for k in batch[0]})
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    lean = None
+    if head == "lean":
+        from hf_gradfix.integration.state import state_of
+
+        lean = state_of(trainer).lean
+    return dict(steps=measured, losses=losses,
+                lean=None if lean is None else dict(calls=lean.calls, probe_calls=getattr(lean, "probe_calls", 0),
+                                                    stock_calls=lean.stock_calls))
+
+
 def _run_cell(vocab, tokens, head, repeats, timeout) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    proc = subprocess.run([sys.executable, __file__, "--cell", f"{vocab},{tokens},{head},{repeats}"],
+    flag = "--trainer-cell" if repeats is None else "--cell"
+    proc = subprocess.run([sys.executable, __file__, flag, f"{vocab},{tokens},{head},{repeats}"],
                           capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
@@ -117,12 +183,21 @@ def main(argv=None) -> int:
     parser.add_argument("--max-gib", type=float, default=12.0, help="skip a stock cell whose logits would not fit")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--trainer", action="store_true",
+                        help="the Trainer's first and second steps, stock vs lean (written into --out's own section)")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
+    parser.add_argument("--trainer-cell", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cell:
         vocab, tokens, head, repeats = args.cell.split(",")
         print(json.dumps(_cell(int(vocab), int(tokens), head, int(repeats))))
         return 0
+    if args.trainer_cell:
+        vocab, tokens, head, _ = args.trainer_cell.split(",")
+        print(json.dumps(_trainer_cell(int(vocab), int(tokens), head)))
+        return 0
+    if args.trainer:
+        return _trainer_table(args)
 
     import torch
 
@@ -187,6 +262,48 @@ def main(argv=None) -> int:
     if args.out:
         args.out.write_text("# The lean loss head: memory and time beside the stock head and TRL's fused head\n\n"
                             + text)
+    return 0
+
+
+def _trainer_table(args) -> int:
+    import torch
+
+    grid = [(v, t) for v, t in TRAINER_GRID if (not args.vocab or v in args.vocab) and (not args.tokens or t in args.tokens)]
+    if args.vocab and args.tokens:
+        grid = [(v, t) for v in args.vocab for t in args.tokens]
+    lines = [
+        TRAINER_SECTION, "",
+        "`transformers.Trainer`, two optimizer steps of one row each (no accumulation, SGD), the plain Trainer (stock) "
+        "against hf_gradfix with `loss.head: lean`: each step's peak resident memory above its start (MiB; from "
+        "`on_step_begin` to `on_step_end`, so step 1 includes the first window's loss probes) and its time; tiny Llama "
+        f"(hidden {HIDDEN}, 2 layers, fp32, CPU, torch {torch.__version__}, {os.environ.get('OMP_NUM_THREADS', '2')} "
+        "threads); `python benchmarks/bench_lean_head.py --trainer`.",
+        "",
+        "| vocab | tokens | stock step 1 | lean step 1 | lean/stock step 1 | stock step 2 | lean step 2 | "
+        "lean/stock step 2 | lean/stock time (1, 2) | lean calls (probes) | logged loss lean vs stock |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for vocab, tokens in grid:
+        cells = {head: _run_cell(vocab, tokens, head, None, args.timeout) for head in ("stock", "lean")}
+        print(f"trainer vocab {vocab} tokens {tokens}: " + ", ".join(c.get("error", "ok") for c in cells.values()),
+              file=sys.stderr, flush=True)
+        s, le = cells["stock"], cells["lean"]
+        if "error" in s or "error" in le:
+            lines.append(f"| {vocab:,} | {tokens:,} | " + " | ".join([s.get("error", "")[:60], le.get("error", "")[:60]]
+                                                                     + ["-"] * 9) + " |")
+            continue
+        mem = [(s["steps"][k]["peak_mib"], le["steps"][k]["peak_mib"]) for k in range(2)]
+        times = "/".join(f"{le['steps'][k]['seconds'] / s['steps'][k]['seconds']:.2f}" for k in range(2))
+        err = max(abs(a - b) / abs(b) for a, b in zip(le["losses"], s["losses"]))
+        lines.append(f"| {vocab:,} | {tokens:,} | {mem[0][0]:.0f} | {mem[0][1]:.0f} | {mem[0][1] / mem[0][0]:.2f} | "
+                     f"{mem[1][0]:.0f} | {mem[1][1]:.0f} | {mem[1][1] / mem[1][0]:.2f} | {times} | "
+                     f"{le['lean']['calls']} ({le['lean']['probe_calls']}) | {err:.1e} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        old = args.out.read_text() if args.out.exists() else ""
+        head = old.split("\n" + TRAINER_SECTION)[0].rstrip("\n")
+        args.out.write_text((head + "\n\n" if head else "") + text)
     return 0
 
 

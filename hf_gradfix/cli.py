@@ -253,8 +253,17 @@ def launch(argv: Sequence[str]) -> int:
         except Exception as err:  # noqa: BLE001 - torch elastic's ChildFailedError (several processes): it printed the failures
             if type(err).__name__ != "ChildFailedError":
                 raise
+            first = getattr(err, "get_first_failure", None)  # the rank that failed first: its exit code (the
+            code = getattr(first()[1], "exitcode", None) if callable(first) else None  # others were ended after it)
+            code = code if isinstance(code, int) and 0 < code < 256 else 1
+            if args.module and script == "hf_gradfix" and args.training_script_args[:1] == ["verify"] and code in (1, 2):
+                # verify's exit codes are its verdict (1 NOT EXACT, 2 nothing checked), not a crash: its report or its
+                # one-line reason is above
+                print(f"hf-gradfix launch: hf-gradfix verify exited with {code} "
+                      f"({'NOT EXACT' if code == 1 else 'nothing checked'}; see its last line above)", file=sys.stderr)
+                return code
             print("hf-gradfix launch: a process of the script failed (torch elastic's report is above)", file=sys.stderr)
-            return 1
+            return code
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

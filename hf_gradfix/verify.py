@@ -75,10 +75,28 @@ from .errors import InvalidArgumentError, InvalidTypeError
 _log = logging.getLogger("hf_gradfix")
 
 
-def _progress(message: str, since: float | None = None) -> None:
-    """One progress line per phase on the plugin's log (stderr; rank 0 only unless HF_GRADFIX_ALL_RANKS=1)."""
-    took = f" [{time.perf_counter() - since:.1f} s]" if since is not None else ""
-    _log.info("verify: %s%s", message, took)
+def _progress(message: str, since: float | None = None, phase: bool = False) -> None:
+    """A progress line on the plugin's log (stderr; rank 0 only unless HF_GRADFIX_ALL_RANKS=1), stamped with the
+    seconds since verify started; ``phase``: the heartbeat repeats it while it runs (hf_gradfix.progress)."""
+    from .progress import report
+
+    took = f" (took {time.perf_counter() - since:.1f} s)" if since is not None else ""
+    report("verify", f"{message}{took}", phase=phase)
+
+
+def _progress_session(fn: Callable) -> Callable:
+    """Runs ``fn`` inside verify's progress session (the CLI's when it opened one): phase lines with the seconds since
+    start, and a heartbeat line after 15 s of silence (hf_gradfix.progress)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        from .progress import Progress
+
+        with Progress("verify"):
+            return fn(*args, **kwargs)
+
+    return run
 
 __all__ = ["verify", "verify_trainer", "verdict_of", "VerifyReport", "StepResult", "HYPOTHESES", "tiny_model",
            "synthetic_samples", "BUGS", "plot_report", "Precision", "run_precision", "FLOOR_FACTOR"]
@@ -197,6 +215,8 @@ class StepResult:
     #: mixed precision: the run's errors against the fp32 ground truth beside it
     fp32_grad_rel_err: float | None = None
     fp32_loss_rel_err: float | None = None
+    #: the gradient norm the Trainer measured (for max_grad_norm, on every rank) against the norm of the gradient it held
+    grad_norm_rel_err: float | None = None
 
 
 @dataclass
@@ -217,6 +237,8 @@ class VerifyReport:
     reference: str = "fp32"
     #: the ground truth in words where it is not the token mean of a labels loss (a policy-gradient loss type's objective)
     objective: str = ""
+    #: ranks that trained on batches of their own (tp / cp ranks and a pipeline's stages share theirs); 0: every rank
+    data_ranks: int = 0
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "nothing_checked": self.nothing_checked()}, indent=2)
@@ -246,7 +268,9 @@ class VerifyReport:
     def lines(self) -> list[str]:
         out = [
             f"hf-gradfix verify: {self.trainer + ', ' if self.trainer else ''}{len(self.steps)} step(s), "
-            f"GA {self.grad_accum}, {self.world_size} rank(s), packing {'on' if self.packing else 'off'}, "
+            f"GA {self.grad_accum}, {self.world_size} rank(s)"
+            f"{f' ({self.data_ranks} with data of their own)' if 0 < self.data_ranks < self.world_size else ''}, "
+            f"packing {'on' if self.packing else 'off'}, "
             f"tolerance {self.tolerance:g}",
         ]
         if self.head:
@@ -265,6 +289,9 @@ class VerifyReport:
                 out.append(f"    rounding floor {s.rounding_floor:.1e} -> tolerance {s.tolerance:.1e} (max of "
                            f"{self.tolerance:g} and {FLOOR_FACTOR:g} x floor){loss_floor}{beside}")
             out.append("    per group: " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(s.groups.items())))
+            if s.grad_norm_rel_err is not None and self.world_size > 1:  # a norm reduced over ranks (and meshes)
+                out.append(f"    gradient norm the Trainer measured (what max_grad_norm clips with), on every rank: "
+                           f"rel err {s.grad_norm_rel_err:.1e} against the norm of the gradient it held")
             if s.verdict != "exact":
                 near = sorted((v, k) for k, v in s.candidates.items() if k != "exact")[:3]
                 out.append("    nearest references: " + ", ".join(f"{k} {v:.1e}" for v, k in near))
@@ -1002,22 +1029,16 @@ def _gather(obj: Any) -> list:
     return out
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A detached full fp32 CPU copy (a DTensor shard of FSDP2 / TP is gathered: a collective on every rank)."""
-    full = getattr(t, "full_tensor", None)
-    return (full() if callable(full) else t).detach().float().cpu().clone()
-
-
 def _data_ranks(trainer) -> list[bool] | None:
-    """Per rank: whether it holds its own data (ranks of one tp x cp group train on the same batches: keep the one at
-    tp = cp = 0), or None when every rank does."""
+    """Per rank: whether it holds its own data (ranks of one tp x cp group, and the stages of one pipeline, train on
+    the same batches: keep the one at tp = cp = pp = 0), or None when every rank does."""
     from hf_gradfix.integration.state import state_of
 
     state = state_of(trainer)
     dims = state.nd.dims if state is not None and state.nd is not None else None
     if dims is None or dims.non_data_parallel == 1:
         return None
-    return [dims.coords(r)["tp"] == 0 and dims.coords(r)["cp"] == 0 for r in range(_world())]
+    return [all(dims.coords(r).get(job, 0) == 0 for job in ("tp", "cp", "pp")) for r in range(_world())]
 
 
 def _loss_scale(trainer: Any, optimizer: Any = None) -> float:
@@ -1098,6 +1119,7 @@ def _reporting_callbacks(trainer) -> list:
     return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, kinds)]
 
 
+@_progress_session
 def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, train_kwargs: dict | None = None,
                    run_train: Callable[[], Any] | None = None, reference_model: nn.Module | None = None) -> VerifyReport:
     """Run ``steps`` optimizer steps of ``trainer`` as configured and compare each step's gradient and reported
@@ -1107,8 +1129,11 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     Afterwards the model's parameters, the optimizer (if one was passed in), the trainer's state, its
     arguments and callbacks and the random-number generators are as before, so ``trainer.train()`` can follow.
     Under ``torchrun`` / ``hf-gradfix launch`` every rank calls it; the report is the same on every rank.
-    A model sharded by an ND mesh (FSDP2 / tp / cp DTensor parameters) needs ``reference_model``: an unsharded copy
-    made before the trainer sharded it (the ground truth runs on it in one process).
+    A model no rank holds whole (ep / tp / cp / FSDP2 DTensor shards, pipeline stages, DeepSpeed ZeRO partitions, or
+    one accelerate will shard when ``train()`` prepares it) is checked against an unsharded copy at its initial weights
+    that verify builds (:mod:`hf_gradfix.verify_sharded`; a collective: every rank calls ``verify_trainer``);
+    ``reference_model``: such a copy of your own instead (made before the trainer was built), for a model verify cannot
+    rebuild from its config. A model accelerate prepared keeps the checked steps' updates in its engine / optimizer.
     Under mixed precision (``bf16=True``, bf16 parameters) the references compute as the run does and each step is
     judged within ``FLOOR_FACTOR`` times its rounding floor (``report.steps[i].tolerance``); the fp32 ground truth
     is reported beside it (``fp32_grad_rel_err``).
@@ -1142,12 +1167,39 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     rl_marks: list[int] = []
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     initial = {n: p.detach().clone() for n, p in trainable}
-    sharded = any(callable(getattr(p, "full_tensor", None)) for _, p in trainable)
-    if sharded and reference_model is None:
-        raise InvalidArgumentError(
-            "verify_trainer: the model's parameters are sharded (FSDP2 / tensor / context parallel DTensors); pass "
-            "reference_model=, an unsharded copy of the model made before the trainer was built"
-        )
+    initial_params = list(trainable)
+    # a sharded run (ep / tp / cp / FSDP2 DTensors, pipeline stages, DeepSpeed ZeRO): the full tensors gathered over
+    # the ranks, and the ground truth on an unsharded copy at the initial weights, built here (hf_gradfix.verify_sharded)
+    from .verify_sharded import RunShards, deepspeed_clipping_off
+
+    shards = RunShards(trainer, model)
+    if reference_model is None and shards.kind is not None:
+        _progress(f"the model is held as {shards.words}: building an unsharded copy for the ground truth ...", phase=True)
+        reference_model = shards.reference()
+    ds_grads: list[dict[str, torch.Tensor]] = []  # DeepSpeed: read inside the engine's step (see _prepared)
+    hooked_engines: list = []
+
+    def _prepared(trainer) -> None:
+        """At the first micro-batch accelerate has prepared the model: FSDP2 put DTensor parameters in place of the
+        model's own (read from now on), and DeepSpeed's engine steps inside ``backward`` at the window's end, before
+        ``on_pre_optimizer_step``: its step is hooked to read the gradient it steps with (put back afterwards)."""
+        if shards.kind != "prepare":
+            return
+        trainable[:] = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+        engine = getattr(trainer, "model_wrapped", None)
+        if not getattr(trainer, "is_deepspeed_enabled", False) or not callable(
+                getattr(engine, "is_gradient_accumulation_boundary", None)):
+            return
+        own_step = engine.step
+
+        def step(*a, **kw):
+            if engine.is_gradient_accumulation_boundary():
+                ds_grads.append(RunShards.deepspeed_grads(trainable))
+            return own_step(*a, **kw)
+
+        engine.step = step
+        hooked_engines.append(engine)
+
     lowrank_notes: list[str] = []
 
     class _Recorder(transformers.TrainerCallback):
@@ -1170,8 +1222,11 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
                     "accumulation acts after the gradient is formed; the next train() turns it back on)")
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
-            scale = _loss_scale(trainer, kw.get("optimizer"))  # fp16's GradScaler: the gradients are still scaled
-            grads.append({n: (_full(p.grad) / scale if p.grad is not None else torch.zeros(p.shape)) for n, p in trainable})
+            if ds_grads:  # DeepSpeed stepped inside backward; its gradient was read just before (training_step)
+                grads.append(ds_grads.pop())
+            else:
+                scale = _loss_scale(trainer, kw.get("optimizer"))  # fp16's GradScaler: the gradients are still scaled
+                grads.append(shards.full(trainable, grad=True, scale=scale))
             marks.append(len(recorded))
             rl_marks.append(len(rl_recorded))
 
@@ -1191,8 +1246,10 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     inner_step = trainer.training_step  # bound: that wrapper, else the class's own
 
     def training_step(model_arg, inputs, *a, **kw):
+        if not recorded:
+            _prepared(trainer)
         if len(recorded) == (marks[-1] if marks else 0):  # first micro-batch of a window: the parameters it sees
-            params_at.append({n: _full(p) for n, p in trainable})
+            params_at.append(shards.full(trainable))
         # a policy-gradient trainer draws prompts (a list); its micro-batch is what its loss function is given
         recorded.append(_to_cpu(inputs) if isinstance(inputs, Mapping) else {})
         out = inner_step(model_arg, inputs, *a, **kw)
@@ -1203,6 +1260,16 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
 
     previous_loss = trainer.__dict__.get("compute_loss")
     inner_loss = trainer.compute_loss
+    # the gradient norm the Trainer measures each step (what max_grad_norm clips with, logged as grad_norm; over
+    # several ranks and meshes a reduction of its own), checked against the norm of the gradient it held
+    norms: list[float | None] = []
+    previous_norm = trainer.__dict__.get("_get_grad_norm")
+    inner_norm = getattr(trainer, "_get_grad_norm", None)
+
+    def get_grad_norm(*a, **kw):
+        out = inner_norm(*a, **kw)
+        norms.append(None if out is None else float(out))
+        return out
 
     def compute_loss(model_arg, inputs, *a, **kw):
         if getattr(model_arg, "training", False) and is_policy_gradient_batch(inputs):
@@ -1222,8 +1289,9 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
     recorder = _Recorder()
     tmp = tempfile.mkdtemp(prefix="hf_gradfix_verify_")
     t0 = time.perf_counter()
-    _progress(f"1/2 the run under test: {type(trainer).__name__}.train() for {steps} step(s), gradients recorded ...")
-    with _saved_rng(), _no_dropout(model):
+    _progress(f"1/2 the run under test: {type(trainer).__name__}.train() for {steps} step(s), gradients recorded ...",
+              phase=True)
+    with _saved_rng(), _no_dropout(model), deepspeed_clipping_off(trainer):
         try:
             args.max_grad_norm = 0.0  # clipping acts after the gradient is formed
             args.output_dir = tmp
@@ -1234,6 +1302,8 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
             trainer.add_callback(recorder)
             trainer.training_step = training_step
             trainer.compute_loss = compute_loss
+            if callable(inner_norm):
+                trainer._get_grad_norm = get_grad_norm
             if run_train is not None:
                 run_train()
             else:
@@ -1247,39 +1317,77 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
                 trainer.__dict__.pop("compute_loss", None)
             else:
                 trainer.compute_loss = previous_loss
+            if previous_norm is None:
+                trainer.__dict__.pop("_get_grad_norm", None)
+            else:
+                trainer._get_grad_norm = previous_norm
             trainer.callback_handler.callbacks[:] = saved_callbacks  # the same objects, in the same order
+            for engine in hooked_engines:
+                engine.__dict__.pop("step", None)
             for k, v in saved_args.items():
                 setattr(args, k, v)
             shutil.rmtree(tmp, ignore_errors=True)
         if reference_model is not None:  # the ground truth runs on the unsharded copy, in one process
             ref_params = dict(reference_model.named_parameters())
-            model, trainable_ref = reference_model, [(n, ref_params[n]) for n, _ in trainable]
+            # the names recorded on every rank (pipeline stages: their union; a tied copy appears once in the copy)
+            names = list(grads[0]) if grads else [n for n, _ in trainable]
+            aliases = {n for n, _ in reference_model.named_parameters(remove_duplicate=False)}
+            unknown = [n for n in names if n not in aliases]
+            if unknown:  # e.g. a wrapper's prefixes: never a comparison of what does not correspond
+                raise InvalidArgumentError(
+                    f"the run's parameters have no counterpart in the unsharded copy of the model ({len(unknown)} of "
+                    f"{len(names)}, e.g. {unknown[0]!r}); pass verify_trainer(..., reference_model=) a copy whose "
+                    "parameter names are the run's")
+            model, trainable_ref = reference_model, [(n, ref_params[n]) for n in names if n in ref_params]
         else:
             trainable_ref = trainable
         _progress(f"2/2 the reference: each step's exact gradient recomputed in plain PyTorch on the batches the "
-                  f"trainer drew (run under test took {time.perf_counter() - t0:.1f} s) ...")
+                  f"trainer drew (run under test took {time.perf_counter() - t0:.1f} s) ...", phase=True)
         t1 = time.perf_counter()
-        if rl_recorded:  # generated completions: the loss type's objective over the window (hf_gradfix.verify_rl)
-            from .verify_rl import compare as compare_policy_gradient
+        with _no_dropout(model) if model is reference_model else contextlib.nullcontext():
+            if rl_recorded:  # generated completions: the loss type's objective over the window (hf_gradfix.verify_rl)
+                from .verify_rl import compare as compare_policy_gradient
 
-            report = compare_policy_gradient(trainer, model, rl_recorded, rl_marks, returned, marks, grads, params_at,
-                                             trainable_ref, tolerance)
-        else:
-            report = _compare(trainer, model, recorded, returned, marks, grads, params_at, trainable_ref, tolerance)
+                report = compare_policy_gradient(trainer, model, rl_recorded, rl_marks, returned, marks, grads,
+                                                 params_at, trainable_ref, tolerance)
+            else:
+                report = _compare(trainer, model, recorded, returned, marks, grads, params_at, trainable_ref, tolerance)
         report.notes.extend(lowrank_notes)
+        _check_grad_norms(report, grads, norms, [n for n, _ in trainable_ref])
+        holds_data = _data_ranks(trainer)
+        report.data_ranks = sum(holds_data) if holds_data is not None else report.world_size
         _progress("done", since=t1)
         model = trainer.model
         if len(report.steps) < steps:
             report.notes.append(f"the trainer took {len(report.steps)} of the {steps} steps asked for (its data ran out)")
         with torch.no_grad():
-            for n, p in trainable:
-                p.copy_(initial[n])
-                p.grad = None
+            for n, p in initial_params:  # (a model accelerate prepared holds other, sharded parameters now: docs)
+                if p.shape == initial[n].shape and not hasattr(p, "ds_id"):
+                    p.copy_(initial[n])
+                    p.grad = None
         for k, v in saved_trainer.items():
             setattr(trainer, k, v)
         if opt_state is not None and saved_trainer["optimizer"] is not None:
             saved_trainer["optimizer"].load_state_dict(opt_state)
     return report
+
+
+def _check_grad_norms(report: VerifyReport, grads: list[dict[str, torch.Tensor]], norms: list[float | None],
+                      names: Sequence[str]) -> None:
+    """Per step, the gradient norm the Trainer measured on every rank (``_get_grad_norm``: what ``max_grad_norm`` clips
+    with, even while verify keeps clipping off) against the norm of the full gradient it held (each parameter once): a
+    reduction over ranks and meshes of its own (expert parallelism: two sequential all-reduces over efsdp and ep)."""
+    every = _gather(list(norms))  # a collective: every rank gives its list, possibly empty
+    for i, step in enumerate(report.steps):
+        got = [r[i] for r in every if i < len(r) and r[i] is not None and math.isfinite(r[i])]
+        if not got or i >= len(grads):
+            continue
+        exact = math.sqrt(sum(float(grads[i][n].double().pow(2).sum()) for n in names if n in grads[i]))
+        step.grad_norm_rel_err = max(abs(v - exact) for v in got) / max(exact, 1e-30)
+        if step.grad_norm_rel_err > (step.tolerance or report.tolerance):
+            report.notes.append(f"step {step.step}: the gradient norm the Trainer measured (what max_grad_norm clips "
+                                f"with) is {step.grad_norm_rel_err:.1e} off the norm of the gradient it held: clipping "
+                                "would not be the exact gradient's")
 
 
 #: Under mixed precision a step counts as exact when its gradient is within FLOOR_FACTOR times its rounding floor (the
@@ -1460,6 +1568,7 @@ def _inject_trainer(base: type, bug: str | None, grad_accum: int) -> type:
     return Injected
 
 
+@_progress_session
 def verify(
     model: nn.Module | Callable[[], nn.Module] | None = None,
     samples: Sequence[dict] | None = None,
@@ -1524,7 +1633,8 @@ def verify(
 
         # an ND mesh (tp / FSDP2 / cp) shards the model in place when the trainer is built: keep an unsharded copy
         unsharded = copy.deepcopy(model) if requested(cfg.parallel) else None
-        _progress(f"building the Trainer ({launched} rank(s), GA {grad_accum}, packing {'on' if cfg.packing.enabled else 'off'}) ...")
+        _progress(f"building the Trainer ({launched} rank(s), GA {grad_accum}, packing {'on' if cfg.packing.enabled else 'off'}) ...",
+                  phase=True)
         trainer = base(model=model, args=args, train_dataset=_ListDataset(samples), data_collator=collator,
                        callbacks=[hf_gradfix.GradFixCallback(cfg)])
         if inject == "count_unshifted":  # a causal LM counted with the token-classification rule, planted in this

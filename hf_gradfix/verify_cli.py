@@ -29,6 +29,7 @@ import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 from .errors import HfGradfixError, InvalidArgumentError, model_load_error
+from .progress import Progress
 
 __all__ = ["verify_main", "add_verify_arguments", "trainer_train_hook", "run_script", "ScriptFailed",
            "format_script_failure"]
@@ -281,6 +282,8 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
     progress: dict[str, Any] = {"phase": "before"}  # before -> train (the checked steps) -> compare (verify's own)
 
     def on_train(trainer, run_train):
+        progress["phase"] = "setup"  # verify's own work around the checked steps: its errors are its own
+
         def run():
             progress.update(phase="train", trainer=trainer)
             result = run_train()
@@ -326,7 +329,7 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
     except Exception as err:
         if "report" in progress:  # the check ran; what the script did after it does not change the report
             return progress["report"]
-        if progress["phase"] == "compare":  # verify's own comparison: its errors are its own
+        if progress["phase"] in ("setup", "compare"):  # verify's own work (the reference, the comparison): its own
             raise
         raise ScriptFailed(err, _phase_words(progress), progress.get("step")) from err
     finally:
@@ -345,7 +348,7 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
 
 def _phase_words(progress: dict) -> str:
     """Where the script was when it stopped: before its Trainer's train(), or in which checked step."""
-    if progress["phase"] == "before":
+    if progress["phase"] in ("before", "setup"):
         return "before its Trainer's train() was called"
     trainer = progress.get("trainer")
     state = getattr(trainer, "state", None)
@@ -428,29 +431,89 @@ def verify_main(argv: Sequence[str]) -> int:
                   "model, data and configuration are used (set the hf_gradfix configuration with hf-gradfix launch "
                   "or $HF_GRADFIX_CONFIG)", file=sys.stderr)
             return 2
-        try:
-            report = run_script(command, steps=ns.steps, tolerance=ns.tolerance, quiet_stdout=ns.json)
-        except ScriptFailed as failure:  # the user's script raised: its traceback, then one line naming it
-            text, line = format_script_failure(failure)
-            # the plugin's own errors are one line already; an error of runpy itself (no such module) has no frames
-            if not isinstance(failure.error, HfGradfixError) and _script_frames(failure.error):
-                print(text, file=sys.stderr)
-            print(line, file=sys.stderr)
-            return 2
-        except ValueError as err:
-            print(str(err), file=sys.stderr)
-            return 2
-        except RuntimeError as err:
-            print(f"hf-gradfix verify: {err}", file=sys.stderr)
-            return 2
-        except Exception as err:  # verify's own comparison failed after the script's steps ran
-            traceback.print_exc()
-            print(f"hf-gradfix verify: the comparison with the ground truth failed after the checked steps ran "
-                  f"({type(err).__name__}: {err}); traceback above", file=sys.stderr)
-            return 2
+        with Progress("verify") as progress:  # a first line now, then one per phase, a heartbeat in between
+            try:
+                _, target, _ = _split_command(command)
+                progress.phase(f"running {target} under verify: the script's own setup until its Trainer's train(), "
+                               f"then {ns.steps} step(s) checked against the ground truth ...")
+                report = run_script(command, steps=ns.steps, tolerance=ns.tolerance, quiet_stdout=ns.json)
+            except ScriptFailed as failure:
+                if isinstance(failure.error, HfGradfixError):  # hf_gradfix refused the run: the plugin's line, once
+                    _say_failure([f"hf-gradfix verify: hf_gradfix stopped the script's run {failure.phase}: "
+                                  f"{failure.error}; nothing was checked"])
+                    return 2
+                text, line = format_script_failure(failure)  # the script raised: its traceback, then one line
+                # an error of runpy itself (no such module) has no frames of the script
+                _say_failure(([text] if _script_frames(failure.error) else []) + [line])
+                return 2
+            except HfGradfixError as err:  # verify's own refusal (the same on every rank): one line
+                _say_failure([_ours(str(err))])
+                return 2
+            except (ValueError, RuntimeError) as err:
+                _say_failure([_ours(str(err))])
+                return 2
+            except Exception as err:  # verify's own comparison failed after the script's steps ran
+                _say_failure([traceback.format_exc().rstrip(),
+                              f"hf-gradfix verify: the comparison with the ground truth failed after the checked steps "
+                              f"ran ({type(err).__name__}: {err}); traceback above"])
+                return 2
         _print_report(report, ns)
-        return _exit_code(report)
-    return _builtin(ns)
+        return _leave_together(_exit_code(report))
+    with Progress("verify") as progress:
+        progress.phase(f"the built-in run: loading the model ({ns.model or 'tiny'}) and its samples ...")
+        try:
+            return _leave_together(_builtin(ns))
+        except HfGradfixError as err:  # a refusal (the same on every rank): one line per run
+            _say_failure([_ours(str(err))])
+            return 2
+
+
+#: Seconds a rank other than 0 waits before it says its failure: when every rank failed alike, rank 0 said it and
+#: the launcher ended the others before then (torch elastic stops every rank once one exits with an error); a rank
+#: that failed alone still says it, with its rank
+_OTHER_RANKS_GRACE_S = 10.0
+
+
+def _ours(message: str) -> str:
+    """``message`` as verify's own line (prefixed once)."""
+    return message if message.startswith("hf-gradfix verify:") else f"hf-gradfix verify: {message}"
+
+
+def _say_failure(lines: Sequence[str]) -> None:
+    """A failure said once per run: rank 0 at once; another rank only after a grace period (then prefixed with its
+    rank), so that a failure of every rank is one line, and a failure of one rank alone is still said."""
+    from . import ALL_RANKS_ENV
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    every = os.environ.get(ALL_RANKS_ENV, "") not in ("", "0")
+    if rank and not every:
+        import time
+
+        time.sleep(_OTHER_RANKS_GRACE_S)
+    prefix = f"[rank {rank}] " if rank else ""
+    for text in lines:
+        print("\n".join(prefix + part for part in text.splitlines()), file=sys.stderr, flush=True)
+
+
+def _leave_together(code: int) -> int:
+    """Under a launch every rank has the report: each waits until rank 0 printed it (a rank that exits first with the
+    verdict's code, 1 for NOT EXACT, makes the launcher end the others, rank 0 too), then the process ends without
+    Python's teardown (``os._exit``: a gloo process group may hang or abort in it, pytorch#190489; the script was
+    stopped already). One process: ``code`` back to the caller."""
+    dist = getattr(sys.modules.get("torch"), "distributed", None)  # torch is loaded when a script or run trained
+    if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return code
+    import logging
+
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a rank already gone: end anyway, with the verdict's code
+        pass
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_code(report: Any) -> int:

@@ -5,7 +5,8 @@ One process imports everything once, then forks a child per run (fork: no second
 * ``straight``: 6 optimizer steps (AdamW, lr 1e-2, GA 2, packing on), a checkpoint every 2 steps; final weights saved;
 * per kill phase: the same run in a fresh output folder, killed with SIGKILL (or, ``disk``, an ``OSError(ENOSPC)``)
   during the save of ``checkpoint-4``; then a new trainer resumes with ``resume_from_checkpoint=True`` to the end and
-  saves its final weights, and what the resume chose.
+  saves its final weights, and what the resume chose; the checkpoints as the crash left them are copied to
+  ``OUT/torn/<phase>/`` first.
 
 Run: ``python tests/crash_save_worker.py OUT phase1,phase2,...``; writes ``OUT/<run>/result.json`` and ``final.pt``.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -155,6 +157,8 @@ def main() -> None:
         (folder / "killed.json").write_text(json.dumps({
             n: complete_checkpoints.complete(str(folder / n)) for n in sorted(os.listdir(folder)) if n.startswith("checkpoint-")}))
         os.rename(folder / "result.json", folder / "killed_result.json") if (folder / "result.json").exists() else None
+        for name in ("checkpoint-2", "checkpoint-4"):  # as the crash left them (the resumed run saves checkpoint-4 anew)
+            shutil.copytree(folder / name, out / "torn" / phase / name)
         status[f"{phase}_resumed"] = child(lambda: run(folder, phase, True))
     (out / "status.json").write_text(json.dumps(status))
 

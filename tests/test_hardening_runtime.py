@@ -94,7 +94,10 @@ def test_truncated_stream_state_falls_back_to_replay_and_names_the_file(tmp_path
         train(2)
         state_file = tmp_path / "checkpoint-2" / "hf_gradfix_stream_rank0.pt"
         data = state_file.read_bytes()
-        state_file.write_bytes(data[: len(data) // 2])  # a copy cut short (disk full, interrupted sync)
+        state_file.write_bytes(data[: len(data) // 2])  # a copy cut short (disk full, interrupted sync): not the
+        with pytest.raises(UsageError, match="hf_gradfix_stream_rank0.pt holds"):  # file its save wrote
+            train(4, resume=str(tmp_path / "checkpoint-2"))
+        state_file.write_bytes(b"\0" * len(data))  # whole in size, unreadable (bit rot): the loader's fallback
         with caplog.at_level(logging.WARNING, logger="hf_gradfix"):
             resumed = train(4, resume=str(tmp_path / "checkpoint-2"))
     finally:

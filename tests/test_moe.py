@@ -388,6 +388,7 @@ def test_previous_resumes_exactly(tmp_path):
 
     shutil.copytree(tmp_path / "part" / "checkpoint-1", tmp_path / "bare" / "checkpoint-1")
     (tmp_path / "bare" / "checkpoint-1" / "hf_gradfix_moe_rank0.pt").unlink()
+    (tmp_path / "bare" / "checkpoint-1" / "hf_gradfix_checkpoint.json").unlink()  # whose save listed no files either
     bare = run(3, tmp_path / "bare", resume=str(tmp_path / "bare" / "checkpoint-1"))
     assert H.rel_err(bare.steps[0]["grads"], whole.steps[1]["grads"]) > 1e-4
 

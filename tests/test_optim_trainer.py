@@ -610,6 +610,74 @@ def test_stock_trainer_with_a_lowrank_optimizer_refuses_clipping_it_cannot_reach
     opt.remove_lowrank_hooks()
 
 
+def _consumed_norms(opt, grads_only=None) -> list:
+    """The 2-norm of what each optimizer.step() consumes (plain and refreshing .grad, the rank-r accumulators of the
+    others), taken by a step pre-hook from the tensors themselves, before the step reads them; ``grads_only`` gets
+    the norm of the .grad part alone (what torch's clip_grad_norm_ sees)."""
+    norms = []
+
+    def record(optimizer, args, kwargs):
+        tensors = [p.grad for g in optimizer.param_groups for p in g["params"]
+                   if p.grad is not None and p not in optimizer._lowrank_acc]
+        norms.append(float(torch.nn.utils.get_total_norm(tensors + list(optimizer._lowrank_acc.values()))))
+        if grads_only is not None:
+            grads_only.append(float(torch.nn.utils.get_total_norm(tensors)))
+
+    opt.register_step_pre_hook(record)
+    return norms
+
+
+@pytest.mark.parametrize("clip", ["issue", "just_above_grad"])
+def test_max_grad_norm_bounds_what_every_step_consumes_or_the_run_is_refused(clip, tmp_path, monkeypatch):
+    """Issue 50: a lowrank_grads GaLoreAdamW given to a stock Trainer (optimizers=(opt, None)) with max_grad_norm 0.05
+    was clipped on step 1 only (every projected weight still held its full gradient), later steps consumed norms of
+    0.28-0.39. Ground truth: the norm of what each step consumes, taken from the tensors at the step. Under a
+    GradFixCallback every step consumes <= max_grad_norm; without the plugin the run is refused before the first
+    update the clip cannot reach, also where torch's clip left .grad unscaled (``just_above_grad``: the threshold
+    between the plain gradients' norm and the consumed norm of step 2, which only the caller's max_grad_norm tells).
+    Control: both refusals taken out (the bug planted): some step consumes more than max_grad_norm."""
+    from hf_gradfix.errors import UsageError
+    from hf_gradfix.optim import lowrank
+
+    model0 = H.build_model("llama")
+
+    grads_only = []
+
+    def run(max_grad_norm, *, callbacks=(), name="run"):
+        model = copy.deepcopy(model0)
+        opt = GaLoreAdamW(model, **LR_KW)
+        norms = _consumed_norms(opt, grads_only if name == "measure" else None)
+        trainer, _ = _trainer(model, _samples(), tmp_path / name, trainer_kwargs={"optimizers": (opt, None)},
+                              callbacks=callbacks, max_grad_norm=max_grad_norm)
+        try:
+            trainer.train()
+            refused = None
+        except UsageError as err:
+            refused = str(err)
+        finally:
+            opt.remove_lowrank_hooks()
+        return norms, opt._steps_taken(), refused
+
+    if clip == "issue":
+        max_grad_norm = 0.05
+    else:
+        with pytest.warns(RuntimeWarning, match="no clip_grad_norm_ of its own saw"):
+            free, _, _ = run(0.0, name="measure")  # unclipped: the consumed norms of each step
+        max_grad_norm = (grads_only[1] + free[1]) / 2  # above step 2's .grad norm, below what it consumes
+        assert max(free[0], grads_only[1]) < max_grad_norm < free[1], (free, grads_only)
+    bound = max_grad_norm * (1 + 1e-5)
+    norms, steps, refused = run(max_grad_norm, callbacks=[hf_gradfix.GradFixCallback()], name="routed")
+    assert refused is None and steps == 4 and len(norms) == 4 and max(norms) <= bound, norms
+    norms, steps, refused = run(max_grad_norm, name="stock")
+    assert refused is not None and "\n" not in refused and "no update was applied" in refused, refused
+    assert all(n <= bound for n in norms[:steps]) and len(norms) == steps + 1  # the refused step applied nothing
+    monkeypatch.setattr(lowrank, "_callers_max_grad_norm", lambda: None)  # planted: no refusal at all
+    monkeypatch.setattr(GaLoreAdamW, "_refuse_outside_clipping", lambda self: None)
+    with pytest.warns(RuntimeWarning, match="no clip_grad_norm_ of its own saw"):
+        norms, steps, refused = run(max_grad_norm, name="planted")
+    assert refused is None and steps == 4 and max(norms) > bound, norms
+
+
 def test_a_second_lowrank_optimizer_takes_the_hooks_over():
     """Two lowrank_grads optimizers on one model: the newer one owns the hooks (the older one's would project and
     free the same gradients); dropping an optimizer drops its hooks."""

@@ -334,6 +334,25 @@ def test_constructor_arguments_are_one_line(args, kwargs, needle):
     assert str(err.value).startswith(needle) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("args, given", [((None, None, 2), "None"), ((None, 5, 2), "a int"),
+                                         ((None, object(), 2), "a object")])
+def test_a_dataloader_that_is_not_iterable_is_one_line(args, given):
+    """Issue 50: TokenWindow(None, None, ...) built, then its loop ended in TypeError: 'NoneType' object is not
+    iterable (from iter() inside the plugin). Now one line at construction naming the argument, its value, the fix;
+    still a TypeError. Control: any iterable (a list, a generator) is taken."""
+    from hf_gradfix.errors import InvalidTypeError
+
+    with pytest.raises(InvalidTypeError) as err:
+        TokenWindow(*args)
+    message = str(err.value)
+    assert isinstance(err.value, TypeError) and "\n" not in message
+    assert message.startswith(f"TokenWindow: dataloader={given}: not an iterable of batches; pass the training "
+                              "DataLoader"), message
+    batch = {"labels": torch.tensor([[1, 2, 3]])}
+    for iterable in ([batch], (b for b in [batch])):
+        assert [len(list(w)) for w in TokenWindow(None, iterable, 2)] == [1]
+
+
 def test_batches_that_are_not_dicts_and_a_dataloader_without_length_are_named():
     from hf_gradfix.errors import InvalidArgumentError
 

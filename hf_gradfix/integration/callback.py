@@ -35,6 +35,33 @@ def _find_trainer(callback: TrainerCallback) -> Trainer | None:
     return None
 
 
+def _check_resumed_checkpoint(trainer: Trainer) -> None:
+    """Added with ``add_callback`` after construction, the callback fixes the trainer at ``on_train_begin``, after
+    ``train()`` chose its checkpoint as stock does (``resume_from_checkpoint=True``: the highest N, torn or not). A
+    folder hf_gradfix wrote that is incomplete (a file of its save missing, a torn save with a ``trainer_state.json``
+    of an earlier one) is refused here, before the first step, instead of training on from partial state. The value
+    is read from the frame of the training loop that called us (bounded walk, reads locals only)."""
+    from .complete_checkpoints import resolve
+
+    frame, depth = sys._getframe(1), 0
+    while frame is not None and depth < 50:
+        if frame.f_locals.get("self") is trainer and "resume_from_checkpoint" in frame.f_locals:
+            chosen = frame.f_locals["resume_from_checkpoint"]
+            break
+        frame, depth = frame.f_back, depth + 1
+    else:
+        return
+    if not isinstance(chosen, str):
+        return
+    try:
+        resolve(trainer, chosen)
+    except HfGradfixError as err:
+        raise GradFixCallbackError(
+            f"{err} (GradFixCallback was added with add_callback after the Trainer was built, so train() chose this "
+            "checkpoint before hf_gradfix could: pass it at construction, Trainer(..., callbacks=[GradFixCallback()]), "
+            "or use hf_gradfix.patch(), and resume_from_checkpoint=True takes the newest complete one)") from None
+
+
 class GradFixCallback(TrainerCallback):
     """Make one ``Trainer``'s loss exact: ``Trainer(..., callbacks=[GradFixCallback()])`` or ``trainer.add_callback(...)``.
 
@@ -60,7 +87,9 @@ class GradFixCallback(TrainerCallback):
         self._trainer = None
         self._saw_init = False  # on_init_end seen: the callback was given to the Trainer's constructor
 
-    def _attach(self, state_obj) -> None:
+    def _attach(self, state_obj) -> bool:
+        """Fix the trainer calling us (idempotent); True when it was fixed by this call."""
+        fixed_now = False
         trainer = _find_trainer(self)
         if trainer is None:
             raise GradFixCallbackError(
@@ -84,6 +113,7 @@ class GradFixCallback(TrainerCallback):
             # under patch(): patch()'s settings too (the Trainer's __init__ calls us before patch()'s wrapper installs)
             config, settings_from = combine(patch_sources() + [self.source])
             fix_trainer(trainer, config, source="GradFixCallback", settings_from=settings_from)
+            fixed_now = True
         else:
             self._combine_with_patch(trainer)
         from .nonfinite import attach
@@ -96,6 +126,7 @@ class GradFixCallback(TrainerCallback):
 
         attach_rl_packing(trainer, state_of(trainer).config)
         self._trainer = trainer
+        return fixed_now
 
     def _combine_with_patch(self, trainer: Trainer) -> None:
         """Added with add_callback to a trainer patch() fixed: its settings combine with patch()'s (the rule of
@@ -131,7 +162,8 @@ class GradFixCallback(TrainerCallback):
         return control
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._attach(state)
+        if self._attach(state):
+            _check_resumed_checkpoint(self._trainer)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -1,22 +1,28 @@
-"""``loss.head: lean``: the causal-LM head and its cross-entropy computed together (``hf_gradfix.loss.lean_head``), so
+"""``loss.head: lean``: the LM head and its cross-entropy computed together (``hf_gradfix.loss.lean_head``), so
 a micro-batch's ``(tokens, vocab)`` logits never exist, normalized by the window's global count like every path.
 
 Where it applies: the model call of the plugin's own ``compute_loss`` body (the Trainer's default loss; TRL's
-SFTTrainer runs its own fused head), with labels, in training and in a loss-only evaluation. For the length of that
-one call, the output-embedding module's ``forward`` (an instance attribute, removed afterwards) computes the summed
-cross-entropy of its input against the call's next-token labels and returns a zero-cost stand-in for the logits
-(a 0-stride expanded zero), and the model's ``loss_function`` (its own setter) turns the sum into the loss the model
-would have returned (``sum / num_items_in_batch``, or the mean). Nothing persists between calls: no third-party
-function is changed, nothing to unpatch.
+SFTTrainer runs its own fused head), with labels, in training, in a loss-only evaluation and in the loss probes of
+the first window. For the length of that one call, the output-embedding module's ``forward`` (an instance
+attribute, removed afterwards) keeps its input and returns a zero-cost stand-in for the logits (a 0-stride
+expanded zero), and the model's ``loss_function`` (its own setter) computes, from that input, the objective the
+model's own ``loss_function`` computes: the cross-entropy against next-token targets (a causal LM), same-position
+targets (a masked LM, a seq2seq decoder) or the call's ``shift_labels``, ``sum / num_items_in_batch`` or the mean.
+That objective is measured, not assumed: the model's own ``loss_function`` is called once per model and call
+signature on random float64 logits of a small vocabulary with the call's own arguments
+(:func:`hf_gradfix.loss.lean_head.measure_objective`); a loss that is none of them (label smoothing inside it,
+class weights, a z-loss, another reduction) keeps the stock head. So the loss probes, which run through the lean
+head, measure what the model's own loss does. Nothing persists between calls: no third-party function is changed,
+nothing to unpatch.
 
 Decided by behaviour, per model: the call is lean only when the head ran exactly once, the loss function received
 *that very* stand-in (identity: nothing transformed the logits between head and loss: soft-capping, scaling, an
-upcast, a hook) and the labels it received are the call's own. Anything else (a model that post-processes its logits,
-computes its loss inline, calls the head twice) is discovered on the first call, which is then run again on the
-stock path; that model stays on the stock path for the rest of the run, with one line saying why. Heads: a plain
-``nn.Linear`` (tied embeddings included) or PEFT's LoRA ``Linear`` on one (its weight ``W + s * B @ A``, checked
-against the module's own output on two rows at first use); LoRA dropout in training, DoRA, quantized or sharded
-(DTensor) heads stay stock, said once.
+upcast, a hook), the labels it received are the call's own and its objective is one of the above. Anything else (a
+model that post-processes its logits, computes its loss inline, calls the head twice) is discovered on the first
+call, which is then run again on the stock path; that model stays on the stock path for the rest of the run, with
+one line saying why. Heads: a plain ``nn.Linear`` (tied embeddings included) or PEFT's LoRA ``Linear`` on one (its
+weight ``W + s * B @ A``, checked against the module's own output on two rows at first use); LoRA dropout in
+training, DoRA, quantized or sharded (DTensor) heads stay stock, said once.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..loss.lean_head import IGNORE_INDEX, head_cross_entropy_sum, next_token_targets
+from ..loss.lean_head import (IGNORE_INDEX, TARGETS, Objective, head_cross_entropy_sum, measure_objective,
+                               next_token_targets)
 
 _MISSING = object()
 
@@ -44,9 +51,12 @@ class LeanHead:
 
     calls: int = 0  # model calls that ran lean
     stock_calls: int = 0  # model calls with labels that ran the stock head (the reason is in `refused`)
+    probe_calls: int = 0  # the loss probes' forwards that ran lean (not counted in `calls`)
     refused: dict[int, str] = field(default_factory=dict)  # id(model) -> why it stays on the stock path
     checked_heads: set = field(default_factory=set)  # LoRA heads whose merged weight matched their own output
     warned: set = field(default_factory=set)
+    # (model, loss function, call signature) -> the Objective its loss_function computes, or why none
+    objectives: dict = field(default_factory=dict)
     logits_needed: bool = False  # an evaluation that returns the logits (compute_metrics, prediction)
 
     def line(self) -> str:
@@ -132,20 +142,26 @@ class _Call:
     """One lean model call: the head's stand-in forward, the loss function, and what they saw."""
 
     def __init__(self, plan: LeanHead, inner: nn.Module, head: nn.Module, labels: torch.Tensor,
-                 shift_labels: torch.Tensor | None, linear: tuple[torch.Tensor, torch.Tensor | None] | None):
+                 shift_labels: torch.Tensor | None, linear: tuple[torch.Tensor, torch.Tensor | None] | None,
+                 original_loss: Callable[..., Any]):
         self.plan, self.inner, self.head = plan, inner, head
         self.labels, self.shift_labels = labels, shift_labels
         # the head's (weight, bias), merged once per call (a LoRA head's W + s * B @ A); None: found at its forward
         self.linear = linear
+        self.original_loss = original_loss  # the model's own loss_function, which this call replaces
         self.head_calls = self.loss_calls = 0
         self.label_smoothing = 0.0
+        self.smoothing_targets: str | None = None  # the targets LabelSmoother scores (from the measured count rule)
+        self.hidden: torch.Tensor | None = None
+        self.compute_dtype: torch.dtype | None = None
         self.marker: torch.Tensor | None = None
-        self.loss_sum: torch.Tensor | None = None
-        self.count: torch.Tensor | None = None
         self.mismatch: str | None = None
 
     def head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.head_calls += 1
+        if self.head_calls > 1:
+            self.mismatch = "the model calls its output layer more than once per forward"
+            return type(self.head).forward(self.head, hidden)
         if self.linear is None:  # a DTensor before the forward: FSDP2 has unsharded it by now, tensor parallel not
             found = effective_linear(self.head)
             if isinstance(found, str):
@@ -154,22 +170,15 @@ class _Call:
             if why is not None:
                 raise _NotLean(why)
             self.linear = found
-        linear = self.linear
-        targets = self.shift_labels if self.shift_labels is not None else next_token_targets(self.labels)
-        if self.head_calls > 1 or tuple(hidden.shape[:-1]) != tuple(targets.shape):
-            if self.head_calls > 1:
-                self.mismatch = "the model calls its output layer more than once per forward"
-            else:
-                self.mismatch = (f"the head's input covers {tuple(hidden.shape[:-1])} positions, the labels "
-                                 f"{tuple(targets.shape)} (logits_to_keep, or a model that rearranges positions)")
-            return type(self.head).forward(self.head, hidden)
-        weight, bias = linear
+        weight, bias = self.linear
         self._check_merged(hidden, weight, bias)
-        # under autocast the matmul runs in autocast's dtype, cast chunk by chunk inside
-        self.loss_sum = head_cross_entropy_sum(hidden, weight, bias, targets, label_smoothing=self.label_smoothing)
-        self.count = (targets != IGNORE_INDEX).sum()
-        vocab = weight.shape[0]
-        self.marker = hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
+        # the loss is computed where the loss function is called (its targets and reduction are that function's);
+        # the matmul runs in the dtype the stock head's would run in here (autocast's, where it is on)
+        self.hidden = hidden
+        device_type = hidden.device.type
+        self.compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                              else hidden.dtype)
+        self.marker = hidden.new_zeros(()).expand(*hidden.shape[:-1], weight.shape[0])
         return self.marker
 
     def _check_merged(self, hidden, weight, bias) -> None:
@@ -187,11 +196,20 @@ class _Call:
                 raise _NotLean("the LoRA head's own output differs from W + s * B @ A")
         self.plan.checked_heads.add(id(self.head))
 
-    def loss_function(self, logits=None, labels=None, vocab_size=None, num_items_in_batch=None,
-                      ignore_index=IGNORE_INDEX, shift_labels=None, **kwargs):
+    def loss_function(self, *args, **kwargs):
+        """In place of the model's ``loss_function(logits, labels, vocab_size, **kwargs)``: the cross-entropy that
+        function computes (measured once per model and call signature, :func:`objective_of`), from the head's input
+        instead of the logits."""
         self.loss_calls += 1
+        bound = dict(zip(("logits", "labels", "vocab_size"), args))
+        bound.update({k: v for k, v in kwargs.items() if k not in bound})
+        logits, labels = bound.get("logits"), bound.get("labels")
+        shift_labels = bound.get("shift_labels")
+        ignore_index = bound.get("ignore_index", IGNORE_INDEX)
         if self.mismatch is None:
-            if logits is not self.marker or self.marker is None:
+            if len(args) > 3:
+                self.mismatch = f"the model passes {len(args)} positional arguments to its loss_function"
+            elif logits is not self.marker or self.marker is None:
                 self.mismatch = ("its logits are transformed between the output layer and the loss (soft-capping, "
                                  "scaling, an upcast or a hook)")
             elif labels is not self.labels or (shift_labels is not None and shift_labels is not self.shift_labels):
@@ -200,11 +218,47 @@ class _Call:
                 self.mismatch = f"the loss ignores {ignore_index}, not {IGNORE_INDEX}"
         if self.mismatch is not None:
             raise _NotLean(self.mismatch)
-        if num_items_in_batch is not None:
-            if torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(self.loss_sum.device)
-            return self.loss_sum / num_items_in_batch
-        return self.loss_sum / self.count  # the stock loss's mean (NaN on a batch without targets, as stock)
+        objective = objective_of(self.plan, self.inner, self.original_loss, args, kwargs, labels)
+        if isinstance(objective, str):
+            raise _NotLean(objective)
+        targets = {"next": lambda: next_token_targets(labels), "same": lambda: labels,
+                   "shift_labels": lambda: shift_labels}[objective.targets]()
+        hidden = self.hidden
+        if tuple(hidden.shape[:-1]) != tuple(targets.shape):
+            raise _NotLean(f"the head's input covers {tuple(hidden.shape[:-1])} positions, its loss's targets "
+                           f"{tuple(targets.shape)} (logits_to_keep, or a model that rearranges positions)")
+        n = bound.get("num_items_in_batch")
+        if self.label_smoothing:
+            # LabelSmoother's objective over the targets it scores (the count rule's), divided by the window's count
+            if objective.targets != self.smoothing_targets or objective.reduction != "num_items":
+                raise _NotLean(f"with label smoothing its loss_function computes {objective.describe()}, where "
+                               f"the label smoother scores {TARGETS[self.smoothing_targets or 'next']} over the "
+                               "window's count")
+        weight, bias = self.linear
+        if weight.untyped_storage().nbytes() == 0:  # an FSDP2 unit that reshards the head right after its forward
+            raise _NotLean("its weight is resharded between its forward and the loss (FSDP2 free_full_weight)")
+        total = head_cross_entropy_sum(hidden, weight, bias, targets, label_smoothing=self.label_smoothing,
+                                       compute_dtype=self.compute_dtype)
+        if objective.reduction == "num_items":
+            if torch.is_tensor(n):
+                n = n.to(total.device)
+            return total / n
+        if objective.reduction == "mean":
+            return total / (targets != IGNORE_INDEX).sum()  # the stock loss's mean (NaN without targets, as stock)
+        return total
+
+
+def objective_of(plan: LeanHead, inner: nn.Module, loss_fn: Callable[..., Any], args: tuple, kwargs: dict,
+                 labels: torch.Tensor) -> Objective | str:
+    """What the model's own ``loss_fn`` computes when called as the model calls it (``measure_objective``), once
+    per model, loss function and call signature (which arguments it passes, a count or not, shift_labels or not):
+    the lean call computes exactly that, or the model keeps the stock head (the string says why)."""
+    n = kwargs.get("num_items_in_batch")
+    key = (id(inner), id(getattr(loss_fn, "__func__", loss_fn)), len(args), tuple(sorted(kwargs)),
+           n is not None, torch.is_tensor(n), torch.is_tensor(kwargs.get("shift_labels")))
+    if key not in plan.objectives:
+        plan.objectives[key] = measure_objective(loss_fn, args, kwargs, labels)
+    return plan.objectives[key]
 
 
 @contextlib.contextmanager
@@ -228,37 +282,53 @@ def _installed(call: _Call):
 
 
 def call_model(trainer, plan: LeanHead, model: nn.Module, call: dict, inputs: dict, labels: Any, n: Any,
-               behaviour: Any) -> tuple[Any, bool]:
+               behaviour: Any, *, probe: bool = False) -> tuple[Any, bool]:
     """The model call of the plugin's compute_loss body with the lean head: ``(outputs, smoothed)``. With label
-    smoothing (the Trainer popped the labels for its ``LabelSmoother``) a causal LM that takes the window's count
-    gets the labels back and the lean head computes the smoothed loss itself (``smoothed`` True: ``outputs.loss`` is
-    the micro-batch's smoothed sum / ``n``); if the call ran stock, the smoother is applied to its logits as before."""
+    smoothing (the Trainer popped the labels for its ``LabelSmoother``) a model that takes the window's count and
+    whose loss is the cross-entropy against the targets the smoother scores (the measured count rule: shifted, or
+    unshifted) gets the labels back and the lean head computes the smoothed loss itself (``smoothed`` True:
+    ``outputs.loss`` is the micro-batch's smoothed sum / ``n``); if the call ran stock, the smoother is applied to
+    its logits as before. ``probe``: a forward of the loss probes (counted apart)."""
     from ..loss.counting import CountRule
 
     smoother = getattr(trainer, "label_smoother", None)
+    smoothed_targets = {CountRule.SHIFTED: "next", CountRule.UNSHIFTED: "same"}.get(
+        getattr(behaviour, "count_rule", None))
     if (labels is not None and smoother is not None and getattr(trainer, "compute_loss_func", None) is None
             and n is not None and behaviour is not None and behaviour.honors_num_items
-            and behaviour.count_rule is CountRule.SHIFTED):
-        before = plan.calls
+            and smoothed_targets is not None):
+        before = plan.calls + plan.probe_calls
         smoothed_call = {**inputs, "labels": labels, "num_items_in_batch": n}
         outputs = run_model(plan, model, smoothed_call, lambda: model(**smoothed_call), model.training,
-                            label_smoothing=float(smoother.epsilon))
-        return outputs, plan.calls > before
-    return run_model(plan, model, call, lambda: model(**call), model.training), False
+                            label_smoothing=float(smoother.epsilon), smoothing_targets=smoothed_targets, probe=probe)
+        return outputs, plan.calls + plan.probe_calls > before
+    return run_model(plan, model, call, lambda: model(**call), model.training, probe=probe), False
+
+
+def probe_forward(plan: LeanHead, model: nn.Module, call: dict) -> Any:
+    """One forward of the loss probes (``model(**call)`` under no_grad, the logits never read) through the lean head
+    where it applies, so that the first window, which the probes run in, never materializes the logits either. What
+    the probes measure is the model's own loss: the lean call computes what the model's ``loss_function`` computes
+    (:func:`objective_of`), or the model keeps the stock head."""
+    return run_model(plan, model, call, lambda: model(**call), True, probe=True)
 
 
 def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Callable[[], Any],
-              training: bool, *, label_smoothing: float = 0.0) -> Any:
+              training: bool, *, label_smoothing: float = 0.0, smoothing_targets: str | None = None,
+              probe: bool = False) -> Any:
     """``forward()`` (the model call with ``call``'s inputs) with the lean head where it applies, else as is.
     ``label_smoothing``: the lean loss is the label-smoothed cross-entropy (transformers' ``LabelSmoother`` per
-    target: ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``), summed and divided like the plain one."""
+    target: ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``) against ``smoothing_targets`` ("next"
+    or "same", what the smoother scores), summed and divided like the plain one. ``probe``: counted in
+    ``plan.probe_calls``, not in ``calls`` / ``stock_calls``."""
     labels = call.get("labels")
     if plan is None or not torch.is_tensor(labels) or (not training and plan.logits_needed):
         return forward()
     inner = _inner_model(model)
     key = id(inner)
     if key in plan.refused:
-        plan.stock_calls += 1
+        if not probe:
+            plan.stock_calls += 1
         return forward()
     get_head = getattr(inner, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -282,21 +352,29 @@ def run_model(plan: LeanHead | None, model: nn.Module, call: dict, forward: Call
             reason = linear
     if reason is None:
         shift = call.get("shift_labels")
-        lean = _Call(plan, inner, head, labels, shift if torch.is_tensor(shift) else None, linear)
+        lean = _Call(plan, inner, head, labels, shift if torch.is_tensor(shift) else None, linear,
+                     inner.loss_function)  # the one the call replaces: an instance's own, else its class's
         lean.label_smoothing = float(label_smoothing)
+        lean.smoothing_targets = smoothing_targets
         try:
             with _installed(lean):
                 outputs = forward()
             if lean.head_calls != 1 or lean.loss_calls != 1:
-                raise _NotLean(lean.mismatch or ("the model computes its loss without its loss_function"
-                                                 if lean.loss_calls == 0 else "the head or the loss ran twice"))
+                raise _NotLean(lean.mismatch or (
+                    "the model does not call its output layer's forward" if lean.head_calls == 0
+                    else "the model computes its loss without its loss_function (inline)" if lean.loss_calls == 0
+                    else "the head or the loss ran twice"))
         except _NotLean as err:
             reason = str(err)
         else:
-            plan.calls += 1
+            if probe:
+                plan.probe_calls += 1
+            else:
+                plan.calls += 1
             return _drop_logits(outputs, lean.marker)
     plan.refused[key] = reason
-    plan.stock_calls += 1
+    if not probe:
+        plan.stock_calls += 1
     if key not in plan.warned:
         plan.warned.add(key)
         warnings.warn(f"hf_gradfix: loss.head: lean is not used for {type(inner).__name__}: {reason}; this model "

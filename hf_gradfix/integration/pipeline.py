@@ -301,7 +301,8 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
     pad = getattr(text, "pad_token_id", None)
     loss_fn, lean = window_loss_fn(model, dims.dp), None
     if config.loss.head == "lean":
-        loss_fn, lean = _lean_last_stage(modules, dims, section.pp_schedule, fsdp_mesh is not None, loss_fn)
+        loss_fn, lean = _lean_last_stage(modules, dims, section.pp_schedule, fsdp_mesh is not None, loss_fn,
+                                         model.loss_function)
     plan = PipelinePlan(
         dims=dims, schedule=section.pp_schedule, pp_rank=dims.pp_rank(rank), pp_group=pp_group, dp_group=dp_group,
         modules=modules, stages=stages, loss_fn=loss_fn, lean=lean, device=device,
@@ -344,24 +345,36 @@ NO_INPUT_EMBEDDINGS_NOTE = (
 )
 
 
-def _lean_last_stage(modules: list, dims: ParallelDims, schedule: str, fsdp: bool, stock_fn):
+def _lean_last_stage(modules: list, dims: ParallelDims, schedule: str, fsdp: bool, stock_fn, loss_function=None):
     """``loss.head: lean`` at the last stage: ``(loss_fn, "lean")``, or ``(stock_fn, why not)`` (said once). The stage
     returns its final hidden states and the loss function applies the head with the lean cross-entropy
     (:mod:`hf_gradfix.loss.lean_head`), divided like the stock one. Where the head lives outside what the loss
     function can use it as, the stock head stays: FSDP2 shards it outside the stage's forward, tensor parallel shards
     it; and the zero-bubble schedule runs the last stage's backward twice, which torch's chunked op refuses
-    (measured: "chunked backward called twice")."""
+    (measured: "chunked backward called twice"). ``loss_function``: the model's own, which ``stock_fn`` calls
+    (``window_loss_fn``): the lean one computes the objective measured on it (``measure_objective``: next-token or
+    same-position targets, ``sum / num_items_in_batch``), any other keeps the stock head."""
     last = [m for m in modules if m.is_last]
     if not last:
         return stock_fn, None  # this rank holds no last stage: nothing to compute
     head = last[0].head
+    from ..loss.lean_head import Objective, measure_objective
     from .lean_head import effective_linear
 
     found = effective_linear(head)
+    objective = Objective("next", "num_items")
+    if loss_function is not None:  # called as window_loss_fn calls it
+        like = torch.zeros(2, 8, dtype=torch.long)
+        objective = measure_objective(loss_function, (), {"logits": None, "labels": like, "vocab_size": 0,
+                                                          "num_items_in_batch": torch.tensor(1)}, like)
+        if not isinstance(objective, str) and (objective.targets not in ("next", "same")
+                                               or objective.reduction != "num_items"):
+            objective = f"its loss_function computes {objective.describe()}"
     why = ("FSDP2 (dp_shard > 1) shards the head outside the stage's forward" if fsdp
            else "tensor parallel shards the head" if dims.tp > 1
            else ("the zero-bubble schedule runs the last stage's backward twice (input, then weight gradients), "
-                 "which torch's linear_cross_entropy refuses") if schedule == "zero_bubble" else found if isinstance(found, str) else None)
+                 "which torch's linear_cross_entropy refuses") if schedule == "zero_bubble"
+           else found if isinstance(found, str) else objective if isinstance(objective, str) else None)
     if why is not None:
         warnings.warn(f"hf_gradfix: loss.head: lean is not used on the last pipeline stage: {why}; it keeps the stock "
                       "head (the logits are materialized; the loss stays exact)", stacklevel=3)
@@ -369,12 +382,14 @@ def _lean_last_stage(modules: list, dims: ParallelDims, schedule: str, fsdp: boo
     for module in last:
         module.lean_head = True
     dp = dims.dp
+    shifted = objective.targets == "next"
 
     def lean_loss_fn(hidden, labels, num_items):
         from ..loss.lean_head import head_cross_entropy_sum, next_token_targets
 
         weight, bias = effective_linear(head)  # per call: a LoRA head's merged weight follows its training
-        total = head_cross_entropy_sum(hidden, weight, bias, next_token_targets(labels))  # autocast's dtype if on
+        targets = next_token_targets(labels) if shifted else labels
+        total = head_cross_entropy_sum(hidden, weight, bias, targets)  # autocast's dtype if on
         return total / num_items * dp  # as window_loss_fn: the window's count, times what DDP averages over
 
     return lean_loss_fn, "lean"

@@ -235,7 +235,12 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping, prepared: bool
         kwargs = dict(b)
         if n is not None:
             kwargs["num_items_in_batch"] = n
-        out = model(**kwargs)
+        if state.lean is not None:  # loss.head: lean: the first window's probes never materialize the logits
+            from .lean_head import probe_forward
+
+            out = probe_forward(state.lean, model, kwargs)
+        else:
+            out = model(**kwargs)
         holder.setdefault("aux", _aux_of(out))  # the first probe call: the batch whose additive term is measured
         loss = _loss_of(out)
         if loss is None:
@@ -633,12 +638,20 @@ class _GradFixTop:
             from .moe import save_state
 
             save_state(self, state, output_dir)
-        from .complete_checkpoints import mark
+        from .complete_checkpoints import finish
 
-        mark(self, output_dir)  # this process's files of the checkpoint are all written (complete_checkpoints.py)
-        # Every process's marker is on disk before rank 0 goes on to trainer_state.json and rotate_checkpoints:
-        # rotation then never deletes an older checkpoint while the new one can still be torn by another rank.
-        self.accelerator.wait_for_everyone()
+        # this process's files of the checkpoint are all written: its marker; every process's marker is on disk
+        # before rank 0 lists the folder's files and goes on to trainer_state.json and rotate_checkpoints, so
+        # rotation never deletes an older checkpoint while the new one can still be torn (complete_checkpoints.py)
+        finish(self, output_dir)
+
+    def _save_checkpoint(self, model, trial, *args, **kwargs):
+        # the start file before anything is written (a torn folder is known as the plugin's); a full disk is reported
+        # as such, naming the folder it tore (complete_checkpoints.py)
+        from .complete_checkpoints import saving
+
+        with saving(self, trial):
+            return super()._save_checkpoint(model, trial, *args, **kwargs)
 
     def save_model(self, output_dir=None, _internal_call=False):
         state = state_of(self)
@@ -1321,10 +1334,11 @@ class _GradFixDefaultLoss(Trainer):
             from .moe import before_forward
 
             before_forward(self, state)  # global / previous router loss: the window's routing counts
-        if state.lean is not None and not state.in_probe:  # loss.head: lean (integration/lean_head.py)
+        if state.lean is not None:  # loss.head: lean (integration/lean_head.py), the probes' calls too
             from .lean_head import call_model
 
-            outputs, smoothed_lean = call_model(self, state.lean, model, call, inputs, labels, n, model_behaviour)
+            outputs, smoothed_lean = call_model(self, state.lean, model, call, inputs, labels, n, model_behaviour,
+                                                probe=state.in_probe)
         else:
             outputs, smoothed_lean = model(**call), False
         if getattr(self.args, "past_index", -1) >= 0:  # removed in transformers 5

@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgumentError, UsageError
+from ..errors import InvalidArgumentError, InvalidTypeError, UsageError
 from .counting import IGNORE_INDEX, CountRule, count_targets
 
 __all__ = ["TokenWindow", "Window", "MicroBatch"]
@@ -262,6 +262,12 @@ class TokenWindow:
             raise InvalidArgumentError(f"TokenWindow: grad_accum_steps={grad_accum_steps!r}: must be a positive integer")
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise InvalidArgumentError(f"TokenWindow: ignore_index={ignore_index!r}: must be an int (the loss's -100)")
+        if not (hasattr(dataloader, "__iter__") or hasattr(dataloader, "__getitem__")):  # else iter() fails at the loop
+            given = "None" if dataloader is None else f"a {type(dataloader).__name__}"
+            raise InvalidTypeError(
+                f"TokenWindow: dataloader={given}: not an iterable of batches; pass the training DataLoader (or any "
+                "iterable of collated batches) as the second argument: TokenWindow(accelerator, train_dataloader, "
+                "grad_accum_steps=...), with accelerator=None in a plain PyTorch loop")
         if accelerator is not None and str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"):
             raise InvalidArgumentError("TokenWindow does not drive DeepSpeed (its engine owns the accumulation boundary and "
                              "the loss scaling); use transformers.Trainer with hf_gradfix.patch() instead")

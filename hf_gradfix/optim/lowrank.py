@@ -115,6 +115,20 @@ class _GradVersionHook:
             optimizer._grad_versions[p] = (p.grad._version, p.grad.detach().sum())
 
 
+def _callers_max_grad_norm(depth: int = 40) -> float | None:
+    """``args.max_grad_norm`` of the nearest caller frame that holds such an ``args`` (a Trainer's training loop, a
+    script's parsed arguments), None when none does (bounded walk; reads locals only)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None and depth > 0:
+        value = getattr(frame.f_locals.get("args"), "max_grad_norm", None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
 def _remove_handles(handles: list) -> None:
     for h in handles:
         h.remove()
@@ -716,6 +730,26 @@ class LowRankAdamW(torch.optim.Optimizer):
                 "call optimizer.clip_grad_norm_(max_norm) instead, or set max_grad_norm=0 / lowrank_grads=False; no "
                 "update was applied")
 
+    def _refuse_a_clipping_caller(self) -> None:
+        """Refuse a step on rank-r accumulators that the caller means to clip with torch's ``clip_grad_norm_``.
+
+        The version check above sees a clip only where it scaled ``.grad``. Where ``.grad`` alone was under the
+        threshold, torch's clip multiplies by exactly 1.0 (as transformers 5.x's grad-norm log at ``inf`` does), yet
+        the accumulators this step consumes can carry the norm past it: a stock Trainer with ``max_grad_norm 1.0``
+        stepped on norms above 1.0 (and under DDP ``.grad`` of the projected weights is never watched). The caller's
+        intent is read from the training loop that called ``step()``: a local ``args`` with ``max_grad_norm > 0``
+        (transformers' ``_inner_training_loop``, the accelerate example scripts); 0 (no clipping) or no such caller
+        (a hand-written loop) keeps the one warning below."""
+        wanted = _callers_max_grad_norm()
+        if wanted is not None and wanted > 0:
+            raise UsageError(
+                f"{self._name}(lowrank_grads=True): the loop that called step() clips at max_grad_norm={wanted:g} with "
+                "torch's clip_grad_norm_ on .grad, which cannot reach the rank-r accumulators this step consumes "
+                f"({len(self._lowrank_acc)} projected weights): their norm would go unclipped. Fix: with a Trainer use "
+                "hf_gradfix.patch() or GradFixCallback (max_grad_norm then reaches the accumulators), in a loop call "
+                "optimizer.clip_grad_norm_(max_norm) instead, or set max_grad_norm=0 / lowrank_grads=False; no update "
+                "was applied")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_versions.clear()
         self._lowrank_acc.clear()
@@ -824,6 +858,7 @@ class LowRankAdamW(torch.optim.Optimizer):
             self._refuse_outside_clipping()
             self._reduce_lowrank_grads()
             if self._lowrank_acc and not (self._clip_called or self.clipping_routed):
+                self._refuse_a_clipping_caller()
                 self._warn_once("unclipped", (
                     f"{self._name}(lowrank_grads=True) stepped on rank-r accumulators that no clip_grad_norm_ of its "
                     f"own saw: torch.nn.utils.clip_grad_norm_ / accelerator.clip_grad_norm_ (what a stock Trainer's "
