@@ -387,6 +387,20 @@ def check_model_packs_correctly(
                     f"it raised {type(e).__name__} on packed inputs ({first}); it does not support this attention "
                     "implementation / packed format", e, exception=repr(e)
                 )
+            # 3b. a row holding ONE document, as the collator builds it (cu_seq_lens [0, n] in varlen mode): the last
+            # row of an epoch or a stream often is one, and so is every row when documents are as long as the budget.
+            # A layer may take another path there (a torch fallback that refuses any cu_seq_lens); measured, not assumed.
+            single = collator([[{"input_ids": seqs[probe]}]])
+            single.pop("labels")
+            try:
+                alone = run(**single)[0]
+            except Exception as e:  # noqa: BLE001 - refused in one line before any step, never a crash at a step
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                return refusal(
+                    f"it raised {type(e).__name__} on a packed row holding one document ({first}); such a row comes "
+                    "at the end of every epoch or stream", e, exception=repr(e)
+                )
+            details["one_document_diff"] = float((alone - separate[probe]).abs().max())  # type: ignore[operator]
             # 4. control: the same row WITHOUT restarted positions (and without cu_seq_lens): what mixing looks
             # like. A row past the position table cannot run that way; then the short sequences alone form it.
             control_seqs: list[int] = sorted(placement)
@@ -482,6 +496,12 @@ def check_model_packs_correctly(
             reason += (
                 " (FlashAttention separates packed sequences only in ONE row with cu_seq_lens; use mode='varlen')"
             )
+    elif details["one_document_diff"] > tolerance:
+        reason = (
+            f"a packed row holding one document differs from that document run alone (max diff "
+            f"{details['one_document_diff']:.3g}): the model computes something else on a one-document row (its "
+            "cu_seq_lens / position_ids), which the end of every epoch or stream trains on"
+        )
     elif not (control_diff > 10 * max_diff) or not (control_diff > tolerance):
         reason = (
             f"inconclusive: the probe cannot tell packed from mixed sequences (control diff {control_diff:.3g} vs "
