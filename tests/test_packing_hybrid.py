@@ -296,6 +296,9 @@ def test_trainer_rows_of_one_document_and_the_last_row_train_exactly(family, sou
                 trainer.train()
                 model.load_state_dict(init)
                 grads = capture.grads
+        except PackingCheckError as err:  # measured: this release's model does not run the packed path at all
+            assert "\n" not in str(err) and str(err).startswith(type(model).__name__), err
+            pytest.skip(f"{family} on transformers {transformers.__version__}: refused before any step ({str(err)[:160]})")
         finally:
             hf_gradfix.unpatch()
         rows = [row for w in windows for row in w]

@@ -75,6 +75,10 @@ class SequenceMixer:
     #: the kernels keep the documents apart when given the boundaries (measured by :func:`handoff_call`'s replay):
     #: one call per layer instead of one per document
     handoff: bool = False
+    #: what carries one document into the next, measured (:func:`_leak_kind`): ``"attention"`` (a document mask
+    #: handed to it as its attention mask stops the leak: an attention that ignores the boundaries) or ``"state"``
+    #: (it takes no such mask, or the leak stays with it: a recurrent or convolution state along the sequence)
+    kind: str = "state"
 
     @property
     def label(self) -> str:
@@ -180,8 +184,43 @@ def find_sequence_mixers(model: torch.nn.Module, batch: dict, run_kwargs: dict |
         leak = _replay_leak(module, args, kwargs, hidden, bounds, gen)
         if leak > 0.0:
             mixers.append(SequenceMixer(key[0], key[1], kinds[key], leak,
-                                        handoff=_handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen)))
+                                        handoff=_handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen),
+                                        kind=_leak_kind(module, args, kwargs, hidden, bounds, gen)))
     return mixers
+
+
+def _leak_kind(module, args, kwargs, hidden, bounds, gen) -> str:
+    """``"attention"`` where a document mask given to ``module`` as its ``attention_mask`` (the one it got, restricted
+    to each document; an additive causal one where it got none) removes every path from one document to another;
+    ``"state"`` where the leak stays, or the module takes no such mask (a recurrent or convolution state)."""
+    import inspect
+
+    rows, width = int(hidden.shape[0]), int(hidden.shape[1])
+    doc = torch.zeros(rows, width, dtype=torch.long)
+    for r, row in enumerate(bounds):
+        for k, (a, b) in enumerate(row):
+            doc[r, a:b] = k
+    keep = (doc[:, :, None] == doc[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+    keep = keep[:, None].to(hidden.device)  # [rows, 1, T, T]
+    given = kwargs.get("attention_mask")
+    if isinstance(given, torch.Tensor) and given.dim() == 4 and tuple(given.shape[-2:]) == (width, width):
+        mask = given & keep if given.dtype == torch.bool else given.masked_fill(~keep, torch.finfo(given.dtype).min)
+    elif given is None:
+        try:
+            takes = "attention_mask" in inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if not takes:
+            return "state"
+        mask = torch.zeros(keep.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+            ~keep, torch.finfo(hidden.dtype).min)
+    else:  # a 2-D padding mask: the module is not handed pairwise masks
+        return "state"
+    try:
+        leak = _replay_leak(module, args, {**kwargs, "attention_mask": mask}, hidden, bounds, gen)
+    except Exception:  # noqa: BLE001 - a module that cannot take a [rows, 1, T, T] mask
+        return "state"
+    return "attention" if leak == 0.0 else "state"
 
 
 def _handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen) -> bool:
