@@ -24,6 +24,7 @@ a model (e.g. a packed row longer than its position table) are skipped with a no
 ``labels_offset``              labels misaligned with ``input_ids`` (a collator or dataset that shifts them itself)
 ``padding_targets``            labels that are not -100 at padding positions (the loss trains on padding)
 ``cross_attention``            packed sequences attending to each other (a row run as one sequence)
+``documents_merged``           documents the data declares apart (TRL's ``seq_lengths``) trained as one sequence
 ``router_micro`` / ...         a MoE run: another router-loss convention than the run declares (``verify_moe``)
 ``scaled``                     the exact gradient times an unexplained constant (the factor is reported)
 =============================  ==================================================================================
@@ -126,6 +127,8 @@ HYPOTHESES = {
     "cross_attention": "cross-sequence attention: each packed row run as one sequence (attention and positions "
     "cross the boundaries)",
     "cross_attention_restart": "cross-sequence attention: packed sequences attend to each other (positions restart)",
+    "documents_merged": "documents merged: samples that declare several documents (TRL's seq_lengths, restarted "
+    "position_ids) were trained as one sequence each; the ground truth keeps the documents apart",
     "scaled": "scale: the exact gradient times a constant no known bug explains",
     "reported_loss": "reported loss: the gradient is exact but the loss the Trainer reports is not the window's "
     "token mean",
@@ -337,31 +340,37 @@ def _is_encoder_decoder(model: nn.Module) -> bool:
 _DECODER_KEYS = ("decoder_input_ids", "decoder_attention_mask", "decoder_position_ids", "labels", "shift_labels")
 
 
-def sequences_of(batch: Mapping[str, Any], encoder_decoder: bool = False) -> list[dict[str, torch.Tensor]]:
+def sequences_of(batch: Mapping[str, Any], encoder_decoder: bool = False,
+                 declared: bool = True) -> list[dict[str, torch.Tensor]]:
     """The real sequences of a micro-batch, each a batch of one: packed rows split at ``position_ids``
     restarts, padding dropped (``attention_mask``).  Tensors of shape ``(rows, width)`` are cut to the
     sequence, other per-row tensors (sequence-level labels, decoder tensors of an encoder-decoder) taken whole.
+    ``declared``: also where the batch's samples declared a document to begin (TRL's ``seq_lengths``, recorded by
+    :mod:`hf_gradfix.verify_documents` during the run), whether or not the batch restarted its positions there.
 
     >>> b = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "position_ids": torch.tensor([[0, 1, 0, 1, 2]])}
     >>> [s["input_ids"].tolist() for s in sequences_of(b)]
     [[[5, 6]], [[7, 8, 9]]]
     """
+    from .verify_documents import KEY, declared_cuts
+
     ids = batch["input_ids"]
     rows, width = ids.shape[0], ids.shape[-1]
     pos, mask = batch.get("position_ids"), batch.get("attention_mask")
+    keeps = [mask[r].bool().cpu() if torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[-1] == width
+             else torch.ones(width, dtype=torch.bool) for r in range(rows)]
+    cuts = declared_cuts(batch, keeps) if declared and ids.dim() == 2 else None
     out = []
     for r in range(rows):
-        keep = torch.ones(width, dtype=torch.bool)
-        if torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[-1] == width:
-            keep = mask[r].bool().cpu()
+        keep = keeps[r]
+        starts = [0]
         if torch.is_tensor(pos) and pos.dim() == 2 and pos.shape[-1] == width:
-            p = pos[r].cpu()
-            starts = torch.nonzero(p == 0).flatten().tolist()
-            if not starts or starts[0] != 0:
-                starts = [0] + starts
-            spans = list(zip(starts, starts[1:] + [width]))
-        else:
-            spans = [(0, width)]
+            starts += torch.nonzero(pos[r].cpu() == 0).flatten().tolist()
+        own = set(starts)
+        if cuts is not None:  # the declared starts, counted among the kept tokens
+            starts += torch.nonzero(keep).flatten()[cuts[r]].tolist()
+        starts = sorted(set(starts))
+        spans = list(zip(starts, starts[1:] + [width]))
         for a, b in spans:
             idx = torch.arange(a, b)[keep[a:b]]
             if idx.numel() == 0:
@@ -370,13 +379,16 @@ def sequences_of(batch: Mapping[str, Any], encoder_decoder: bool = False) -> lis
             for k, v in batch.items():
                 if not torch.is_tensor(v) or v.dim() == 0 or v.shape[0] != rows:
                     continue
-                if k == "attention_mask":
+                if k in ("attention_mask", KEY):
                     continue
                 decoder_side = encoder_decoder and k in _DECODER_KEYS
                 if v.dim() >= 2 and v.shape[1] == width and not decoder_side:
                     seq[k] = v[r:r + 1, idx]
                 else:
                     seq[k] = v[r:r + 1]
+            if a not in own and torch.is_tensor(seq.get("position_ids")) and seq["position_ids"].dim() == 2:
+                # a document the batch did not restart: alone, it starts at the row's first position
+                seq["position_ids"] = seq["position_ids"] - seq["position_ids"][:, :1] + pos[r, :1].cpu()
             out.append(seq)
     return out
 
@@ -713,6 +725,8 @@ def references(ctx: _Context, window: list[list[dict]], *, grad_accum: int, note
     _padding_targets(ctx, window, refs, notes)
     if packed and token_level:
         _cross_attention(ctx, window, N, refs, notes)
+    if token_level:
+        _documents_merged(ctx, window, all_seqs, refs, notes)
     loss = sum(m.loss for m in per_mb) / N
     if ctx.router is not None:  # a MoE run: the router term of its declared convention, the others as candidates
         from .verify_moe import router_references
@@ -854,6 +868,27 @@ def _cross_attention(ctx: _Context, window: list[list[dict]], N: int, refs: dict
             continue
         if acc is not None:
             refs[name] = acc
+
+
+def _documents_merged(ctx: _Context, window: list[list[dict]], all_seqs: list, refs: dict, notes: list[str]) -> None:
+    """Where the samples declared more documents than the batches kept apart (:mod:`hf_gradfix.verify_documents`):
+    the reference of the sequences as the batches cut them, normalized by their own count (what such a run trains)."""
+    merged = [[sequences_of(b, ctx.encoder_decoder, declared=False) for b in rank] for rank in window]
+    kept = sum(len(mb) for rank in merged for mb in rank)
+    declared = sum(len(mb) for rank in all_seqs for mb in rank)
+    if kept == declared:
+        return
+    notes.append(f"the samples of this window declare {declared} documents (TRL's seq_lengths, restarted position_ids) "
+                 f"where its batches keep {kept} sequences apart: documents were trained as one sequence")
+    acc, n = None, 0
+    for rank in merged:
+        for seqs in rank:
+            for seq in seqs:
+                loss, c = _seq_loss(ctx, seq)
+                acc = _axpy(acc, 1.0, _grads(ctx.model, ctx.names, ctx.params, loss))
+                n += c
+    if acc is not None and n:
+        refs["documents_merged"] = [x / n for x in acc]
 
 
 def _padding_targets(ctx: _Context, window: list[list[dict]], refs: dict, notes: list[str]) -> None:
@@ -1252,11 +1287,13 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
             params_at.append(shards.full(trainable))
         # a policy-gradient trainer draws prompts (a list); its micro-batch is what its loss function is given
         recorded.append(_to_cpu(inputs) if isinstance(inputs, Mapping) else {})
+        pop_declared(inputs)  # the documents the samples declared: for the ground truth, never for the model
         out = inner_step(model_arg, inputs, *a, **kw)
         returned.append(float(out.detach().float().mean()) if torch.is_tensor(out) else float(out))
         return out
 
     from .verify_rl import ENTROPY_COEF_KEY, entropy_coefficient, is_policy_gradient_batch
+    from .verify_documents import declare_documents, pop_declared
 
     previous_loss = trainer.__dict__.get("compute_loss")
     inner_loss = trainer.compute_loss
@@ -1304,10 +1341,11 @@ def verify_trainer(trainer: Any, steps: int = 2, *, tolerance: float = 1e-5, tra
             trainer.compute_loss = compute_loss
             if callable(inner_norm):
                 trainer._get_grad_norm = get_grad_norm
-            if run_train is not None:
-                run_train()
-            else:
-                trainer.train(**(train_kwargs or {}))
+            with declare_documents(trainer):
+                if run_train is not None:
+                    run_train()
+                else:
+                    trainer.train(**(train_kwargs or {}))
         finally:
             if previous_step is None:
                 trainer.__dict__.pop("training_step", None)

@@ -102,6 +102,41 @@ def test_length_column_must_match():
         validate_packing_dataset(_as("arrow", rows))
 
 
+def _already_packed(rows, how):
+    """Rows of two samples each, back to back, with their boundaries as TRL's pack_dataset (seq_lengths) or as a
+    dataset packed offline (restarted position_ids) gives them."""
+    out = []
+    for a, b in zip(rows[::2], rows[1::2]):
+        n, m = len(a["input_ids"]), len(b["input_ids"])
+        row = {"input_ids": a["input_ids"] + b["input_ids"], "labels": a["labels"] + b["labels"]}
+        row.update(seq_lengths=[n, m]) if how == "seq_lengths" else row.update(position_ids=list(range(n)) + list(range(m)))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["arrow", "list"])
+@pytest.mark.parametrize("how", ["seq_lengths", "position_ids"])
+def test_already_packed_samples_count_every_document_and_bad_boundaries_are_one_line(kind, how):
+    """Issue 50 item 1: samples that already hold several documents (TRL's seq_lengths, restarted position_ids): each
+    document's first label is no target (the collator masks it, as it trains the documents apart), the documents are
+    counted, and boundaries that do not fit the sample are one line naming the index and the column."""
+    rows = _good(20, seed=1)
+    packed = _already_packed(rows, how)
+    check = validate_packing_dataset(_as(kind, packed), vocab_size=VOCAB)
+    assert check.n_documents == 20 and check.n_samples == 10
+    assert check.n_targets == sum(sum(1 for x in r["labels"][1:] if x != -100) for r in rows)
+    bad = [dict(r) for r in packed]
+    if how == "seq_lengths":
+        bad[6]["seq_lengths"] = [bad[6]["seq_lengths"][0], bad[6]["seq_lengths"][1] + 1]
+        pattern = r"^train dataset index 6, column 'seq_lengths': .*(adds up|sum) to \d+ tokens but input_ids has \d+.*Fix: give the length of every document"
+    else:
+        bad[6]["position_ids"] = bad[6]["position_ids"][:-1]
+        pattern = r"^train dataset index 6, column 'position_ids': .*entries but input_ids ha(s|ve) \d+.*Fix: give one position per token"
+    with pytest.raises(PackedDataError, match=pattern) as e:
+        validate_packing_dataset(_as(kind, bad), vocab_size=VOCAB)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("kind", ["arrow", "list"])
 def test_a_dataset_without_any_target_warns(kind):
     rows = [dict(r, labels=[-100] + [-100] * (len(r["input_ids"]) - 1)) for r in _good()]

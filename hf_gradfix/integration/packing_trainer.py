@@ -83,7 +83,7 @@ def _checked_dataset(trainer, cfg: PackingConfig):
     source = dataset
     if getattr(trainer.args, "remove_unused_columns", False) and hasattr(trainer, "_remove_unused_columns"):
         if getattr(dataset, "column_names", None) is not None:
-            dataset = trainer._remove_unused_columns(dataset, description="training")
+            dataset = _remove_unused_columns(trainer, dataset)
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise ConfigError(
             f"hf_gradfix.packing.enabled: the train dataset is a {type(dataset).__name__} without random access; "
@@ -99,6 +99,24 @@ def _checked_dataset(trainer, cfg: PackingConfig):
     check = validate_packing_dataset(dataset, vocab_size=vocab, label_vocab_size=label_vocab, token_budget=_check_budget(cfg))
     _CHECKED[trainer] = (source, (dataset, check))
     return dataset, check
+
+
+def _remove_unused_columns(trainer, dataset):
+    """The Trainer's own removal of the columns its model does not take, except the ones that say where the documents
+    of an already packed sample begin (TRL's ``seq_lengths``; a plain Trainer's model takes no such argument): the
+    collator keeps those documents apart, where without them it would train a packed sample as one document."""
+    from ..packing.collator import BOUNDARY_KEYS
+
+    keep = [c for c in BOUNDARY_KEYS if c in dataset.column_names]
+    if not keep or not hasattr(trainer, "_set_signature_columns_if_needed"):
+        return trainer._remove_unused_columns(dataset, description="training")
+    trainer._set_signature_columns_if_needed()
+    saved = trainer._signature_columns
+    trainer._signature_columns = list(saved) + [c for c in keep if c not in saved]
+    try:
+        return trainer._remove_unused_columns(dataset, description="training")
+    finally:
+        trainer._signature_columns = saved
 
 
 def _check_budget(cfg: PackingConfig) -> int:
@@ -166,9 +184,14 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     )
     plan = sampler.plan(0)
     stats = plan.stats
+    held = ""
+    if check.n_documents is not None and check.n_documents != len(lengths):
+        # already packed samples (TRL's SFTConfig(packing=True) writes seq_lengths): each document stays apart
+        held = (f" holding {check.n_documents} documents (already packed: their seq_lengths / restarted position_ids "
+                "are kept, every document trained apart; the dataset's own packing is not needed with packing.enabled)")
     logger.info(
-        "hf_gradfix packing: %d samples -> %d rows of <= %d tokens (%s mode), fill %.2f%%, %d per rank per epoch",
-        len(lengths), len(sampler), budget, cfg.mode, 100.0 * stats.fill, len(sampler) // world,
+        "hf_gradfix packing: %d samples%s -> %d rows of <= %d tokens (%s mode), fill %.2f%%, %d per rank per epoch",
+        len(lengths), held, len(sampler), budget, cfg.mode, 100.0 * stats.fill, len(sampler) // world,
     )
     if world > 1:
         from ..packing.balance import attention_cost_coeff, document_cost

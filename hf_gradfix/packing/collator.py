@@ -30,7 +30,7 @@ import torch
 
 from ..errors import HfGradfixError, InvalidArgumentError
 
-__all__ = ["PackedBatchError", "PackedCollator", "check_packed_batch"]
+__all__ = ["BOUNDARY_KEYS", "PackedBatchError", "PackedCollator", "check_packed_batch", "document_lengths"]
 
 IGNORE_INDEX = -100
 
@@ -96,6 +96,45 @@ def _split_bins(samples: Any) -> list[list[_SampleT]]:
     )
 
 
+#: The keys by which a sample says it already holds several documents (see :func:`document_lengths`).
+BOUNDARY_KEYS = ("seq_lengths", "position_ids")
+
+
+def document_lengths(sample: _SampleT, n: int, where: str = "sample") -> list[int]:
+    """The lengths of the documents one sample of ``n`` tokens holds back to back: TRL's ``seq_lengths`` (what its
+    ``pack_dataset`` writes, and what its collator turns into restarted positions), else its own ``position_ids``
+    where they restart (transformers' rule: a new document wherever ``diff != 1``), else one document.
+
+    >>> document_lengths({"seq_lengths": [3, 2]}, 5), document_lengths({"position_ids": [0, 1, 0, 1, 2]}, 5)
+    ([3, 2], [2, 3])
+    >>> document_lengths({"input_ids": [1, 2, 3]}, 3)
+    [3]
+    >>> document_lengths({"seq_lengths": [3, 3]}, 5)
+    Traceback (most recent call last):
+    ...
+    hf_gradfix.packing.collator.PackedBatchError: sample: seq_lengths [3, 3] sum to 6 tokens but input_ids has 5; each entry is the length of one document of the sample, back to back (as TRL's pack_dataset writes them)
+    """
+    given = sample.get("seq_lengths")
+    if given is not None:
+        lengths = _as_1d_long(given, f"{where} seq_lengths").tolist()
+        if not lengths or min(lengths) < 1 or sum(lengths) != n:
+            raise PackedBatchError(
+                f"{where}: seq_lengths {lengths[:8]}{'...' if len(lengths) > 8 else ''} sum to {sum(lengths)} tokens "
+                f"but input_ids has {n}; each entry is the length of one document of the sample, back to back (as "
+                "TRL's pack_dataset writes them)"
+            )
+        return lengths
+    pos = sample.get("position_ids")
+    if pos is not None:
+        p = _as_1d_long(pos, f"{where} position_ids")
+        if p.numel() != n:
+            raise PackedBatchError(f"{where}: position_ids have {p.numel()} entries but input_ids have {n}")
+        if n > 1:
+            starts = [0] + ((p[1:] - p[:-1]) != 1).nonzero().flatten().add(1).tolist() + [n]
+            return [b - a for a, b in zip(starts[:-1], starts[1:])]
+    return [n]
+
+
 class PackedCollator:
     """Collate packed bins into padding-free model inputs (usable as ``Trainer``/``DataLoader`` ``collate_fn``).
 
@@ -114,8 +153,10 @@ class PackedCollator:
 
     Each sample is a dict with ``input_ids`` (list, tuple, 1-D tensor or array of ints) and optional ``labels``
     (same length; -100 entries are kept; default: ``input_ids``). An ``attention_mask`` in a sample must be all
-    ones (samples are unpadded); other keys are ignored. Outputs are int64 ``input_ids``/``labels``/
-    ``position_ids`` of shape [rows, T], never an ``attention_mask``.
+    ones (samples are unpadded). A sample that is already packed, several documents back to back, says so by
+    ``seq_lengths`` (TRL's ``pack_dataset``, ``SFTConfig(packing=True)``) or by restarted ``position_ids``
+    (:func:`document_lengths`): each of its documents becomes a sequence of its own. Other keys are ignored.
+    Outputs are int64 ``input_ids``/``labels``/``position_ids`` of shape [rows, T], never an ``attention_mask``.
 
     >>> collate = PackedCollator()
     >>> batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, 9]}])
@@ -128,6 +169,9 @@ class PackedCollator:
     >>> rows = PackedCollator(mode="rows", pad_token_id=0)([[{"input_ids": [1, 2, 3]}], [{"input_ids": [4]}]])
     >>> rows["input_ids"].tolist(), rows["position_ids"].tolist()
     ([[1, 2, 3], [4, 0, 0]], [[0, 1, 2], [0, 0, 1]])
+    >>> trl_row = {"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [2, 3]}   # already packed: two documents
+    >>> collate([trl_row])["position_ids"].tolist(), collate([trl_row])["cu_seq_lens_q"].tolist()
+    ([[0, 1, 0, 1, 2]], [0, 2, 5])
     """
 
     def __init__(
@@ -175,7 +219,7 @@ class PackedCollator:
         )
 
     # ------------------------------------------------------------------ samples
-    def _sample(self, sample: _SampleT, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, sample: _SampleT, where: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if "input_ids" not in sample:
             raise PackedBatchError(f"{where}: no 'input_ids' key (keys: {sorted(sample)})")
         ids = _as_1d_long(sample["input_ids"], f"{where} input_ids")
@@ -210,15 +254,21 @@ class PackedCollator:
                     "be unpadded (strip the padding before packing)"
                 )
         # The first token of every sequence must never be a target: after the model's internal shift it would be
-        # predicted from the previous sequence's last token.
-        labels[0] = self.label_pad_id
-        return ids, labels
+        # predicted from the previous sequence's last token. So for every document of an already packed sample.
+        pieces = []
+        at = 0
+        for length in document_lengths(sample, n, where):
+            piece = labels[at:at + length].clone()
+            piece[0] = self.label_pad_id
+            pieces.append((ids[at:at + length], piece))
+            at += length
+        return pieces
 
     def _bin(self, bin_samples: list[_SampleT], b: int, n_bins: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         seqs = []
         for j, s in enumerate(bin_samples):
             where = f"sample {j}" if n_bins == 1 else f"bin {b}, sample {j}"
-            seqs.append(self._sample(s, where))
+            seqs.extend(self._sample(s, where))
         total = sum(ids.numel() for ids, _ in seqs)
         if self.max_tokens is not None and total > self.max_tokens:
             lengths = [ids.numel() for ids, _ in seqs]

@@ -387,6 +387,20 @@ def check_model_packs_correctly(
                     f"it raised {type(e).__name__} on packed inputs ({first}); it does not support this attention "
                     "implementation / packed format", e, exception=repr(e)
                 )
+            # 3b. a row holding ONE document, as the collator builds it (cu_seq_lens [0, n] in varlen mode): the last
+            # row of an epoch or a stream often is one, and so is every row when documents are as long as the budget.
+            # A layer may take another path there (a torch fallback that refuses any cu_seq_lens); measured, not assumed.
+            single = collator([[{"input_ids": seqs[probe]}]])
+            single.pop("labels")
+            try:
+                alone = run(**single)[0]
+            except Exception as e:  # noqa: BLE001 - refused in one line before any step, never a crash at a step
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                return refusal(
+                    f"it raised {type(e).__name__} on a packed row holding one document ({first}); such a row comes "
+                    "at the end of every epoch or stream", e, exception=repr(e)
+                )
+            details["one_document_diff"] = float((alone - separate[probe]).abs().max())  # type: ignore[operator]
             # 4. control: the same row WITHOUT restarted positions (and without cu_seq_lens): what mixing looks
             # like. A row past the position table cannot run that way; then the short sequences alone form it.
             control_seqs: list[int] = sorted(placement)
@@ -482,18 +496,23 @@ def check_model_packs_correctly(
             reason += (
                 " (FlashAttention separates packed sequences only in ONE row with cu_seq_lens; use mode='varlen')"
             )
+    elif details["one_document_diff"] > tolerance:
+        reason = (
+            f"a packed row holding one document differs from that document run alone (max diff "
+            f"{details['one_document_diff']:.3g}): the model computes something else on a one-document row (its "
+            "cu_seq_lens / position_ids), which the end of every epoch or stream trains on"
+        )
     elif not (control_diff > 10 * max_diff) or not (control_diff > tolerance):
         reason = (
             f"inconclusive: the probe cannot tell packed from mixed sequences (control diff {control_diff:.3g} vs "
             f"packed diff {max_diff:.3g}); use longer probe lengths or a trained model"
         )
     if reason is not None and ("depend on the other documents' tokens" in reason or "attend to each other" in reason):
-        where = _leaking_layers(model)  # by measurement: which decoder-layer children carry one document into the next
-        if where:  # name what was measured, not a guess: the leak may be a convolution, not the attention
-            details["leaking_layers"] = where
-            reason = reason.replace("its attention ignores", "it ignores")
-            reason += (f"; measured in {where} (hf_gradfix's packing through the Trainer runs those once per "
-                       "document, see docs/packing.md)")
+        # rows mode on a flash path: the attention mixes the rows' documents (FlashAttention separates them only in
+        # one row with cu_seq_lens), which the probe row, packed in varlen mode, cannot show: that reason stands
+        flash_rows = mode == "rows" and isinstance(impl_used, str) and "flash" in impl_used
+        reason = _located(model, reason, details, structural=leak is not None and leak[0] > STRUCTURAL_TOL,
+                          max_diff=max_diff, keep=flash_rows)
     report = PackingCheckReport(
         cls_name, impl_used, mode, lengths, max_diff, first_diff, control_diff, float(tolerance), reason is None,
         reason, details, start,
@@ -503,13 +522,44 @@ def check_model_packs_correctly(
     return report
 
 
-def _leaking_layers(model: torch.nn.Module) -> str:
-    """The decoder-layer children through which packed documents reach each other, e.g. ``"conv (Lfm2ShortConv, 1
-    layer(s))"`` (:func:`hf_gradfix.packing.state_reset.find_sequence_mixers` on a probe row), or ``""``."""
+def _located(model: torch.nn.Module, reason: str, details: dict, *, structural: bool, max_diff: float,
+             keep: bool = False) -> str:
+    """The refusal's reason, saying what carries one document into the next as measured by
+    :func:`hf_gradfix.packing.state_reset.probe_sequence_mixers` (each kind of decoder-layer child replayed on a probe
+    row, and whether a document mask stops it): the layers and what they carry (an attention that ignores the
+    boundaries, or a recurrent / convolution state), or that none could be located and what was measured."""
     from .state_reset import probe_sequence_mixers
 
-    mixers = probe_sequence_mixers(model) or []  # the localization is a courtesy: the verdict stands without it
-    return "; ".join(m.label for m in mixers)
+    mixers = probe_sequence_mixers(model)  # the localization words the reason: the verdict stands without it
+    trainer = " (hf_gradfix's packing through the Trainer runs those once per document, see docs/packing.md)"
+    if mixers is None:
+        return reason + ("; the layer could not be located: the probe row that replays each decoder-layer child "
+                         "did not run on this model")
+    if not mixers:
+        if keep:
+            return reason
+        if not structural:  # nothing measured says attention: the numbers, not a guess
+            reason = f"packed documents reach each other (max diff {max_diff:.3g}, restarted position_ids do not keep them apart)"
+        return reason + ("; no decoder-layer child could be located as the path (each kind of child of the decoder "
+                         "layers was replayed with gradients on a probe row of 3 documents packed in varlen mode: none "
+                         "carried one document into another), so the documents meet outside those children: in the embeddings, between the "
+                         "layers or in a model-level mixing, which running layers once per document cannot fix")
+    details["leaking_layers"] = "; ".join(m.label for m in mixers)
+    attention = [m.label for m in mixers if m.kind == "attention"]
+    state = [m.label for m in mixers if m.kind != "attention"]
+    parts = []
+    if attention:
+        parts.append(f"measured in {', '.join(attention)}: an attention that ignores the document boundaries (a "
+                     "document mask handed to it stops the leak)")
+    if state:
+        parts.append(f"measured in {', '.join(state)}: a recurrent or convolution state carried along the sequence "
+                     "(restarted positions do not reset it, and a document mask does not stop it)")
+    if not state:  # attention: the attention wording stands, with the layers named
+        return reason.replace("its attention ignores", "it ignores") + "; " + "; ".join(parts) + trainer
+    if structural:  # the structural reason already says a state is carried; name where
+        return reason + "; " + "; ".join(parts) + trainer
+    return (f"packed documents reach each other (max diff {max_diff:.3g}); "
+            + "; ".join(parts) + trainer)
 
 
 def _fail(report: PackingCheckReport, raise_on_failure: bool, cause: BaseException | None) -> PackingCheckReport:

@@ -20,7 +20,8 @@ What this module does, by behaviour rather than by a list of classes:
    every boundary, whatever kernel runs underneath (torch fallback, fla, causal-conv1d, mamba-ssm). The boundaries are
    the restarted ``position_ids`` of the model's latest forward (transformers' own rule, ``diff != 1``), read by a
    forward pre-hook on the model; they stay until the next forward, so the recomputation of gradient checkpointing
-   in backward splits at the same places. A forward with a cache (generation) or without restarts runs unsplit.
+   in backward splits at the same places. A forward with a cache (generation) runs unsplit; one whose rows each hold
+   one document (no restart) runs in one call, without the varlen keywords (a torch fallback refuses them).
 
 3. The kernels' own boundaries first, where they keep the documents apart: every kind found in 1 is replayed once
    more as :func:`handoff_call` runs it in training: the packed rows flattened into one row, with the boundaries in
@@ -74,6 +75,10 @@ class SequenceMixer:
     #: the kernels keep the documents apart when given the boundaries (measured by :func:`handoff_call`'s replay):
     #: one call per layer instead of one per document
     handoff: bool = False
+    #: what carries one document into the next, measured (:func:`_leak_kind`): ``"attention"`` (a document mask
+    #: handed to it as its attention mask stops the leak: an attention that ignores the boundaries) or ``"state"``
+    #: (it takes no such mask, or the leak stays with it: a recurrent or convolution state along the sequence)
+    kind: str = "state"
 
     @property
     def label(self) -> str:
@@ -179,8 +184,43 @@ def find_sequence_mixers(model: torch.nn.Module, batch: dict, run_kwargs: dict |
         leak = _replay_leak(module, args, kwargs, hidden, bounds, gen)
         if leak > 0.0:
             mixers.append(SequenceMixer(key[0], key[1], kinds[key], leak,
-                                        handoff=_handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen)))
+                                        handoff=_handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen),
+                                        kind=_leak_kind(module, args, kwargs, hidden, bounds, gen)))
     return mixers
+
+
+def _leak_kind(module, args, kwargs, hidden, bounds, gen) -> str:
+    """``"attention"`` where a document mask given to ``module`` as its ``attention_mask`` (the one it got, restricted
+    to each document; an additive causal one where it got none) removes every path from one document to another;
+    ``"state"`` where the leak stays, or the module takes no such mask (a recurrent or convolution state)."""
+    import inspect
+
+    rows, width = int(hidden.shape[0]), int(hidden.shape[1])
+    doc = torch.zeros(rows, width, dtype=torch.long)
+    for r, row in enumerate(bounds):
+        for k, (a, b) in enumerate(row):
+            doc[r, a:b] = k
+    keep = (doc[:, :, None] == doc[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+    keep = keep[:, None].to(hidden.device)  # [rows, 1, T, T]
+    given = kwargs.get("attention_mask")
+    if isinstance(given, torch.Tensor) and given.dim() == 4 and tuple(given.shape[-2:]) == (width, width):
+        mask = given & keep if given.dtype == torch.bool else given.masked_fill(~keep, torch.finfo(given.dtype).min)
+    elif given is None:
+        try:
+            takes = "attention_mask" in inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if not takes:
+            return "state"
+        mask = torch.zeros(keep.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+            ~keep, torch.finfo(hidden.dtype).min)
+    else:  # a 2-D padding mask: the module is not handed pairwise masks
+        return "state"
+    try:
+        leak = _replay_leak(module, args, {**kwargs, "attention_mask": mask}, hidden, bounds, gen)
+    except Exception:  # noqa: BLE001 - a module that cannot take a [rows, 1, T, T] mask
+        return "state"
+    return "attention" if leak == 0.0 else "state"
 
 
 def _handoff_keeps_apart(module, args, kwargs, hidden, bounds, gen) -> bool:
@@ -326,8 +366,7 @@ def split_documents(model: torch.nn.Module, mixers: list[SequenceMixer]) -> Docu
             pos = kwargs.get("position_ids")
             cache = kwargs.get("past_key_values")
             if isinstance(pos, torch.Tensor) and pos.dim() == 2 and (cache is None or not kwargs.get("use_cache")):
-                rows = segment_bounds(pos)
-                split.bounds = rows if any(len(r) > 1 for r in rows) else None
+                split.bounds = segment_bounds(pos)  # one document per row too: see _split_forward
             else:
                 split.bounds = None
 
@@ -356,6 +395,8 @@ def _split_forward(module: torch.nn.Module, split: DocumentSplit, handoff: bool 
         if bounds is None or hidden is None or cache is not None or tuple(hidden.shape[:2]) != (
                 len(bounds), sum(b - a for a, b in bounds[0])):
             return original(*args, **kwargs)
+        if all(len(row) == 1 for row in bounds):
+            return _one_document_call(original, args, kwargs)
         if handoff:
             try:
                 out = handoff_call(original, args, kwargs, bounds)
@@ -369,6 +410,22 @@ def _split_forward(module: torch.nn.Module, split: DocumentSplit, handoff: bool 
 
     setattr(forward, _ORIGINAL_ATTR, own if own is not None else _CLASS_FORWARD)
     return forward
+
+
+def _one_document_call(forward, args: tuple, kwargs: dict) -> Any:
+    """``forward`` on rows that each hold one document (the last row of an epoch or a stream, documents as long as the
+    budget): nothing to keep apart, but the collator's ``cu_seq_lens`` / ``seq_idx`` still reach the mixer, and a
+    torch fallback refuses them whatever they say (Qwen3.5's ``chunk_gated_delta_rule`` without fla raises a
+    ``ValueError`` on ``cu_seq_lens = [0, n]``): one call, the varlen keywords dropped as for each document of a split
+    row, ``seq_idx`` all zeros."""
+    one = {}
+    for k, v in kwargs.items():
+        if k in _VARLEN_KEYS or k in _MAX_LEN_KEYS:
+            v = None
+        elif k == "seq_idx" and isinstance(v, torch.Tensor):
+            v = torch.zeros_like(v)
+        one[k] = v
+    return forward(*args, **one)
 
 
 def _per_document_call(forward, args: tuple, kwargs: dict, bounds: list[list[tuple[int, int]]]) -> Any:

@@ -11,7 +11,10 @@ line naming the dataset index, the column, the value and the fix, for:
 - an ``attention_mask`` with zeros (packed samples must be unpadded);
 - token ids outside ``[0, vocab_size)``, label ids outside ``[0, label_vocab_size)`` other than ``ignore_index``;
 - a ``length`` column that disagrees with ``input_ids`` (it sizes the bins);
-- a sample longer than ``token_budget``.
+- a sample longer than ``token_budget``;
+- a sample already packed (several documents back to back, which packing keeps apart): ``seq_lengths`` (TRL's
+  ``pack_dataset``) that do not add up to its ``input_ids``, a document of 0 tokens, ``position_ids`` of another
+  length.
 
 It warns when no sample has a single target (a label other than ``ignore_index`` after its first token, which
 packing always masks). Returns the sample lengths (for the sampler) and target counts.
@@ -38,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .collator import PackedBatchError
+from .collator import BOUNDARY_KEYS, PackedBatchError, document_lengths
 
 __all__ = ["DatasetCheck", "PackedDataError", "validate_packing_dataset"]
 
@@ -66,6 +69,9 @@ class DatasetCheck:
     lengths: np.ndarray
     n_targets: int
     samples_without_targets: int
+    #: documents over the dataset where samples are already packed (``seq_lengths`` / restarted ``position_ids``,
+    #: kept apart by the collator); None: one document per sample
+    n_documents: int | None = None
 
     @property
     def n_samples(self) -> int:
@@ -89,6 +95,8 @@ _FIXES = {
     "labels_vocab": "label ids must be token ids of the model's vocabulary, or -100 for no target",
     "length_col": "recompute the 'length' column from input_ids (it sizes the packed rows), or drop it",
     "budget": "raise packing.token_budget to at least the longest sample, or filter/truncate long samples before packing",
+    "seq_lengths": "give the length of every document of the sample, back to back, adding up to its input_ids (as TRL's pack_dataset writes them), or drop the column",
+    "position_ids": "give one position per token (restarting at every document of an already packed sample), or drop the column",
 }
 
 
@@ -160,7 +168,7 @@ class _Checker:
             row = int(np.searchsorted(offsets, pos, side="right") - 1)
             raise _Problem(base + row, column, f"token id {int(values[pos])} is outside the vocabulary [0, {self.vocab})", _VOCAB_FIX)
 
-    def _labels(self, values: np.ndarray, offsets: np.ndarray, base: int) -> np.ndarray:
+    def _labels(self, values: np.ndarray, offsets: np.ndarray, base: int, doc_starts: np.ndarray | None = None) -> np.ndarray:
         """Targets per row (labels after the first token that are not ignore_index); checks label ids."""
         n_rows = offsets.size - 1
         real = values != self.ignore
@@ -177,6 +185,8 @@ class _Checker:
         lengths = np.diff(offsets)
         starts = offsets[:-1][lengths > 0]
         real[starts] = False  # packing masks every sample's first label
+        if doc_starts is not None:
+            real[doc_starts] = False  # and every document's of an already packed sample
         rows = np.repeat(np.arange(n_rows), lengths)
         return np.bincount(rows[real], minlength=n_rows)
 
@@ -203,7 +213,7 @@ class _Checker:
             raise _Problem(0, "input_ids", f"no such column (columns: {columns})", _FIXES["missing"])
         table = dataset.with_format("arrow")
         n = len(dataset)
-        names = [c for c in ("input_ids", "labels", "attention_mask", "length") if c in columns]
+        names = [c for c in ("input_ids", "labels", "attention_mask", "length", "seq_lengths", "position_ids") if c in columns]
         schema = table[0:1].schema if n else None  # one row: the column types (same for every block)
         for column in names:
             if column == "length" or schema is None:
@@ -235,15 +245,53 @@ class _Checker:
             if index_map is not None:
                 p.index = int(index_map[p.index])
             raise
-        n_targets, without = self._totals
+        n_targets, without, n_documents = self._totals
         if index_map is not None:
             ordered = np.empty_like(all_lengths)
             ordered[index_map] = all_lengths
             all_lengths = ordered
-        return DatasetCheck(all_lengths, n_targets, without)
+        return DatasetCheck(all_lengths, n_targets, without, n_documents)
+
+    def _documents(self, arrays: dict, offsets: np.ndarray, lengths: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Already packed samples: the flat start of every document and the documents per row (None: one per row)."""
+        n_rows = lengths.size
+        if "seq_lengths" in arrays:
+            col = arrays["seq_lengths"]
+            counts = col.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
+            values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+            rows = np.repeat(np.arange(n_rows), counts)
+            bad = np.flatnonzero(values < 1)
+            if bad.size:
+                raise _Problem(base + int(rows[bad[0]]), "seq_lengths", f"holds a document of {int(values[bad[0]])} tokens",
+                               _FIXES["seq_lengths"])
+            sums = np.bincount(rows, weights=values, minlength=n_rows).astype(np.int64)
+            bad = np.flatnonzero(sums != lengths)
+            if bad.size:
+                i = int(bad[0])
+                raise _Problem(base + i, "seq_lengths", f"adds up to {int(sums[i])} tokens but input_ids has {int(lengths[i])}",
+                               _FIXES["seq_lengths"])
+            # the documents tile the rows, so their flat starts are the running sum of their lengths
+            return np.cumsum(values) - values, counts
+        if "position_ids" in arrays:
+            col = arrays["position_ids"]
+            col_lengths = col.value_lengths().to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero(col_lengths != lengths)
+            if bad.size:
+                i = int(bad[0])
+                raise _Problem(base + i, "position_ids", f"has {col_lengths[i]} entries but input_ids has {lengths[i]}",
+                               _FIXES["position_ids"])
+            pos = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+            restart = np.zeros(pos.size, dtype=bool)
+            restart[1:] = np.diff(pos) != 1  # transformers' rule (a row's first token below)
+            restart[offsets[:-1][lengths > 0]] = True
+            starts = np.flatnonzero(restart)
+            counts = np.bincount(np.searchsorted(offsets, starts, side="right") - 1, minlength=n_rows)
+            return starts, counts.astype(np.int64)
+        return None
 
     def _arrow_blocks(self, table: Any, data: Any, storage_rows: np.ndarray | None, names: list[str], n: int, all_lengths: np.ndarray) -> None:
         n_targets = without = 0
+        n_documents: int | None = None
         for base in range(0, n, _BLOCK_ROWS):
             stop = min(n, base + _BLOCK_ROWS)
             # one block of rows at a time: memory bounded by the block
@@ -266,6 +314,12 @@ class _Checker:
                 if bad.size:
                     i = int(bad[0])
                     raise _Problem(base + i, "length", f"says {given[i]} tokens but input_ids has {lengths[i]}", _FIXES["length_col"])
+            documents = self._documents(arrays, offsets, lengths, base)
+            doc_starts, per_row = documents if documents is not None else (None, np.ones(lengths.size, dtype=np.int64))
+            if documents is not None:
+                n_documents = (n_documents or 0) + int(per_row.sum())
+            elif n_documents is not None:
+                n_documents += int(lengths.size)
             for column in ("labels", "attention_mask"):
                 if column not in arrays:
                     continue
@@ -285,19 +339,20 @@ class _Checker:
                         row = int(np.searchsorted(offsets, zero[0], side="right") - 1)
                         raise _Problem(base + row, column, f"has a 0 at token {int(zero[0] - offsets[row])} (padding)", _FIXES["mask_zero"])
                 else:
-                    per_row = self._labels(values.astype(np.int64, copy=False), offsets, base)
-                    n_targets += int(per_row.sum())
-                    without += int((per_row == 0).sum())
-            if "labels" not in arrays:  # the collator trains on input_ids: every token after the first
-                n_targets += int((lengths - 1).sum())
-                without += int((lengths <= 1).sum())
-        self._totals = (n_targets, without)
+                    targets = self._labels(values.astype(np.int64, copy=False), offsets, base, doc_starts)
+                    n_targets += int(targets.sum())
+                    without += int((targets == 0).sum())
+            if "labels" not in arrays:  # the collator trains on input_ids: every token after each document's first
+                n_targets += int((lengths - per_row).sum())
+                without += int((lengths <= per_row).sum())
+        self._totals = (n_targets, without, n_documents)
 
     # ------------------------------------------------------------------ any map-style dataset
     def rows(self, dataset: Any) -> DatasetCheck:
         n = len(dataset)
         lengths = np.empty(n, dtype=np.int64)
         n_targets = without = 0
+        n_documents: int | None = None
         for i in range(n):
             sample = dataset[i]
             if not isinstance(sample, Mapping) or "input_ids" not in sample:
@@ -319,17 +374,27 @@ class _Checker:
                 zero = np.flatnonzero(m == 0)
                 if zero.size:
                     raise _Problem(i, "attention_mask", f"has a 0 at token {int(zero[0])} (padding)", _FIXES["mask_zero"])
+            docs = [k]
+            if k and any(sample.get(c) is not None for c in BOUNDARY_KEYS):
+                try:
+                    docs = document_lengths(sample, k, "")
+                except PackedBatchError as e:
+                    column = "seq_lengths" if sample.get("seq_lengths") is not None else "position_ids"
+                    raise _Problem(i, column, str(e).split(": ", 1)[-1].split("; ")[0], _FIXES[column]) from None
+                n_documents = (n_documents or i) + len(docs)
+            elif n_documents is not None:
+                n_documents += 1
             labels = sample.get("labels")
             if labels is None:
-                t = max(k - 1, 0)
+                t = max(k - len(docs), 0)
             else:
                 lab = self._row(labels, i, "labels")
                 if lab.size != k:
                     raise _Problem(i, "labels", f"has {lab.size} entries but input_ids has {k}", _FIXES["labels_len"])
-                t = int(self._labels(lab, offsets, i)[0])
+                t = int(self._labels(lab, offsets, i, np.cumsum(docs) - np.asarray(docs) if len(docs) > 1 else None)[0])
             n_targets += t
             without += t == 0
-        return DatasetCheck(lengths, n_targets, int(without))
+        return DatasetCheck(lengths, n_targets, int(without), n_documents)
 
     @staticmethod
     def _row(value: Any, i: int, column: str, allow_bool: bool = False) -> np.ndarray:
