@@ -1481,10 +1481,12 @@ def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from:
             state.fixes.append(state.nd.line)
     _check_cp_balance(config, state.nd)
     if config.loss.enabled and config.loss.head == "lean":
-        from .lean_head import LeanHead
+        from .internal_callbacks import add_internal_callback
+        from .lean_head import LeanHead, LeanHeadUnusedCheck
 
         state.lean = LeanHead()
         state.fixes.append(state.lean.line())
+        add_internal_callback(trainer, LeanHeadUnusedCheck(state.lean, trainer))
     trainer.__dict__[_STATE_ATTR] = state
     wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
     # a lowrank_grads optimizer given to the constructor: its hooks' lifetime follows train() (the fixed class's)
