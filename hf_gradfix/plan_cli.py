@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
                     help="pipeline schedule (default: the --config's parallel.pp_schedule, else 1f1b)")
     ap.add_argument("--pp-virtual-stages", type=int,
-                    help="model chunks per pipeline rank for interleaved_1f1b / zero_bubble, 1 .. 2**20 (default: the "
-                         "--config's parallel.pp_virtual_stages, else 1)")
+                    help="model chunks per pipeline rank, 1 .. 2**20: > 1 only with interleaved_1f1b / zero_bubble, "
+                         "which also run 1 (default: the --config's parallel.pp_virtual_stages, else 1)")
     ap.add_argument("--ep", type=int,
                     help="expert parallelism, 1 .. 2**20 (default: the --config's parallel.ep, else 1): a mixture of "
                          "experts' routed experts split as num_experts / ep whole experts per rank, each FSDP2-sharded over "
@@ -199,6 +199,7 @@ def _mesh_and_settings(ns, config):
     packing = bool(ns.packing)
     loss_head = ns.loss_head or "stock"
     rl_packed = False  # the --config's packing.rl_forwards
+    fsdp_plugin, loss_enabled = False, True  # the --config's accelerate FSDP plugin and loss.enabled (pp refuses them)
     if virtual > 1 and ns.pp_schedule is None:
         schedule = "interleaved_1f1b"  # virtual stages name the interleaved schedule
     seq_given = ns.seq_len is not None
@@ -259,6 +260,9 @@ def _mesh_and_settings(ns, config):
                            or bool(cf.accelerate.get("fsdp_config")))
             _check_ep_flags(ns, ns.ep, mesh, pp, packing, rc.gradfix.optimizer.name, fsdp_plugin)
             mesh = _with_ep(mesh, ns.ep, config)
+        fsdp_plugin = (str(cf.accelerate.get("distributed_type", "")).upper() == "FSDP"
+                       or bool(cf.accelerate.get("fsdp_config")))
+        loss_enabled = bool(rc.gradfix.loss.enabled)
         o = rc.gradfix.optimizer
         if o.name != "none":
             opt_name = o.name
@@ -300,6 +304,14 @@ def _mesh_and_settings(ns, config):
         if given and not lowrank_opt:  # silently ignored before (issue 38)
             raise PlanError(f"{flag} with --optimizer {optimizer}: it applies to the low-rank optimizers only (galore_adamw, "
                             "galore_adamw8bit, apollo_adamw, apollo_mini); drop it or pick one of them")
+    if pp > 1 and not deepspeed:  # (DeepSpeed with pp is refused above in the planner's own words)
+        # what the run refuses under pp, in its own line (config check's): not a layout to plan
+        from .parallel.pipeline import check_combination as check_pp_combination
+
+        given = ns.optimizer is not None
+        check_pp_combination(pp=pp, tp=mesh.tp, cp=mesh.cp, dp_shard=mesh.dp_shard, packing=packing,
+                             optimizer=optimizer if lowrank_opt else "none", fsdp_plugin=fsdp_plugin,
+                             optimizer_key="--optimizer" if given else "optimizer.name", loss_enabled=loss_enabled)
     if offload and not deepspeed:
         raise PlanError("--offload-optimizer without DeepSpeed: offloading the optimizer state is DeepSpeed's "
                         "(offload_optimizer); add --deepspeed (or a DeepSpeed --config), or drop it")
