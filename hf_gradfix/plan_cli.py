@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from typing import Sequence
 
 from .plan.estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model_config, param_table, parse_memory
@@ -90,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp-schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
                     help="pipeline schedule (default: the --config's parallel.pp_schedule, else 1f1b)")
     ap.add_argument("--pp-virtual-stages", type=int,
-                    help="model chunks per pipeline rank for interleaved_1f1b / zero_bubble, 1 .. 2**20 (default: the "
-                         "--config's parallel.pp_virtual_stages, else 1)")
+                    help="model chunks per pipeline rank, 1 .. 2**20: > 1 only with interleaved_1f1b / zero_bubble, "
+                         "which also run 1 (default: the --config's parallel.pp_virtual_stages, else 1)")
     ap.add_argument("--ep", type=int,
                     help="expert parallelism, 1 .. 2**20 (default: the --config's parallel.ep, else 1): a mixture of "
                          "experts' routed experts split as num_experts / ep whole experts per rank, each FSDP2-sharded over "
@@ -177,6 +176,25 @@ def _print_rl_simulated(plan, sim, mesh) -> None:
           "state)")
 
 
+def _traced_head(plan, mesh) -> tuple[str, str]:
+    """The loss head the supervised ``--simulate`` step runs, as the run would (:func:`hf_gradfix.plan.lean_head.
+    stock_head_reason`), and a note: why a lean head asked for is not run, or what its op holds that the trace does
+    not see ("" when there is nothing to add)."""
+    from .plan.common import _fmt
+    from .plan.lean_head import stock_head_reason
+
+    if plan.settings.get("loss_head") != "lean":
+        return "stock loss head", ""
+    why = stock_head_reason(tp=mesh.tp)
+    if why is not None:
+        return "stock loss head", f"loss.head lean is not used here: {why}"
+    lean = plan.extra.get("lean_head")
+    if lean is None or lean["path"] != "torch":
+        return "lean loss head", ""
+    return "lean loss head", (f"torch's linear_cross_entropy allocates {_fmt(lean['transient'])} of scratch inside "
+                              "the op, which the trace does not see (the closed form counts it)")
+
+
 def _schedule_name(value) -> str:
     """A configuration's schedule spelled the planner's way (``Interleaved1F1B``, ``interleaved-1f1b`` ->
     ``interleaved_1f1b``; the zero-bubble family -> ``zero_bubble``)."""
@@ -199,6 +217,7 @@ def _mesh_and_settings(ns, config):
     packing = bool(ns.packing)
     loss_head = ns.loss_head or "stock"
     rl_packed = False  # the --config's packing.rl_forwards
+    fsdp_plugin, loss_enabled = False, True  # the --config's accelerate FSDP plugin and loss.enabled (pp refuses them)
     if virtual > 1 and ns.pp_schedule is None:
         schedule = "interleaved_1f1b"  # virtual stages name the interleaved schedule
     seq_given = ns.seq_len is not None
@@ -259,6 +278,9 @@ def _mesh_and_settings(ns, config):
                            or bool(cf.accelerate.get("fsdp_config")))
             _check_ep_flags(ns, ns.ep, mesh, pp, packing, rc.gradfix.optimizer.name, fsdp_plugin)
             mesh = _with_ep(mesh, ns.ep, config)
+        fsdp_plugin = (str(cf.accelerate.get("distributed_type", "")).upper() == "FSDP"
+                       or bool(cf.accelerate.get("fsdp_config")))
+        loss_enabled = bool(rc.gradfix.loss.enabled)
         o = rc.gradfix.optimizer
         if o.name != "none":
             opt_name = o.name
@@ -300,6 +322,14 @@ def _mesh_and_settings(ns, config):
         if given and not lowrank_opt:  # silently ignored before (issue 38)
             raise PlanError(f"{flag} with --optimizer {optimizer}: it applies to the low-rank optimizers only (galore_adamw, "
                             "galore_adamw8bit, apollo_adamw, apollo_mini); drop it or pick one of them")
+    if pp > 1 and not deepspeed:  # (DeepSpeed with pp is refused above in the planner's own words)
+        # what the run refuses under pp, in its own line (config check's): not a layout to plan
+        from .parallel.pipeline import check_combination as check_pp_combination
+
+        given = ns.optimizer is not None
+        check_pp_combination(pp=pp, tp=mesh.tp, cp=mesh.cp, dp_shard=mesh.dp_shard, packing=packing,
+                             optimizer=optimizer if lowrank_opt else "none", fsdp_plugin=fsdp_plugin,
+                             optimizer_key="--optimizer" if given else "optimizer.name", loss_enabled=loss_enabled)
     if offload and not deepspeed:
         raise PlanError("--offload-optimizer without DeepSpeed: offloading the optimizer state is DeepSpeed's "
                         "(offload_optimizer); add --deepspeed (or a DeepSpeed --config), or drop it")
@@ -665,8 +695,8 @@ def _decide_defaults(ns) -> None:
     ns.dtype_note = None
     if ns.dtype is None:
         ns.dtype = "amp-bf16" if traced else "bf16"
-        if traced:  # said when the trace starts: a refusal before it stays one line
-            ns.dtype_note = (f"hf-gradfix plan: {flag} traces what torch runs: planning with --dtype amp-bf16 (the "
+        if traced:  # said when the work starts (the first progress line): a refusal of the flags stays one line
+            ns.dtype_note = (f"{flag} traces what torch runs: planning with --dtype amp-bf16 (the "
                              "Trainer's bf16=True); pass --dtype fp32 or bf16-pure for another")
     elif traced:
         from .plan.trace_setup import check_traced_dtype
@@ -688,81 +718,91 @@ def _mesh_flags(ns) -> dict:
     return {k: getattr(ns, k) for k in _MESH_FLAGS if getattr(ns, k, None) is not None}
 
 
+def _plan(ns, progress):
+    """The work of ``hf-gradfix plan`` after its flags are checked, each phase announced on ``progress``."""
+    if ns.dtype_note:  # the dtype the closed form and the trace both plan
+        progress.line(ns.dtype_note)
+    progress.phase(f"loading {ns.model}'s config (the first use imports torch and transformers) ...")
+    config = load_model_config(ns.model)
+    gpu = parse_memory(ns.gpu_memory or ns.gpu) if (ns.gpu_memory or ns.gpu) else None
+    mesh, s = _mesh_and_settings(ns, config)
+    layers = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", 0) or 0
+    traced = ns.simulate or ns.timeline is not None
+    if traced and layers > MAX_SIMULATED_LAYERS:
+        raise PlanError(f"--simulate / --timeline with {layers} layers: the fake-tensor step traces every operation "
+                        f"of every layer (minutes per hundred layers on a CPU); it runs up to {MAX_SIMULATED_LAYERS} "
+                        "layers. Drop --simulate (the closed form above is the plan), or simulate a config with "
+                        "fewer layers: per-layer memory does not depend on the depth")
+    from .plan.estimate import pipeline_degree
+
+    pp = pipeline_degree(mesh, s)
+    if traced and pp > 1:  # refused before the closed form's traces
+        raise PlanError(f"--simulate / --timeline with pp={pp}: the fake-tensor step traces one rank without pipeline "
+                        "stages; drop them (the closed form plans every stage)")
+    progress.phase(f"counting {ns.model}'s parameters (its {layers} layers built on the meta device) ...")
+    params = param_table(config, targets=s.targets, exclude=s.exclude, min_size=s.min_size)
+    progress.phase("the closed form: counting the activations ...")  # its fake-tensor traces announce themselves
+    plan = estimate(config, mesh, s, gpu_memory=gpu, model_name=ns.model, params=params)
+    out: dict = {"plan": plan.to_dict()}
+    sim = None
+    if traced:
+        from .plan.simulate import simulate
+
+        head, note = _traced_head(plan, mesh) if s.rl is None else ("", "")
+        progress.phase(f"simulating one training step of rank 0 under fake tensors ({mesh.world_size} rank(s))"
+                       + (f" with the {head}" if head else "") + (f"; {note}" if note else "") + " ...")
+        sim = simulate(config, mesh, s, progress=progress.line)
+        out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}
+        out["simulated"]["timeline"] = sim["timeline"].to_dict()
+        if ns.timeline:
+            progress.phase(f"drawing {ns.timeline} ...")
+        if ns.timeline and s.rl is not None:
+            from .plan.rl_simulate import plot_rl_timeline
+
+            plot_rl_timeline(sim["timeline"], ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
+                f"{ns.model}: one {s.rl.trainer.upper()} optimizer step ({s.rl.forwards} forwards), rank 0 of "
+                f"{mesh.world_size}, traced under fake tensors; closed form beside it"))
+        elif ns.timeline:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:
+                raise PlanError("--timeline needs matplotlib: pip install matplotlib (or drop --timeline)")
+            # the loss head the trace ran in the title's first line (the closed form beside it counts the same), and
+            # on a second line why a lean head is not run or what its op holds that the trace does not see
+            sim["timeline"].plot(ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
+                f"{ns.model}: one training step with the {head}, rank 0 of {mesh.world_size}"
+                + (" (every rank alike)" if mesh.world_size > 1 else "")
+                + ", traced under fake tensors; closed form beside it" + (f"\n{note}" if note else "")))
+    rows = None
+    if ns.suggest:
+        if gpu is None:
+            raise PlanError("--suggest: how much memory per GPU? add --gpu NAME (e.g. h100) or --gpu-memory SIZE "
+                            "(e.g. 80GiB)")
+        progress.phase("searching the layouts that fit ...")
+        rows = suggest(config, ns.num_gpus or plan.mesh["world_size"], gpu, s, params=params, gpu=ns.gpu)
+        out["suggest"] = rows
+    if ns.plot:
+        progress.phase(f"drawing {ns.plot} ...")
+        # every rank holds the same shard sizes: one bar, not world_size identical ones
+        plot_plan([plan], ns.plot, gpu_memory=gpu,
+                  labels=[f"each of {mesh.world_size} ranks" if mesh.world_size > 1 else "rank 0"])
+    return config, mesh, s, gpu, plan, params, sim, rows, out
+
+
 def plan_main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(argv) if argv is not None else None)
     from .errors import HfGradfixError
+    from .progress import Progress
 
     try:
         _check_flags(ns)
         _decide_defaults(ns)
-        config = load_model_config(ns.model)
-        gpu = parse_memory(ns.gpu_memory or ns.gpu) if (ns.gpu_memory or ns.gpu) else None
-        mesh, s = _mesh_and_settings(ns, config)
-        layers = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", 0) or 0
-        if (ns.simulate or ns.timeline) and layers > MAX_SIMULATED_LAYERS:
-            raise PlanError(f"--simulate / --timeline with {layers} layers: the fake-tensor step traces every operation "
-                            f"of every layer (minutes per hundred layers on a CPU); it runs up to {MAX_SIMULATED_LAYERS} "
-                            "layers. Drop --simulate (the closed form above is the plan), or simulate a config with "
-                            "fewer layers: per-layer memory does not depend on the depth")
-        if layers > 256:  # building a big model on the meta device takes a while: say so
-            print(f"hf-gradfix plan: building {ns.model}'s {layers} layers on the meta device ...", file=sys.stderr,
-                  flush=True)
-        params = param_table(config, targets=s.targets, exclude=s.exclude, min_size=s.min_size)
-        plan = estimate(config, mesh, s, gpu_memory=gpu, model_name=ns.model, params=params)
-        out: dict = {"plan": plan.to_dict()}
-        sim = None
-        if (ns.simulate or ns.timeline) and plan.mesh.get("pp", 1) > 1:
-            raise PlanError(f"--simulate / --timeline with pp={plan.mesh['pp']}: the fake-tensor step traces one rank "
-                            "without pipeline stages; drop them (the closed form above plans every stage)")
-        if ns.simulate or ns.timeline:
-            from .plan.simulate import simulate
-
-            started = time.perf_counter()
-            if ns.dtype_note:
-                print(ns.dtype_note, file=sys.stderr, flush=True)
-            print(f"hf-gradfix plan: simulating one training step of rank 0 under fake tensors "
-                  f"({mesh.world_size} rank(s)) ...", file=sys.stderr, flush=True)
-            if s.loss_head == "lean":  # said before the work, not hidden in the picture
-                lean = plan.extra.get("lean_head")
-                if mesh.dp_shard * mesh.cp > 1 or mesh.tp > 1 or lean is None:
-                    print("hf-gradfix plan: note: the simulated step runs the stock loss head (logits materialized): "
-                          "the lean head is simulated without FSDP2 / tp only", file=sys.stderr, flush=True)
-                elif lean["path"] == "torch":
-                    from .plan.common import _fmt
-
-                    print("hf-gradfix plan: note: the simulated step runs the lean head; torch's linear_cross_entropy "
-                          f"allocates {_fmt(lean['transient'])} of scratch inside the op, which the trace does "
-                          "not see (the estimate counts it)", file=sys.stderr, flush=True)
-            sim = simulate(config, mesh, s, progress=lambda line: print(
-                f"hf-gradfix plan: [{time.perf_counter() - started:.0f} s] {line}", file=sys.stderr, flush=True))
-            out["simulated"] = {k: v for k, v in sim.items() if k not in ("raw_max", "timeline")}
-            out["simulated"]["timeline"] = sim["timeline"].to_dict()
-            if ns.timeline and s.rl is not None:
-                from .plan.rl_simulate import plot_rl_timeline
-
-                plot_rl_timeline(sim["timeline"], ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
-                    f"{ns.model}: one {s.rl.trainer.upper()} optimizer step ({s.rl.forwards} forwards), rank 0 of "
-                    f"{mesh.world_size}, traced under fake tensors; closed form beside it"))
-            elif ns.timeline:
-                import importlib.util
-
-                if importlib.util.find_spec("matplotlib") is None:
-                    raise PlanError("--timeline needs matplotlib: pip install matplotlib (or drop --timeline)")
-                sim["timeline"].plot(ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
-                    f"{ns.model}: one training step, rank 0 of {mesh.world_size}"
-                    + (" (every rank alike)" if mesh.world_size > 1 else "")
-                    + f", traced under fake tensors; closed form beside it"))
-        rows = None
-        if ns.suggest:
-            if gpu is None:
-                raise PlanError("--suggest: how much memory per GPU? add --gpu NAME (e.g. h100) or --gpu-memory SIZE "
-                                "(e.g. 80GiB)")
-            rows = suggest(config, ns.num_gpus or plan.mesh["world_size"], gpu, s, params=params, gpu=ns.gpu)
-            out["suggest"] = rows
-        if ns.plot:
-            # every rank holds the same shard sizes: one bar, not world_size identical ones
-            plot_plan([plan], ns.plot, gpu_memory=gpu,
-                      labels=[f"each of {mesh.world_size} ranks" if mesh.world_size > 1 else "rank 0"])
+        if ns.gpu_memory or ns.gpu:
+            parse_memory(ns.gpu_memory or ns.gpu)  # a bad size is refused before any work
+        # progress on stderr (the plugin's log) from here on, stdout stays the table / the JSON: a line per phase, a
+        # heartbeat while one runs long; the imports alone take seconds, a trace up to minutes
+        with Progress("plan") as progress:
+            config, mesh, s, gpu, plan, params, sim, rows, out = _plan(ns, progress)
     except HfGradfixError as exc:  # PlanError, ConfigError, ParallelDimsError, OptimizerConfigError, ...
         print(f"hf-gradfix plan: error: {exc}", file=sys.stderr)
         return 2
@@ -775,8 +815,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     if sim is not None and s.rl is not None:
         _print_rl_simulated(plan, sim, mesh)
     elif sim is not None:
-        print(f"\nsimulated step (fake tensors, rank 0 of {mesh.world_size}, {sim['seconds']:.1f} s): traced peak "
-              f"{sim['peak'] / div:.3f} {unit} during the {sim['phase']}")
+        head, note = _traced_head(plan, mesh)
+        print(f"\nsimulated step with the {head} (fake tensors, rank 0 of {mesh.world_size}, {sim['seconds']:.1f} s): "
+              f"traced peak {sim['peak'] / div:.3f} {unit} during the {sim['phase']}" + (f"; {note}" if note else ""))
         print(f"  {'component':<17}{'closed form':>12}{'traced max':>12}{'at peak':>10}{'after step':>11}   ({unit})")
         for k in ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "temporaries"):
             cf = plan.components.get(k)

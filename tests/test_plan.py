@@ -253,15 +253,21 @@ def test_docstring_examples_run():
 
 
 def test_cli_simulate_table(capsys):
-    assert plan_main(["--model", "tiny-qwen2", "--num-gpus", "1", "--seq-len", "64", "--micro-batch", "2",
-                      "--dtype", "fp32", "--simulate", "--optimizer", "galore_adamw", "--rank", "8"]) == 0
+    from hf_gradfix.progress import Progress
+
+    lines: list[str] = []
+    with Progress("plan", emit=lines.append, heartbeat=False):  # the command's own session nests into this one
+        assert plan_main(["--model", "tiny-qwen2", "--num-gpus", "1", "--seq-len", "64", "--micro-batch", "2",
+                          "--dtype", "fp32", "--simulate", "--optimizer", "galore_adamw", "--rank", "8"]) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert "simulated step (fake tensors" in out and "optimizer_state" in out and "MiB/rank" in out
-    # progress on stderr (stdout stays the table / the JSON): a line when it starts, after the build, per step
-    progress = [line for line in captured.err.splitlines() if line.startswith("hf-gradfix plan:")]
-    assert "simulating one training step" in progress[0] and "model built" in progress[1], progress
-    assert [p.split("] ")[1].split(" traced")[0] for p in progress[2:]] == ["step 1/2", "step 2/2"], progress
+    assert "simulated step with the stock loss head (fake tensors" in out and "optimizer_state" in out and "MiB/rank" in out
+    # progress on the plugin's log (stdout stays the table / the JSON): a line when the trace starts, after the
+    # build, per step (tests/test_plan_progress.py checks every phase's line)
+    progress = [line.split("] ", 1)[1] for line in lines]
+    at = next(i for i, line in enumerate(progress) if line.startswith("simulating one training step"))
+    assert "model built" in progress[at + 1], progress
+    assert [p.split(" traced")[0] for p in progress[at + 2:]] == ["step 1/2", "step 2/2"], progress
 
 
 def test_model_from_config_json_and_dir(tmp_path):

@@ -231,8 +231,14 @@ def test_cli_pipeline_table_and_json(capsys):
 ])
 def test_bad_pipeline_input_is_one_line(argv, needle, capsys):
     rc = plan_main(["--model", "tiny-llama", "--seq-len", "32", *argv])
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and needle in err and len(err.splitlines()) == 1, err
+    err = _error_lines(capsys.readouterr().err)
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+def _error_lines(err: str) -> list[str]:
+    """stderr less the plugin's log lines (the progress lines go there, ``[hf_gradfix] INFO: plan: [1.2 s] ...``):
+    an error is one line."""
+    return [line for line in err.strip().splitlines() if not line.startswith("[hf_gradfix]")]
 
 
 def test_interleaved_needs_whole_rounds(capsys):
@@ -350,15 +356,22 @@ def test_cp_packing_from_the_flag(capsys):
 def test_pp_flag_with_a_config_shares_the_rest_of_the_world(tmp_path, capsys):
     import json
 
-    cfg = tmp_path / "fsdp.yaml"
-    cfg.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\nhf_gradfix:\n  parallel: {dp_shard: -1, tp: 2}\n")
+    cfg = tmp_path / "ddp.yaml"
+    cfg.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\nhf_gradfix:\n"
+                   "  parallel: {dp_replicate: -1, dp_shard: 1, tp: 2}\n")
     assert plan_main(["--model", "tiny-llama", "--config", str(cfg), "--pp", "2", "--grad-accum", "2",
                       "--seq-len", "64", "--json"]) == 0
     mesh = json.loads(capsys.readouterr().out)["plan"]["mesh"]
-    assert (mesh["world_size"], mesh["pp"], mesh["dp_shard"], mesh["tp"]) == (8, 2, 2, 2)
+    assert (mesh["world_size"], mesh["pp"], mesh["dp_replicate"], mesh["tp"]) == (8, 2, 2, 2)
+    # FSDP2 over the tp stages (dp_shard 2 x tp 2 under pp): the run refuses it, so does the planner, in its line
+    cfg.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\nhf_gradfix:\n  parallel: {dp_shard: -1, tp: 2}\n")
+    assert plan_main(["--model", "tiny-llama", "--config", str(cfg), "--pp", "2", "--grad-accum", "2",
+                      "--seq-len", "64"]) == 2
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "parallel.pp=2 with tp=2 and dp_shard=2" in err[0], err
     assert plan_main(["--model", "tiny-llama", "--config", str(cfg), "--pp", "3", "--seq-len", "64"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "--pp 3: does not divide the world size 8" in err and len(err.splitlines()) == 1
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "--pp 3: does not divide the world size 8" in err[0], err
 
 
 def test_packing_config_plans_its_rows(tmp_path, capsys):
@@ -378,4 +391,88 @@ def test_packing_config_plans_its_rows(tmp_path, capsys):
     if rc == 0:
         assert json.loads(captured.out)["plan"]["extra"]["document_mask_bytes"] > 0
     else:
-        assert rc == 2 and "packing" in captured.err and len(captured.err.strip().splitlines()) == 1
+        err = _error_lines(captured.err)
+        assert rc == 2 and len(err) == 1 and "packing" in err[0], err
+
+
+# what the run refuses under pp (hf_gradfix.parallel.pipeline.check_combination, config check's line) was planned
+# from the flags without a word: a layout that never runs
+@pytest.mark.parametrize("argv, needle", [
+    (["--num-gpus", "2", "--pp", "2", "--packing"], "parallel.pp=2 with packing enabled"),
+    (["--num-gpus", "4", "--pp", "2", "--cp", "2"], "parallel.pp=2 with cp=2"),
+    (["--num-gpus", "8", "--pp", "2", "--tp", "2", "--dp-shard", "2"], "parallel.pp=2 with tp=2 and dp_shard=2"),
+    (["--num-gpus", "2", "--pp", "2", "--optimizer", "galore_adamw"], "parallel.pp=2 with --optimizer='galore_adamw'"),
+])
+def test_the_planner_refuses_what_the_run_refuses_under_pp(argv, needle, capsys):
+    from hf_gradfix.parallel.pipeline import PipelineError, check_combination
+
+    rc = plan_main(["--model", "tiny-llama", "--seq-len", "32", "--grad-accum", "2", *argv])
+    err = _error_lines(capsys.readouterr().err)
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
+    # the same words as the run's own refusal
+    with pytest.raises(PipelineError) as run:
+        kw = {"--packing": dict(packing=True), "--cp": dict(cp=2), "--tp": dict(tp=2, dp_shard=2),
+              "--optimizer": dict(optimizer="galore_adamw", optimizer_key="--optimizer")}[argv[4]]
+        check_combination(pp=2, **kw)
+    assert err[0] == f"hf-gradfix plan: error: {run.value}"
+
+
+def test_pp_with_packing_from_one_file_is_refused_by_the_library_config_check_and_the_planner(tmp_path, capsys):
+    """parallel.pp and packing.enabled in one YAML: the pipeline refuses the pair at run time (packed rows' document
+    boundaries are not carried to the stages). load_config (what patch(config=...) and $HF_GRADFIX_CONFIG read),
+    config check and the planner say so before launch, in one and the same line naming both keys and the fix; the
+    planner also with --pp on a file that packs. Control: each key alone loads and plans."""
+    from hf_gradfix.cli import main
+    from hf_gradfix.config import ConfigError, load_config
+
+    head = "distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nhf_gradfix:\n"
+    both = tmp_path / "both.yaml"
+    both.write_text(head + "  parallel: {pp: 2}\n  packing: {enabled: true, token_budget: 128}\n")
+    with pytest.raises(ConfigError) as lib:
+        load_config(str(both))
+    line = str(lib.value)
+    assert "\n" not in line and "parallel.pp=2 with packing enabled" in line and "packing.enabled: false" in line
+    assert "pp: 1" in line and line.startswith(f"{both}: hf_gradfix.parallel.pp=2")
+    assert main(["config", "check", str(both)]) == 2
+    assert capsys.readouterr().err.strip() == f"hf-gradfix config check: {line}"
+    assert plan_main(["--model", "tiny-llama", "--config", str(both), "--grad-accum", "2"]) == 2
+    assert _error_lines(capsys.readouterr().err) == [f"hf-gradfix plan: error: {line}"]
+    packs = tmp_path / "packs.yaml"
+    packs.write_text(head + "  packing: {enabled: true, token_budget: 128}\n")
+    assert load_config(str(packs)).packing.enabled  # control: packing alone
+    assert plan_main(["--model", "tiny-llama", "--config", str(packs), "--grad-accum", "2"]) == 0
+    capsys.readouterr()
+    assert plan_main(["--model", "tiny-llama", "--config", str(packs), "--pp", "2", "--grad-accum", "2"]) == 2
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "parallel.pp=2 with packing enabled" in err[0], err
+    pp_only = tmp_path / "pp.yaml"
+    pp_only.write_text(head + "  parallel: {pp: 2}\n")
+    assert load_config(str(pp_only)).parallel.pp == 2  # control: pp alone
+    assert main(["config", "check", str(pp_only)]) == 0
+
+
+def test_zero_bubble_runs_one_stage_per_rank_and_every_entry_point_agrees(tmp_path, capsys):
+    """pp_schedule zero_bubble with pp_virtual_stages 1: torch's ScheduleInterleavedZeroBubble takes one stage per rank
+    (ZB-H1: its op order splits each backward into input (I) and weight (W) gradients, not 1F1B's whole B), the run
+    is exact on 2 gloo ranks (tests/test_pipeline.py, pp2_zero_bubble_v1_ga4), so config check accepts it, the schema
+    says so, and the planner plans it with the bubble config check prints."""
+    import dataclasses as dc
+    import json
+
+    from hf_gradfix.cli import main
+    from hf_gradfix.config.schema import ParallelConfig
+
+    kinds = {k for ops in _order_torch("zero_bubble", 2, 1, 4).values() for _, k, _ in ops}
+    assert kinds == {"F", "I", "W"}, kinds
+    path = tmp_path / "zb.yaml"
+    path.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nhf_gradfix:\n"
+                    "  parallel: {pp: 2, pp_schedule: zero_bubble, pp_virtual_stages: 1}\n")
+    assert main(["config", "check", str(path), "--grad-accum", "4"]) == 0
+    bubble = bubble_fraction(PipelineSpec(2, "zero_bubble", 1, 4))
+    assert f"bubble (p-1)/(3*v*m+p-1) = {100 * bubble:.0f}%" in capsys.readouterr().out
+    assert plan_main(["--model", "tiny-llama", "--config", str(path), "--grad-accum", "4", "--seq-len", "32",
+                      "--json"]) == 0
+    pipe = json.loads(capsys.readouterr().out)["plan"]["extra"]["pipeline"]
+    assert (pipe["schedule"], pipe["virtual_stages"], pipe["bubble_fraction"]) == ("zero_bubble", 1, bubble)
+    helps = {f.name: f.metadata["help"] for f in dc.fields(ParallelConfig)}
+    assert "1 with every schedule" in helps["pp_virtual_stages"] and "1 included" in helps["pp_schedule"]

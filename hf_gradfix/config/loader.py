@@ -728,7 +728,18 @@ def _launch_conflicts(gradfix: GradFixConfig, acc: Mapping[str, Any]) -> list[st
 
 
 def _load_file(source: str | os.PathLike, via_env: bool = False) -> GradFixConfig:
-    return read_config_file(source, via_env=via_env, require_section=True).gradfix
+    cf = read_config_file(source, via_env=via_env, require_section=True)
+    g = cf.gradfix
+    if g.parallel.pp > 1 and g.packing.enabled:
+        # both from the file: the pipeline refuses the pair at run time (packed rows' document boundaries are not
+        # carried to the stages); the library says so on reading it, in config check's line
+        from ..parallel.pipeline import PipelineError, check_combination
+
+        try:
+            check_combination(pp=g.parallel.pp, packing=True)
+        except PipelineError as err:
+            raise _refuse(f"{cf.path}: {SECTION}.{err}", via_env) from None
+    return g
 
 
 # --------------------------------------------------------------------------- accelerate's keys

@@ -393,11 +393,11 @@ class ParallelConfig:
     )
     pp_schedule: PipelineSchedule = field(
         default="1f1b",
-        metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble (the last two take pp_virtual_stages >= 1; 1f1b and gpipe run one stage per rank)"},
+        metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble (the last two run any pp_virtual_stages, 1 included: zero_bubble with 1 is ZB-H1, one stage per rank with the backward split into input and weight gradients; 1f1b and gpipe run one stage per rank)"},
     )
     pp_virtual_stages: int = field(
         default=1,
-        metadata={"min": 1, "max": 2**10, "help": "pipeline stages per pp rank (> 1 only with interleaved_1f1b / zero_bubble)"},
+        metadata={"min": 1, "max": 2**10, "help": "pipeline stages per pp rank: 1 with every schedule; > 1 only with interleaved_1f1b / zero_bubble"},
     )
     # per_document stays the default: training here attends through SDPA with a dense mask, which computes every
     # score whatever the balance, so long_documents saves only its fewer pads there (0.4-1.5 % of the score work,

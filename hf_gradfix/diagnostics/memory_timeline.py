@@ -666,8 +666,10 @@ def plot_memory_timeline(tl: MemoryTimeline, path: str, *, estimate: dict[str, i
     items = list(handles) + extra + lines
     rows = 1 if len(items) <= 8 else 2
     fig.legend(handles=items, fontsize=7.5, loc="lower center", ncol=math.ceil(len(items) / rows), frameon=False)
-    ax.set_title(title or tl.title or f"memory over one training step ({tl.source})", fontsize=10)
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.93, bottom=(0.17 if rows == 1 else 0.2) + 0.03 * accumulating)
+    title = title or tl.title or f"memory over one training step ({tl.source})"
+    ax.set_title(title, fontsize=10)
+    # a title of several lines (the planner's second line: what the trace ran) moves the axes down to keep it whole
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.93 - 0.035 * title.count("\n"), bottom=(0.17 if rows == 1 else 0.2) + 0.03 * accumulating)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)

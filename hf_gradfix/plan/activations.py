@@ -265,6 +265,16 @@ def one_sequence_per_row():
 _CONFIGS: dict[str, Any] = {}  # cache key -> the config it was made from
 
 
+def _phase(text: str) -> None:
+    """A trace (seconds to minutes for a big model) as a phase of ``hf-gradfix plan``'s progress, when the command
+    runs; a library call of :func:`trace_activations` / ``estimate`` writes nothing."""
+    from ..progress import active
+
+    session = active("plan")
+    if session is not None:
+        session.phase(text)
+
+
 @functools.lru_cache(maxsize=64)
 def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attention: str,
                   head: bool = True) -> ActivationTrace:
@@ -276,6 +286,8 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
     from transformers import AutoModelForCausalLM
 
     config = prepare_config(_CONFIGS[key])
+    _phase(f"tracing one forward and backward of {micro_batch} x {seq_len:,} tokens "
+           f"({'backbone' if not head else 'model'}, {dtype}) under fake tensors: the activations ...")
     # "amp": fp32 weights under torch.autocast(bf16), as the Trainer runs mixed precision; autocast's bf16 weight
     # copies are saved by the matmuls and so counted with the layer that uses them
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -448,6 +460,8 @@ def _inference_cached(key: str, micro_batch: int, seq_len: int, dtype: str, atte
     from transformers import AutoModelForCausalLM
 
     config = prepare_config(_CONFIGS[key])
+    _phase(f"tracing one no-grad forward of {micro_batch} x {seq_len:,} tokens ({dtype}) under fake tensors"
+           + (": a generation's prefill ..." if generation else ": a log-prob forward ..."))
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "amp" else contextlib.nullcontext()
     live: dict = {}

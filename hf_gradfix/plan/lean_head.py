@@ -28,7 +28,7 @@ Checked against the process's measured peak (tests/test_plan_lean_head.py).
 
 from __future__ import annotations
 
-__all__ = ["FALLBACK_ROWS", "lean_head_bytes", "torch_chunk_rows"]
+__all__ = ["FALLBACK_ROWS", "lean_head_bytes", "stock_head_reason", "torch_chunk_rows"]
 
 #: hf_gradfix.loss.lean_head.FALLBACK_CHUNK_TOKENS (kept equal by a test; the planner does not import the loss code)
 FALLBACK_ROWS = 1024
@@ -62,3 +62,32 @@ def lean_head_bytes(tokens: int, hidden: int, vocab: int, *, compute_bytes: int,
         transient += 2 * v * h * compute_bytes  # the weight cast for the chunk and its gradient in that dtype
     kept = n * h * (hidden_bytes or compute_bytes)
     return {"path": "chunks", "rows": rows, "kept": float(kept), "transient": float(transient)}
+
+
+def stock_head_reason(*, rl: str | None = None, tp: int = 1, pp_stage: bool = False, fsdp: bool = False,
+                      schedule: str = "1f1b") -> str | None:
+    """Why ``loss.head: lean`` runs the stock head in this layout: the one reason that applies (in the order the
+    run decides it), or None where the lean head runs.
+
+    ``rl``: a TRL trainer (``"grpo"`` / ``"rloo"``); ``pp_stage``: the head sits on a pipeline stage (``fsdp``: FSDP2
+    shards that stage, ``schedule``: its schedule). Without pp, FSDP2 unshards the head for its forward, where the lean
+    head reads it (hf_gradfix/integration/lean_head.py), so it runs lean; under pp the loss function applies the head
+    outside the stage's forward (hf_gradfix/integration/pipeline.py).
+
+    >>> stock_head_reason(tp=1, fsdp=True) is None
+    True
+    >>> stock_head_reason(rl="grpo")
+    "TRL's GRPOTrainer computes its loss with its own fused LM head (loss.head applies to the Trainer's default loss)"
+    """
+    if rl is not None:
+        trainer = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}.get(rl, rl)
+        return (f"TRL's {trainer} computes its loss with its own fused LM head (loss.head applies to the Trainer's "
+                "default loss)")
+    if pp_stage and fsdp:
+        return "FSDP2 (dp_shard > 1) shards the last pipeline stage's head outside the stage's forward"
+    if tp > 1:
+        return f"tp={tp}: tensor parallel shards the head (a DTensor inside its forward)"
+    if pp_stage and schedule == "zero_bubble":
+        return ("the zero-bubble schedule runs the last stage's backward twice (input, then weight gradients), which "
+                "torch's linear_cross_entropy refuses")
+    return None

@@ -467,6 +467,8 @@ def simulate_rl(config, mesh, settings: Settings, *, kernel: str = "triton", pro
             buffered = None
             for i in range(traced):
                 if i % spg == 0:
+                    say(f"tracing a generation batch ({g_rows} samples, prompt {P:,} + completion {C:,} tokens) and "
+                        "its log-prob forwards ...")
                     buffered = generate_and_score(tracker, model, ref, head_fn)
                     say(f"generation batch traced ({g_rows} samples; {time.perf_counter() - t0:.1f} s)")
                 training_micro_batch(model, head_fn, buffered[i % spg])

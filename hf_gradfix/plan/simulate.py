@@ -14,7 +14,9 @@ Not traced: context parallelism (torch's ring attention has no sharding rule for
 buckets (one replica is traced).  Private torch APIs (torch.distributed._tools, the fake process group,
 ``DeviceMesh._concatenate``): tested with torch 2.13.  ``timeline``: the last step sample by sample
 (:class:`hf_gradfix.diagnostics.memory_timeline.MemoryTimeline`, the picture of ``--timeline``).  With
-``Settings.rl`` (``--rl grpo|rloo``) the step traced is a TRL GRPO / RLOO optimizer step:
+``Settings.loss_head="lean"`` the output layer computes the lean cross-entropy in its forward, as the run's
+``loss.head: lean`` does (:func:`_lean_loss`).  With ``Settings.rl`` (``--rl grpo|rloo``) the step traced is a TRL
+GRPO / RLOO optimizer step:
 :func:`hf_gradfix.plan.rl_simulate.simulate_rl`.
 """
 
@@ -84,22 +86,41 @@ def _device_meshes_built_for_real():
 
 
 def _lean_loss(model, ids):
-    """The lean head's step on ``ids``: the backbone's final hidden states, then the head's summed cross-entropy
-    without logits (:func:`hf_gradfix.loss.lean_head.head_cross_entropy_sum`, in autocast's dtype where it is on),
-    over the next-token targets."""
+    """The lean head's step on ``ids``, as ``loss.head: lean`` runs it (hf_gradfix/integration/lean_head.py, which a
+    capability does not import): for the length of the model call the output layer's ``forward`` computes the summed
+    cross-entropy of its input (the final hidden states) against the next-token targets
+    (:func:`hf_gradfix.loss.lean_head.head_cross_entropy_sum`, in autocast's dtype where it is on) with the weight it
+    holds then (FSDP2 has unsharded it for the forward), and returns a zero-cost stand-in for the logits; the loss is
+    that sum over the targets. (The run computes the same sum where the model calls its loss function, right after
+    the head, with the same weight and hidden states alive: the same memory.)"""
     from ..loss.lean_head import head_cross_entropy_sum, next_token_targets
 
-    hidden = model.base_model(input_ids=ids).last_hidden_state
     head = model.get_output_embeddings()
     targets = next_token_targets(ids)
-    return head_cross_entropy_sum(hidden, head.weight, head.bias, targets) / targets.numel()
+    got = {}
+
+    def forward(hidden):
+        got["sum"] = head_cross_entropy_sum(hidden, head.weight, head.bias, targets)
+        return hidden.new_zeros(()).expand(*hidden.shape[:-1], head.weight.shape[0])
+
+    head.forward = forward  # an instance attribute, removed below: the class's forward is untouched
+    try:
+        model(input_ids=ids)  # no labels: the model computes no loss of its own
+    finally:
+        del head.forward
+    if "sum" not in got:
+        raise PlanError(f"--simulate with --loss-head lean: {type(model).__name__}'s forward did not call its output "
+                        "layer (get_output_embeddings) once; simulate it with --loss-head stock")
+    return got["sum"] / targets.numel()
 
 
 def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = True,
              progress: Any = None) -> dict[str, Any]:
     """Trace ``steps`` training steps of rank 0 (bytes): ``peak`` (total), ``at_peak`` (per component at that
     instant), ``after_step`` (what stays between steps: weights, optimizer state), ``max`` (each component's own
-    maximum), ``phase`` (forward / backward / optimizer step), ``seconds``.  ``fake=False`` runs the same step
+    maximum), ``phase`` (forward / backward / optimizer step), ``seconds``, ``loss_head`` (the head traced: the lean
+    one wherever the run uses it for ``Settings.loss_head="lean"``, FSDP2 included; the stock one under tp) and
+    ``stock_head_reason`` (why not lean, where it was asked for).  ``fake=False`` runs the same step
     on real tensors (one process), which is how the fake trace itself is checked.  ``progress``: called with one
     line per phase (model built, each step), e.g. ``print``."""
     if settings.rl is not None:  # a TRL GRPO / RLOO step: generation, no-grad log-prob forwards, training
@@ -119,6 +140,11 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     MemTracker = private("torch.distributed._tools.mem_tracker", "MemTracker", feature=_SIM)
     settings.check()
     mesh.check_model(config)
+    stock_why = None
+    if settings.loss_head == "lean":
+        from .lean_head import stock_head_reason
+
+        stock_why = stock_head_reason(tp=mesh.tp)
     if mesh.cp > 1:
         raise PlanError("--simulate: context parallelism is not simulated (cp > 1): torch's ring attention has no "
                         "sharding rule for the CPU SDPA kernel that fake tensors run; use the closed form")
@@ -213,9 +239,8 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
             say(f"model built{' and sharded' if sharded or mesh.tp > 1 else ''} under fake tensors "
                 f"({time.perf_counter() - t0:.1f} s); tracing {steps} step(s) ...")
             tokens = settings.seq_len // mesh.cp
-            # loss.head: lean, where the head is a plain tensor outside the model's forward (not FSDP2, not tp): the
-            # backbone, then the lean cross-entropy on its hidden states (what the lean head computes in the head)
-            lean = settings.loss_head == "lean" and not sharded and mesh.tp == 1
+            # loss.head: lean where the run uses it (without pp: everywhere but a tp-sharded head, FSDP2 included)
+            lean = settings.loss_head == "lean" and stock_why is None
             ids = torch.randint(0, config.vocab_size, (settings.micro_batch, tokens))
             tracker = (mixin(FSDPMemTracker)(model, opt) if sharded else mixin(MemTracker)())
             tracker.timeline_setup([m for _, m in decoder_layers(model)], torch.device("cpu"))
@@ -268,7 +293,10 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     after_step = by_component(next(iter(after_snap.values()))) if after_snap else {}
     timeline = tracker.timeline(source="fake-tensor trace", title=f"rank 0 of {mesh.world_size}")
     timeline.meta.update(grad_accum=settings.grad_accum, micro_batches_traced=micro_batches)
+    timeline.meta.update(loss_head="lean" if lean else "stock",
+                         **({"stock_head_reason": stock_why} if stock_why is not None else {}))
     return {"peak": snap["Total"], "at_peak": at_peak, "timeline": timeline, "after_step": after_step,
+            "loss_head": "lean" if lean else "stock", "stock_head_reason": stock_why,
             "max": dict(comp_max),
             "phase": phase["peak"],
             "seconds": time.perf_counter() - t0, "raw_max": cat_max}
