@@ -261,9 +261,20 @@ def build_model(row: Mapping[str, Any], seed: int = 0):
     import transformers as tf
 
     head, moe = row["head"], row["aux"] != "off"
-    arch = {"causal": "llama", "masked": "bert_mlm", "seq2seq": "t5", "tokcls": "llama_tokcls",
-            "seqcls": "llama_seqcls"}[head]
-    if moe:
+    arch = {"causal": "llama", "seq2seq": "t5", "tokcls": "llama_tokcls", "seqcls": "llama_seqcls"}.get(head)
+    if head == "masked":
+        # ModernBERT: its masked-LM loss goes through loss_function (unshifted), what the lean head must measure; BERT
+        # computes it inline (the lean head keeps the stock head there, said once: tests/test_lean_head.py)
+        cfg = tf.ModernBertConfig(
+            vocab_size=H.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=128, local_attention=16, global_attn_every_n_layers=2, embedding_dropout=0.0,
+            attention_dropout=0.0, mlp_dropout=0.0, classifier_dropout=0.0, reference_compile=False,
+            pad_token_id=H.PAD_ID, bos_token_id=H.BOS_ID, eos_token_id=H.EOS_ID, cls_token_id=5, sep_token_id=6,
+        )
+        torch.manual_seed(seed)
+        model = tf.ModernBertForMaskedLM._from_config(cfg, attn_implementation="eager").float()
+        model._hgf_task = "mlm"
+    elif moe:
         cfg = tf.Qwen3MoeConfig(
             **{k: v for k, v in H._DECODER.items() if k != "intermediate_size"}, intermediate_size=64,
             moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, head_dim=16,
@@ -280,7 +291,7 @@ def build_model(row: Mapping[str, Any], seed: int = 0):
     if row["peft"]:
         import peft
 
-        targets = {"masked": ["query", "value"], "seq2seq": ["q", "v"]}.get(head, ["q_proj", "v_proj"])
+        targets = {"masked": ["Wqkv"], "seq2seq": ["q", "v"]}.get(head, ["q_proj", "v_proj"])
         task_type = {"causal": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM", "tokcls": "TOKEN_CLS",
                      "seqcls": "SEQ_CLS"}.get(head)
         torch.manual_seed(seed + 1)

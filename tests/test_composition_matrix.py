@@ -65,3 +65,38 @@ def test_every_pair_trained_together_somewhere():
         if verdict.kind == "refused":
             hidden += [pair for pair in C._row_pairs(row) if pair not in trained]
     assert not hidden, f"pairs only in refused rows (add their refusing pair to SOLO_PAIRS): {sorted(set(hidden))[:12]}"
+
+
+def _cells_holding(**pair) -> list[dict]:
+    cells = [row for row in ROWS if all(row[f] == v for f, v in pair.items())]
+    assert cells, f"no covering row holds {pair}"
+    return cells
+
+
+def test_control_the_lean_heads_causal_shift_forced_on_a_masked_lm_fails_the_matrix(monkeypatch):
+    """The planted composition bug (what main did): the lean head scores next-token targets whatever the model's
+    loss_function computes. Every covering cell that trains the lean head on a masked LM must fail."""
+    from hf_gradfix.integration import lean_head
+
+    real = lean_head.measure_objective
+
+    def always_shifted(*args, **kwargs):
+        found = real(*args, **kwargs)
+        return found if isinstance(found, str) else lean_head.Objective("next", found.reduction)
+
+    monkeypatch.setattr(lean_head, "measure_objective", always_shifted)
+    verdicts = [C.judge(row) for row in _cells_holding(lean=True, head="masked")]
+    assert all(v.kind == "FAIL" for v in verdicts), [(C.cell_id(v.row), v.kind, v.detail) for v in verdicts]
+
+
+def test_control_trls_packed_rows_repacked_as_one_document_fail_the_matrix(monkeypatch):
+    """The planted composition bug (what main did): the plugin's packing reads no document boundaries in TRL's
+    packed rows, so each trains as one sequence. Every covering cell with both packings must fail."""
+    from hf_gradfix.packing import collator
+
+    monkeypatch.setattr(collator, "document_lengths", lambda sample, n, where="sample": [n])
+    cells = [row for packing in ("map", "stream") for row in ROWS
+             if row["packing"] == packing and row["trl_packing"] == "bfd"]
+    assert cells
+    verdicts = [C.judge(row) for row in cells]
+    assert all(v.kind == "FAIL" for v in verdicts), [(C.cell_id(v.row), v.kind, v.detail) for v in verdicts]
