@@ -38,6 +38,7 @@ import copy
 import functools
 import gc
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 
 import ecosystem as E
 import harness as H
+from hf_gradfix.config import ENV_VAR
 
 GRAD_TOL = 1e-5  # exact: relative gradient error against the ground truth, per optimizer step
 STOCK_TOL = 1e-6  # stock: relative difference from the stock run's gradient, per optimizer step
@@ -65,17 +67,22 @@ LABEL_SMOOTHING = 0.1
 FACTORS: dict[str, tuple] = {
     "trainer": ("Trainer", "SFTTrainer", "GRPOTrainer"),
     "head": ("causal", "masked", "seq2seq", "tokcls", "seqcls"),
-    "packing": ("off", "map", "stream"),  # the plugin's packing: map-style dataset, or a stream (IterableDataset)
+    # the plugin's packing: a map-style dataset (varlen mode), the same in rows mode, or a stream (IterableDataset)
+    "packing": ("off", "map", "rows", "stream"),
     "trl_packing": ("off", "bfd", "padding_free"),  # TRL's own: SFTConfig(packing=True) / SFTConfig(padding_free=True)
     "lean": (False, True),  # loss.head: lean
     "balance": ("tokens", "compute"),  # packing.balance
-    "aux": ("off", "micro", "global"),  # a MoE model, its router loss under loss.aux_loss (off: a dense model)
+    "aux": ("off", "micro", "global", "none"),  # a MoE model, its router loss under loss.aux_loss (off: a dense model)
     "rl_forwards": (False, True),  # packing.rl_forwards
     "optimizer": ("adamw", "galore", "apollo"),  # the Trainer's AdamW, or optimizer.name galore_adamw / apollo_adamw
     "lowrank_grads": (False, True),  # optimizer.lowrank_grads
     "label_smoothing": (0.0, LABEL_SMOOTHING),  # TrainingArguments.label_smoothing_factor
     "grad_ckpt": (False, True),  # TrainingArguments.gradient_checkpointing
     "peft": (False, True),  # a PEFT LoRA model
+    # how the settings reach the trainer: hf_gradfix.patch(settings) before it is built, the YAML file named by
+    # $HF_GRADFIX_CONFIG with patch(), GradFixCallback(settings) passed to the constructor, or added to the built
+    # trainer (add_callback: too late for the data loader and the optimizer, refused for those by design)
+    "way": ("patch", "config", "callback", "add_callback"),
 }
 DEFAULTS = {factor: levels[0] for factor, levels in FACTORS.items()}
 TRL_TRAINERS = ("SFTTrainer", "GRPOTrainer")
@@ -111,9 +118,20 @@ SOLO_PAIRS: dict[frozenset, str] = {
     frozenset({("optimizer", "galore"), ("peft", True)}): "a low-rank optimizer on a LoRA model (adapters only)",
     frozenset({("optimizer", "apollo"), ("peft", True)}): "a low-rank optimizer on a LoRA model (adapters only)",
     frozenset({("packing", "map"), ("head", "seq2seq")}): "packing an encoder-decoder's samples",
+    frozenset({("packing", "rows"), ("head", "seq2seq")}): "packing an encoder-decoder's samples",
+    frozenset({("packing", "rows"), ("head", "seqcls")}): "packing samples with one label each",
+    frozenset({("packing", "rows"), ("trainer", "GRPOTrainer")}): "packing.enabled on an RL trainer's prompts",
+    **{frozenset({("way", "add_callback"), ("packing", p)}): "GradFixCallback added after the data loader was built"
+       for p in ("map", "rows", "stream")},
+    **{frozenset({("way", "add_callback"), ("optimizer", o)}): "GradFixCallback added after the optimizer was built"
+       for o in ("galore", "apollo")},
+    frozenset({("aux", "none"), ("head", "tokcls")}): "aux_loss: none on a head that adds no router loss",
+    frozenset({("aux", "none"), ("head", "seqcls")}): "aux_loss: none on a head that adds no router loss",
+    frozenset({("aux", "none"), ("trainer", "GRPOTrainer")}): "aux_loss: none on an RL trainer (TRL's micro term)",
     frozenset({("packing", "stream"), ("head", "seq2seq")}): "packing an encoder-decoder's samples",
     frozenset({("packing", "map"), ("head", "seqcls")}): "packing samples with one label each",
     frozenset({("packing", "stream"), ("head", "seqcls")}): "packing samples with one label each",
+    frozenset({("aux", "global"), ("trainer", "GRPOTrainer")}): "aux_loss: global on an RL trainer (TRL's micro term)",
     frozenset({("packing", "map"), ("trainer", "GRPOTrainer")}): "packing.enabled on an RL trainer's prompts",
     frozenset({("packing", "stream"), ("trainer", "GRPOTrainer")}): "packing.enabled on an RL trainer's prompts",
 }
@@ -226,11 +244,13 @@ def plugin_config(row: Mapping[str, Any]) -> dict:
     loss: dict[str, Any] = {}
     if row["lean"]:
         loss["head"] = "lean"
-    if row["aux"] == "global":
-        loss["aux_loss"] = "global"
+    if row["aux"] in ("global", "none"):
+        loss["aux_loss"] = row["aux"]
     packing: dict[str, Any] = {}
     if row["packing"] != "off":
         packing.update(enabled=True, token_budget=TOKEN_BUDGET)
+    if row["packing"] == "rows":
+        packing["mode"] = "rows"
     if row["balance"] != "tokens":
         packing["balance"] = row["balance"]
     if row["rl_forwards"]:
@@ -353,8 +373,9 @@ def _args_overrides(row: Mapping[str, Any]) -> dict:
     return out
 
 
-def make_trainer(row: Mapping[str, Any], output_dir: str):
-    """The cell's trainer, as a user builds it (the plugin's settings come from ``patch()``)."""
+def make_trainer(row: Mapping[str, Any], output_dir: str, callbacks: list | None = None):
+    """The cell's trainer, as a user builds it (the plugin's settings come from ``patch()``, a file, or
+    ``callbacks``)."""
     import datasets
     import transformers as tf
 
@@ -373,7 +394,7 @@ def make_trainer(row: Mapping[str, Any], output_dir: str):
         args_cls = tf.Seq2SeqTrainingArguments if head == "seq2seq" else tf.TrainingArguments
         cls = tf.Seq2SeqTrainer if head == "seq2seq" else tf.Trainer
         return cls(model=model, args=E.training_args(output_dir, args_cls=args_cls, **overrides), train_dataset=data,
-                   data_collator=_collator(head, model), processing_class=tokenizer())
+                   data_collator=_collator(head, model), processing_class=tokenizer(), callbacks=callbacks)
     import trl
 
     if trainer == "SFTTrainer":
@@ -386,12 +407,13 @@ def make_trainer(row: Mapping[str, Any], output_dir: str):
         elif row["trl_packing"] == "padding_free":
             sft.update(padding_free=True)
         args = E.training_args(output_dir, args_cls=trl.SFTConfig, bf16=False, **sft, **overrides)
-        return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer())
+        return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer(),
+                              callbacks=callbacks)
     import trainer_matrix as M
 
     cfg = M.training_args(trl.GRPOConfig, output_dir, **overrides)
     return trl.GRPOTrainer(model=model, args=cfg, train_dataset=M.dataset("prompt"), processing_class=tokenizer(),
-                           reward_funcs=M.reward_parity)
+                           reward_funcs=M.reward_parity, callbacks=callbacks)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -413,6 +435,16 @@ class Run:
     warnings: list[str] = field(default_factory=list)  # hf_gradfix's, from its logger and Python warnings
     trainer: Any = None
     seconds: float = 0.0
+
+
+def _write_config(settings: Mapping[str, Any], folder: str) -> str:
+    """The settings as a user's YAML file (the ``hf_gradfix:`` section)."""
+    import yaml
+
+    path = f"{folder}/hf_gradfix.yaml"
+    with open(path, "w") as f:
+        yaml.safe_dump({"hf_gradfix": dict(settings)}, f)
+    return path
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -443,16 +475,26 @@ def run(row: Mapping[str, Any], mode: str, *, patch_config: dict | None = None) 
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            try:
-                if mode == "patch":  # a configuration refused here is a refusal before any step
-                    hf_gradfix.patch(patch_config if patch_config is not None else plugin_config(row))
-                trainer = make_trainer(row, output_dir)
+            settings = patch_config if patch_config is not None else plugin_config(row)
+            way = row.get("way", "patch") if mode == "patch" else None
+            try:  # a configuration refused here is a refusal before any step
+                if way == "patch":
+                    hf_gradfix.patch(settings)
+                elif way == "config":
+                    config_file = _write_config(settings, output_dir)
+                    os.environ[ENV_VAR] = config_file
+                    hf_gradfix.patch()
+                callbacks = [hf_gradfix.GradFixCallback(settings)] if way == "callback" else None
+                trainer = make_trainer(row, output_dir, callbacks=callbacks)
+                if way == "add_callback":
+                    trainer.add_callback(hf_gradfix.GradFixCallback(settings))
             except Exception as err:  # noqa: BLE001 (a refusal at construction: the verdict reads it)
                 result.error = err
                 return result
             finally:
-                if mode == "patch":
+                if way in ("patch", "config"):
                     hf_gradfix.unpatch()
+                os.environ.pop(ENV_VAR, None)
             result.trainer = trainer
             trainer.remove_callback(PrinterCallback)
             window: list[Any] = []
@@ -561,7 +603,7 @@ def window_truth(model, weights, window: list[Mapping], row: Mapping[str, Any]) 
     """The gradient of the window's objective at ``weights`` (float64)."""
     ref = _float64_copy(model, weights)
     head, eps = row["head"], float(row["label_smoothing"])
-    moe = row["aux"] != "off" and head == "causal"
+    moe = row["aux"] in ("micro", "global") and head == "causal"  # aux_loss: none trains no router term
     nll, smooth, count, vocab = 0.0, 0.0, 0, None
     router_terms = []
     for mb in window:

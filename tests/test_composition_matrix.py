@@ -38,7 +38,7 @@ def test_the_cells_cover_every_pair_or_say_why_not():
         assert pair in covered or reason, f"{pair} is in no cell and no reason says why"
         if C.solo_reason(*pair):
             assert any(all(row[f] == v for f, v in pair) for row in SOLO), pair
-    assert len(ROWS) <= 40, f"{len(ROWS)} covering rows: the greedy covering grew (CI time)"
+    assert len(ROWS) <= 60, f"{len(ROWS)} covering rows: the greedy covering grew (CI time)"
     for row in CELLS:  # a covering row never holds a pair that cannot be built or that is refused by design
         for pair in C._row_pairs(row):
             assert C.unbuildable(*pair) is None, (C.cell_id(row), pair)

@@ -312,7 +312,7 @@ def _resolve_aux(trainer: Trainer, state: GradFixState, holder: dict) -> None:
     convention that has no router loss to act on."""
     _find_aux_coef(trainer, state, holder)
     conv = state.config.loss.aux_loss
-    if conv in ("global", "previous") and not state.aux_coef:
+    if conv in ("global", "previous", "none") and not state.aux_coef:
         # measured on the probe forward: no aux_loss with the loss, or one that adds nothing (coefficient 0)
         raise _ContradictedSetting(
             f"hf_gradfix.loss.aux_loss: invalid value {conv!r}; {_model_name(trainer.model)} adds no router "
