@@ -498,12 +498,12 @@ def run(row: Mapping[str, Any], mode: str, *, patch_config: dict | None = None) 
             result.trainer = trainer
             trainer.remove_callback(PrinterCallback)
             window: list[Any] = []
-            inner = trainer.compute_loss
 
             def compute_loss(model, inputs, *args, **kwargs):
                 if model.training:
                     window.append(M._clone(inputs))
-                return inner(model, inputs, *args, **kwargs)
+                # the class's method at call time: GradFixCallback added late swaps the class at on_train_begin
+                return type(trainer).compute_loss(trainer, model, inputs, *args, **kwargs)
 
             trainer.compute_loss = compute_loss
             model = trainer.model
