@@ -751,9 +751,9 @@ def test_long_documents_on_a_trainer_without_cp_is_one_line():
                               "this trainer's mesh has cp 1 (no parallel mesh)"])
 
 
-@pytest.mark.parametrize("conv", ["global", "previous"])
+@pytest.mark.parametrize("conv", ["global", "previous", "none"])
 def test_a_router_loss_convention_on_a_model_without_router_loss_is_one_line(conv):
-    """aux_loss: global / previous on a MoE model with output_router_logits=False (no router loss to act on) trained
+    """aux_loss: global / previous / none on a MoE model with output_router_logits=False (no router loss to act on) trained
     as if nothing was asked; refused on the first batch, before any optimizer step, weights untouched. Control: the
     same model with output_router_logits=True trains its step."""
     import harness as H

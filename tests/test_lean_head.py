@@ -600,3 +600,20 @@ def test_the_last_pipeline_stage_computes_the_measured_objective_or_keeps_the_st
         fn, why = _lean_last_stage([module], dims, "1f1b", False, "stock", scaled)
     said = [str(w.message) for w in caught if "loss.head: lean" in str(w.message)]
     assert fn == "stock" and not module.lean_head and len(said) == 1 and "scaled" in said[0], said
+
+
+@pytest.mark.parametrize("trainer", ["SFTTrainer", "GRPOTrainer"])
+def test_a_trainer_whose_loss_never_reaches_the_lean_head_says_so_once(trainer):
+    """TRL's SFTTrainer and GRPOTrainer compute their loss with their own log-prob head: ``loss.head: lean`` never ran
+    and said nothing (found by the composition matrix). One warning at the first optimizer step now, decided by the
+    model calls the lean head saw (none), not by the trainer's class; the control: the Trainer runs lean, no warning."""
+    pytest.importorskip("trl")
+    import composition as C
+
+    for name, expect in ((trainer, 1), ("Trainer", 0)):
+        run = C.run(dict(C.DEFAULTS, trainer=name, lean=True), "patch")
+        assert run.error is None and len(run.grads) == 2, run.error
+        said = [w for w in run.warnings if "lean is not used" in w]
+        assert len(said) == expect, (name, run.warnings)
+        if expect:
+            assert f"{name}.compute_loss computes its loss without calling the model" in said[0]

@@ -50,15 +50,19 @@ def _float64_copy(model, initial_state):
     return ref.train()
 
 
-def reference(model, initial_state, micro_batches, convention):
-    """(loss, grads) of one optimizer window in float64, from the definitions above."""
+def reference(model, initial_state, micro_batches, convention, label_smoothing=0.0):
+    """(loss, grads) of one optimizer window in float64, from the definitions above; with ``label_smoothing`` eps the
+    token term is transformers' label-smoothed cross entropy per target, ``(1 - eps) * NLL + eps * mean over the
+    vocabulary of -log p``, summed over the window's targets and divided by their count."""
     ref = _float64_copy(model, initial_state)
     top_k, ce, targets, terms = model.config.num_experts_per_tok, 0.0, 0, []
     for mb in micro_batches:
         out = ref(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], output_router_logits=True)
         logits, labels = out.logits[:, :-1], mb["labels"][:, 1:]
         mask = labels.ne(-100)
-        ce = ce + F.cross_entropy(logits[mask], labels[mask], reduction="sum")
+        ce = ce + (1 - label_smoothing) * F.cross_entropy(logits[mask], labels[mask], reduction="sum")
+        if label_smoothing:
+            ce = ce - label_smoothing * F.log_softmax(logits[mask], dim=-1).mean(-1).sum()
         targets += int(mask.sum())
         terms.append(_lb_terms(out.router_logits, mb["attention_mask"], top_k))
     experts = terms[0][0].numel()
@@ -208,6 +212,55 @@ def test_trl_sft_trainer_on_a_moe_model(convention, tmp_path, monkeypatch):
         assert H.rel_err(grads, reference(model, run.initial, window, convention)[1]) <= TOL
         assert H.rel_err(grads, reference(model, run.initial, window, other)[1]) > 100 * TOL
     assert not run.warnings
+
+
+@pytest.mark.parametrize("convention", ["micro", "global"])
+@pytest.mark.parametrize("trainer", ["Trainer", "SFTTrainer"])
+def test_label_smoothing_keeps_the_router_loss(trainer, convention, tmp_path, monkeypatch):
+    """Label smoothing computes the token loss from the logits (transformers' LabelSmoother; TRL's SFTTrainer calls it
+    with the model's plain outputs), so the router loss the model computes beside them was dropped, stock and patched,
+    without a word (found by the composition matrix). It is the declared convention's router term now: exact against
+    the reference with label smoothing; the control: the same gradients without the router term are far off."""
+    import hf_gradfix
+
+    eps = 0.1
+    if trainer == "Trainer":
+        hf_gradfix.patch({"loss": {"aux_loss": convention}, "log_fixes": False})
+        try:
+            model = H.build_moe("qwen3_moe")
+            samples = H.make_samples("causal", n=8, seed=1)
+            record = H.run_trainer(model, samples, "causal", gradient_accumulation_steps=2,
+                                   per_device_train_batch_size=2, extra_args={"label_smoothing_factor": eps})
+        finally:
+            hf_gradfix.unpatch()
+        by_idx = {s["idx"]: s for s in samples}
+        steps = [(step["grads"], [record.collator.collate([by_idx[i] for i in b]) for b in step["idx_batches"]])
+                 for step in record.steps]
+        initial = record.initial_state
+    else:
+        pytest.importorskip("trl")
+        import trainer_matrix as M
+        from hf_gradfix.config import ENV_VAR
+
+        config = tmp_path / "gradfix.yaml"
+        config.write_text(f"hf_gradfix:\n  loss:\n    aux_loss: {convention}\n")
+        monkeypatch.setenv(ENV_VAR, str(config))
+        import trl
+
+        make = M._trainer_factory(trl.SFTTrainer, M.config_class(trl.SFTTrainer), model="qwen3_moe", data=("text",),
+                                  args={"label_smoothing_factor": eps})
+        run = M.run(make, "patch")
+        assert run.error is None and len(run.grads) == 2, run.error
+        model, initial, steps = run.trainer.model, run.initial, list(zip(run.grads, run.windows))
+    assert len(steps) == 2
+    for grads, window in steps:
+        assert H.rel_err(grads, reference(model, initial, window, convention, eps)[1]) <= TOL
+        saved = model.config.router_aux_loss_coef
+        model.config.router_aux_loss_coef = 0.0  # the control: the token loss alone (what stock trained)
+        try:
+            assert H.rel_err(grads, reference(model, initial, window, convention, eps)[1]) > 100 * TOL
+        finally:
+            model.config.router_aux_loss_coef = saved
 
 
 def _deepseek_selection(hidden, weight, bias, groups, topk_group, top_k):

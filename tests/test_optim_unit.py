@@ -467,6 +467,32 @@ def test_square_low_rank_tensor_uses_stored_side(shape, side, galore_ref):
             ref_opt.step()
 
 
+def test_rank_above_the_smaller_side_keeps_adamw_or_is_refused():
+    """A sequence-classification head (3 labels x 32) under rank 4, found by the composition matrix: the projected
+    side (32) is above the rank, but the gradient's SVD has 3 directions, so the basis had 3 columns and the rank-4
+    moments crashed the second step. Selected by the model (all-linear): plain AdamW, listed in ``skipped_small``,
+    and its steps equal AdamW's; named explicitly: refused in one line. APOLLO's random projection has no such bound."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 3))
+    ref = copy.deepcopy(model)
+    opt = GaLoreAdamW(model, rank=4, lr=1e-2, weight_decay=0.0, eps=1e-8, proj_method="svd", update_proj_gap=10)
+    assert opt.skipped_small == ["1.weight"] and "0.weight" in opt.projected_names
+    adam = torch.optim.AdamW(ref[1].parameters(), lr=1e-2, weight_decay=0.0, eps=1e-8)
+    for step in range(3):  # the crash was at the second step
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+        for m in (model, ref):
+            m.zero_grad()
+            m(x).pow(2).sum().backward()
+        opt.step()
+        adam.step()
+        with torch.no_grad():  # the projected layer below: the same weights in both, so the head sees one input
+            ref[0].load_state_dict(model[0].state_dict())
+    assert torch.allclose(model[1].weight, ref[1].weight, rtol=0, atol=1e-7)
+    with pytest.raises(OptimizerConfigError, match=r"rank=4 is above the smaller side 3 of .*1\.weight.*min_size=4"):
+        GaLoreAdamW(model, targets=["1"], rank=4, proj_method="svd")
+    assert "1.weight" in ApolloAdamW(model, rank=4).projected_names
+
+
 # =========================================================================== 7. robustness
 
 

@@ -268,3 +268,26 @@ def test_balance_log_docstring_examples_run():
 
     result = doctest.testmod(packing_balance_log)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("head,packing,trainer,words", [
+    ("seq2seq", "map", "Trainer", "is an encoder-decoder"),
+    ("seq2seq", "stream", "Trainer", "is an encoder-decoder"),
+    ("seqcls", "map", "Trainer", "one int64 value per sample, not one per token"),
+    ("seqcls", "stream", "Trainer", "not one vector per token"),
+    ("causal", "map", "GRPOTrainer", "trains on completions it generates"),
+])
+def test_what_packing_cannot_hold_is_refused_in_one_line_saying_why(head, packing, trainer, words):
+    """An encoder-decoder, a sequence-level head and an RL trainer's prompts cannot be packed; each was refused by a
+    line about something else ('labels has 6 entries but input_ids has 22', 'tokenize the dataset first') or, for a
+    streamed sequence classifier, crashed in the guard with a tensor-size error (found by the composition matrix).
+    Each is one line now, before any step, saying why and to remove packing.enabled."""
+    if trainer == "GRPOTrainer":
+        pytest.importorskip("trl")
+    import composition as C
+
+    row = dict(C.DEFAULTS, head=head, packing=packing, trainer=trainer)
+    run = C.run(row, "patch")
+    assert run.error is not None and not run.grads, "trained"
+    line = str(run.error)
+    assert "\n" not in line and words in line and "packing.enabled" in line, line

@@ -116,6 +116,31 @@ def test_top_entropy_quantile_trains_as_stock_with_one_warning():
         assert H.rel_err(a, b) <= 1e-6
 
 
+@pytest.mark.parametrize("convention", ["global", "micro"])
+def test_a_router_convention_an_rl_trainer_does_not_train_is_refused(convention, tmp_path, monkeypatch):
+    """GRPO on a MoE model: TRL adds the router loss inside its policy loss as the mean over micro-batches, which the
+    plugin keeps; ``aux_loss: global`` trained that same term without a word (found by the composition matrix). It is
+    refused in one line before any optimizer step; ``micro`` (the control) trains."""
+    import trl
+
+    import trainer_matrix as M
+    from hf_gradfix.config import ENV_VAR
+    from hf_gradfix.errors import GradFixError
+
+    make = M._trainer_factory(trl.GRPOTrainer, M.config_class(trl.GRPOTrainer), model="qwen3_moe",
+                              data=("prompt",), reward_funcs=M.reward_parity)
+    config = tmp_path / "gradfix.yaml"
+    config.write_text(f"hf_gradfix:\n  loss:\n    aux_loss: {convention}\n")
+    monkeypatch.setenv(ENV_VAR, str(config))
+    run = M.run(make, "patch")
+    if convention == "micro":
+        assert run.error is None and len(run.grads) == 2, run.error
+        return
+    assert isinstance(run.error, GradFixError) and not run.grads, run.error
+    line = str(run.error)
+    assert "\n" not in line and "loss.aux_loss: invalid value 'global'" in line and "remove aux_loss" in line, line
+
+
 def test_resume_mid_generation_batch_and_a_second_trainer(tmp_path):
     """A checkpoint after step 1 of a generation batch that spans steps 1-2: the resumed run regenerates, counts the
     windows it trains on, and stays exact; a second trainer in the same process (the resumed one) is fixed too."""

@@ -63,6 +63,27 @@ class LeanHead:
         return "loss head: lean (the logits of a micro-batch are never materialized; loss.head: lean)"
 
 
+class LeanHeadUnusedCheck:
+    """An internal handler (``integration/internal_callbacks.py``): at the first optimizer step, a run whose training
+    steps never called the model through hf_gradfix's loss body (TRL's SFTTrainer and GRPOTrainer compute their loss
+    with their own log-prob head; a ``compute_loss`` override that calls the model itself) never tried the lean head:
+    said once, since ``loss.head: lean`` did nothing there. Measured by the model calls, not by the trainer's class."""
+
+    def __init__(self, plan: LeanHead, trainer: Any) -> None:
+        self.plan, self.trainer_name, self.done = plan, type(trainer).__name__, False
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.done:
+            return
+        self.done = True
+        if self.plan.calls == 0 and self.plan.stock_calls == 0:
+            warnings.warn(
+                f"hf_gradfix: loss.head: lean is not used: {self.trainer_name}.compute_loss computes its loss without "
+                "calling the model through hf_gradfix's loss body (TRL's trainers run their own log-prob head, which "
+                "materializes no full logits either); the loss stays exact; remove loss.head to silence this",
+                stacklevel=2)
+
+
 def _inner_model(model: nn.Module) -> nn.Module:
     """The module whose forward runs the head and its loss: below DDP / accelerate wrappers and PEFT."""
     seen = 0

@@ -192,7 +192,8 @@ def _check_composes(trainer: Trainer, state: GradFixState, conv: str) -> None:
 def before_chain(trainer: Trainer, state: GradFixState) -> None:
     """Before a trainer's own ``compute_loss`` (TRL's SFTTrainer adds the router loss itself): the window's counts
     (as :func:`before_forward`), and a forward hook that keeps the training forward's router logits and aux loss."""
-    if _convention(state) in ("micro", "as_is"):
+    conv = _convention(state)
+    if conv == "as_is" or (conv == "micro" and _chain_adds_router_loss(state)):
         return
     moe = _moe(trainer, state)
     if moe.hook is None:
@@ -233,14 +234,24 @@ def _router_module_hooks(model: torch.nn.Module, moe: MoEState) -> list:
     return [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, target)]
 
 
+def _chain_adds_router_loss(state: GradFixState) -> bool:
+    """Whether the trainer's own ``compute_loss`` adds a router term, as its probe measured: ``loss(n) = S / n + A``
+    with ``A`` that term (TRL's fused path); ``A = 0`` where it drops the router loss (TRL's label-smoothing and
+    ``compute_loss_func`` paths compute the loss from the logits alone)."""
+    chain = getattr(state, "chain", None)
+    return chain is None or abs(chain.additive_term) > 1e-9
+
+
 def chain_correction(trainer: Trainer, state: GradFixState, micro_batches: int):
     """What turns the router term a trainer's own ``compute_loss`` added into the configured convention's, or None.
 
     Read from what the trainer declares: TRL's trainers set ``aux_loss_enabled`` and ``router_aux_loss_coef`` and add
     ``router_aux_loss_coef * aux_loss / gradient_accumulation_steps`` per micro-batch (the ``micro`` convention,
-    measured exact in tests/test_trainer_matrix.py); any other trainer keeps its own term, with one warning."""
+    measured exact in tests/test_trainer_matrix.py), except on the paths the probe measured adding nothing (label
+    smoothing): there the whole convention's term is added; any other trainer keeps its own term, with one warning."""
     conv = _convention(state)
-    if conv in ("micro", "as_is"):
+    adds = _chain_adds_router_loss(state)
+    if conv == "as_is" or (conv == "micro" and adds):
         return None
     moe = _moe(trainer, state)
     captured, moe.captured = moe.captured, None
@@ -255,7 +266,7 @@ def chain_correction(trainer: Trainer, state: GradFixState, micro_batches: int):
     if captured is None or captured[1] is None or not torch.is_tensor(captured[1]):
         return None
     logits, aux, mask = captured
-    added = float(coef) * aux / micro_batches  # what the trainer added
+    added = float(coef) * aux / micro_batches if adds else 0.0  # what the trainer added
     saved = state.aux_coef
     state.aux_coef = float(coef)  # the trainer's coefficient, which it may set apart from the model's
     try:

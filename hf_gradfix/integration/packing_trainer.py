@@ -212,11 +212,30 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     return trainer.accelerator.prepare(loader)
 
 
+def _refuse_unpackable(trainer) -> None:
+    """What packing a dataset of token samples cannot hold, by structure, in one line before anything else is read:
+    a trainer that generates what it trains on from prompts (TRL's RL trainers), and an encoder-decoder (a packed row
+    concatenates one stack's samples; its labels belong to the other)."""
+    name = type(trainer).__name__
+    if callable(getattr(trainer, "_generate_and_score_completions", None)):
+        raise ConfigError(
+            f"hf_gradfix.packing.enabled: invalid value True; it packs a dataset of token samples, and {name} trains "
+            "on completions it generates from its dataset's prompts: remove packing.enabled (packing.rl_forwards "
+            "packs the policy's log-prob forwards)")
+    config = getattr(trainer.model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"hf_gradfix.packing.enabled: invalid value True; {type(trainer.model).__name__} is an encoder-decoder "
+            "(config.is_encoder_decoder): a packed row concatenates the samples of one stack while their labels "
+            "belong to the decoder: remove packing.enabled (train it on padded batches)")
+
+
 def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
     """``use_cache=False``, the attention implementation, then the guard. Returns a line for the fix log."""
     from ..packing.attention import select_varlen_attention, set_attention_implementation
     from ..packing.guard import check_model_packs_correctly
 
+    _refuse_unpackable(trainer)
     model = trainer.model
     for config in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
         if config is not None and hasattr(config, "use_cache"):

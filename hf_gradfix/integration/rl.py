@@ -147,6 +147,19 @@ def detect(trainer: Any, inputs: Any, scaled_for_ga: Any) -> RLPlan | str | None
     return RLPlan(trainer_kind=kind, loss_type=loss_type, policy=policy, line=line)
 
 
+def check_aux_convention(trainer: Any, convention: str) -> None:
+    """TRL's RL trainers add the MoE router loss inside their own policy loss as the mean over micro-batches, which
+    this wing keeps (``micro``); any other ``loss.aux_loss`` would silently train that one: refused in one line."""
+    if getattr(trainer, "aux_loss_enabled", False) and convention not in ("micro", "micro_batch_mean", "as_is"):
+        from ..errors import GradFixError
+
+        raise GradFixError(
+            f"hf_gradfix.loss.aux_loss: invalid value {convention!r}; {type(trainer).__name__} adds the MoE router loss "
+            "inside TRL's policy loss as the mean over micro-batches, which hf_gradfix keeps exact on RL trainers but "
+            "does not re-weight (global / previous / bias / none are built for Trainer and SFTTrainer): remove "
+            "aux_loss ('micro', the default, is what trains)")
+
+
 def _trl_divisor_text(kind: str, loss_type: str) -> str:
     if kind == "rloo":
         return "its sequence count, the Trainer then by the accumulation steps"

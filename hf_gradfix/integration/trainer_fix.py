@@ -106,6 +106,12 @@ def _aux_of(outputs: Any) -> torch.Tensor | None:
     return aux if torch.is_tensor(aux) else None
 
 
+def _router_term(state: GradFixState, outputs: Any, like: torch.Tensor) -> torch.Tensor | None:
+    """``coef * aux_loss``: the MoE router term of a model whose aux coefficient the probes found, else None."""
+    aux = _aux_of(outputs) if state.aux_coef else None
+    return state.aux_coef * aux.to(like.device) if aux is not None else None
+
+
 def _zero_connected(loss: torch.Tensor | None, outputs: Any, model: torch.nn.Module) -> torch.Tensor:
     """A zero loss that still reaches every parameter the forward used, so DDP's hooks all fire.
 
@@ -306,7 +312,7 @@ def _resolve_aux(trainer: Trainer, state: GradFixState, holder: dict) -> None:
     convention that has no router loss to act on."""
     _find_aux_coef(trainer, state, holder)
     conv = state.config.loss.aux_loss
-    if conv in ("global", "previous") and not state.aux_coef:
+    if conv in ("global", "previous", "none") and not state.aux_coef:
         # measured on the probe forward: no aux_loss with the loss, or one that adds nothing (coefficient 0)
         raise _ContradictedSetting(
             f"hf_gradfix.loss.aux_loss: invalid value {conv!r}; {_model_name(trainer.model)} adds no router "
@@ -1011,7 +1017,7 @@ class _GradFixTop:
     def _gradfix_detect_rl(self, state, inputs) -> bool:
         """Whether this is a TRL policy-gradient trainer (GRPO, RLOO and their subclasses, decided by what compute_loss
         is given): then it is made exact by :mod:`.rl`, or left to TRL with one warning."""
-        from .rl import detect
+        from .rl import check_aux_convention, detect
 
         found = detect(self, inputs, _own_loss_is_scaled_for_ga(self))
         if found is None:
@@ -1019,6 +1025,7 @@ class _GradFixTop:
         if isinstance(found, str):
             _disable(self, state, found)
             return True
+        check_aux_convention(self, state.config.loss.aux_loss)
         found.data_ranks = _dp_world(self)
         state.rl = found
         state.fixes.append(found.line)
@@ -1350,12 +1357,21 @@ class _GradFixDefaultLoss(Trainer):
                 )
                 n_used = n
         elif labels is not None and smoothed_lean:
-            base = _loss_of(outputs)  # the smoothed sum over this micro-batch's targets / the window's count
+            # the smoothed sum over this micro-batch's targets / the window's count, plus the router term a MoE model
+            # adds when it is given labels (taken out here, added back below by the declared convention)
+            raw = _loss_of(outputs)
+            aux_term = _router_term(state, outputs, raw)
+            base = raw - aux_term if aux_term is not None else raw
+            aux = aux_term if aux_term is not None else 0.0
             n_used = n
         elif labels is not None:
             rule = model_behaviour.count_rule if model_behaviour is not None else CountRule.UNSHIFTED
             mean = self.label_smoother(outputs, labels, shift_labels=rule is CountRule.SHIFTED)
             base = self._gradfix_mean_to_window(mean, labels, model_behaviour, n, outputs, model)
+            # the label smoother reads the logits only: a MoE model's router loss, computed beside them, is added here
+            # by the declared convention (stock's label-smoothing path drops it without a word)
+            aux_term = _router_term(state, outputs, base)
+            aux = aux_term if aux_term is not None else 0.0
             n_used = n
         else:
             raw = _loss_of(outputs)
@@ -1365,8 +1381,7 @@ class _GradFixDefaultLoss(Trainer):
                     f"The model did not return a loss from the inputs, only the following keys: {keys}. "
                     f"For reference, the inputs it received are {','.join(inputs.keys())}."
                 )
-            aux_tensor = _aux_of(outputs) if state.aux_coef else None
-            aux_term = state.aux_coef * aux_tensor.to(raw.device) if aux_tensor is not None else None
+            aux_term = _router_term(state, outputs, raw)
             main = raw - aux_term if aux_term is not None else raw
             if model_behaviour.honors_num_items or n is None:
                 base = main
@@ -1466,10 +1481,12 @@ def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from:
             state.fixes.append(state.nd.line)
     _check_cp_balance(config, state.nd)
     if config.loss.enabled and config.loss.head == "lean":
-        from .lean_head import LeanHead
+        from .internal_callbacks import add_internal_callback
+        from .lean_head import LeanHead, LeanHeadUnusedCheck
 
         state.lean = LeanHead()
         state.fixes.append(state.lean.line())
+        add_internal_callback(trainer, LeanHeadUnusedCheck(state.lean, trainer))
     trainer.__dict__[_STATE_ATTR] = state
     wants_optimizer = optimizer_requested(trainer, config.optimizer) is not None
     # a lowrank_grads optimizer given to the constructor: its hooks' lifetime follows train() (the fixed class's)

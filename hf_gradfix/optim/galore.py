@@ -77,6 +77,7 @@ class GaLoreAdamW(LowRankAdamW):
     """
 
     _name = "GaLoreAdamW"
+    _basis_from_gradient = True
 
     def _has_basis(self, state: dict) -> bool:
         return "proj" in state

@@ -162,6 +162,9 @@ class LowRankAdamW(torch.optim.Optimizer):
     """Base class; use :class:`hf_gradfix.optim.GaLoreAdamW` or :class:`hf_gradfix.optim.ApolloAdamW`."""
 
     _name = "LowRankAdamW"
+    #: the basis is the gradient's own singular vectors (GaLore), so the rank is bounded by the matrix's smaller side
+    #: too; a random projection (APOLLO) is bounded only by the projected side
+    _basis_from_gradient = False
     _extra_defaults: dict[str, Any] = {}
     _keeps_state_dtype = False  # also the unprojected parameters' state keeps its saved dtype on load (8-bit)
 
@@ -274,6 +277,16 @@ class LowRankAdamW(torch.optim.Optimizer):
                 params, targets=targets, exclude=exclude, weight_decay=weight_decay, no_decay=no_decay
             )
             if not any(g["project"] for g in groups):
+                from .groups import _adapter_param_names
+
+                trainable = {n for n, p in params.named_parameters() if p.requires_grad}
+                if trainable and trainable <= _adapter_param_names(params) | {
+                        n for n, p in params.named_parameters() if p.requires_grad and p.dim() != 2}:
+                    raise OptimizerConfigError(
+                        f"{self._name}: the model's only trainable matrices are PEFT adapters (LoRA A/B), which a "
+                        "low-rank optimizer does not project (they are low rank already); fix: train the LoRA model "
+                        "with the Trainer's AdamW (remove optimizer.name), or project full weights (no PEFT, or "
+                        "modules_to_save)")
                 raise OptimizerConfigError(f"{self._name}: targets={targets!r} select no 2-D trainable weight")
             names = {p: n for g in groups for p, n in zip(g["params"], g.pop("param_names"))}
             return groups, names
@@ -422,12 +435,17 @@ class LowRankAdamW(torch.optim.Optimizer):
                     "Use proj_side='auto' (reduces the unsharded side)"
                 )
             d = p.shape[proj.reduced_dim(side)]
-            if group["rank"] >= d and group["proj_method"] != "identity":
+            # a basis of the gradient's own singular vectors (GaLore) has at most min(m, n) directions: a 3 x 32 head
+            # cannot hold a rank-4 basis on its 32 side either
+            over_svd = self._basis_from_gradient and group["rank"] > min(p.shape)
+            if (group["rank"] >= d or over_svd) and group["proj_method"] != "identity":
                 if explicit:
+                    what = (f"above the smaller side {min(p.shape)} of {name} (its SVD basis has at most that many "
+                            "directions)" if over_svd and group["rank"] < d else
+                            f"not below the projected dimension {d} of {name}")
                     raise OptimizerConfigError(
-                        f"{self._name}: rank={group['rank']} is not below the projected dimension {d} of {name} "
-                        f"(shape {tuple(p.shape)}); lower the rank, or set min_size={d + 1} so matrices this small "
-                        "stay plain AdamW"
+                        f"{self._name}: rank={group['rank']} is {what} (shape {tuple(p.shape)}); lower the rank, or "
+                        f"set min_size={min(p.shape) + 1 if over_svd else d + 1} so matrices this small stay plain AdamW"
                     )
                 skipped.append(name)
                 continue

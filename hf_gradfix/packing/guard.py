@@ -327,6 +327,13 @@ def check_model_packs_correctly(
                     details["longest_sequence_run_alone"] = shorter
                     seqs[i] = seqs[i][:shorter]
             lengths = tuple(int(s.numel()) for s in seqs)
+            shapes = [tuple(q.shape) for q in separate]  # type: ignore[union-attr]
+            if any(len(shape) < 2 or shape[0] != n for shape, n in zip(shapes, lengths)):
+                return refusal(
+                    f"its output is not one vector per token (shape {shapes[0]} for a sequence of {lengths[0]} "
+                    "tokens: a sequence-level head, one value per sample), so a packed row's samples cannot be told "
+                    "apart", None, fix="Train it unpacked: remove packing.enabled (no attention implementation "
+                                        "changes what its head computes).")
             scale = max(1.0, max(float(q.abs().max()) for q in separate))  # type: ignore[union-attr]
             if tolerance is None:
                 half = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()) or \
@@ -573,10 +580,11 @@ def _fail(report: PackingCheckReport, raise_on_failure: bool, cause: BaseExcepti
         if report.max_diff != float("inf")
         else ""
     )
+    fix = report.details.get("fix") or ("Train it unpacked (padded batches), or with an attention implementation "
+                                        "that passes this check.")
     err = PackingCheckError(
         f"{report.model_class} cannot be trained on packed sequences with attn_implementation="
-        f"{report.attn_implementation!r} (mode={report.mode!r}): {report.reason}{numbers}. Train it unpacked "
-        "(padded batches), or with an attention implementation that passes this check."
+        f"{report.attn_implementation!r} (mode={report.mode!r}): {report.reason}{numbers}. {fix}"
     )
     err.report = report  # type: ignore[attr-defined]
     if cause is not None:

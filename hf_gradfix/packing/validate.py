@@ -97,6 +97,8 @@ _FIXES = {
     "budget": "raise packing.token_budget to at least the longest sample, or filter/truncate long samples before packing",
     "seq_lengths": "give the length of every document of the sample, back to back, adding up to its input_ids (as TRL's pack_dataset writes them), or drop the column",
     "position_ids": "give one position per token (restarting at every document of an already packed sample), or drop the column",
+    "sequence_label": "packing concatenates samples into one row, which leaves no place for a label per sample (a "
+                      "sequence-level head): train this dataset unpacked (remove packing.enabled)",
 }
 
 
@@ -220,6 +222,9 @@ class _Checker:
                 continue
             col_type = schema.field(column).type
             if not (pa.types.is_list(col_type) or pa.types.is_large_list(col_type) or pa.types.is_fixed_size_list(col_type)):
+                if column == "labels" and (pa.types.is_integer(col_type) or pa.types.is_floating(col_type)):
+                    raise _Problem(0, column, f"holds one {col_type} value per sample, not one per token",
+                                   _FIXES["sequence_label"])
                 raise _Problem(0, column, f"holds {col_type} values, not a list of token ids per sample", _FIXES["2d"] if column == "input_ids" else _FIXES["dtype"])
             value_type = col_type.value_type
             if pa.types.is_list(value_type) or pa.types.is_large_list(value_type) or pa.types.is_fixed_size_list(value_type):
@@ -404,6 +409,8 @@ class _Checker:
             a = np.asarray(value)
         except (TypeError, ValueError) as e:  # ragged nesting
             raise _Problem(i, column, f"is not a flat list of integers ({e})", _FIXES["2d"]) from None
+        if a.ndim == 0 and column == "labels":
+            raise _Problem(i, column, f"holds one {a.dtype} value per sample, not one per token", _FIXES["sequence_label"])
         if a.ndim != 1:
             raise _Problem(i, column, f"has shape {a.shape}: each sample must be one flat sequence", _FIXES["2d"])
         if a.size and not (a.dtype.kind in "iu" or (allow_bool and a.dtype.kind == "b")):
