@@ -70,7 +70,7 @@ def test_ep_with_tensor_parallelism_resolves(tmp_path, capsys):
 
 
 def test_ep_under_accelerates_fsdp_plugin_is_refused(tmp_path):
-    path = _write(tmp_path, 2, {"parallel": {"ep": 2}}, fsdp_config={"fsdp_version": 2})
+    path = _write(tmp_path, 2, {"parallel": {"ep": 2}}, distributed_type="FSDP", fsdp_config={"fsdp_version": 2})
     with pytest.raises(ConfigError, match="parallel.ep=2 under accelerate's FSDP plugin"):
         resolve_config(path)
 
