@@ -7,6 +7,8 @@ first CLI commands, from a scratch directory outside the clone.
                                                         # HF_GRADFIX_SKIP_FRESH_INSTALL=1)
     python3 scripts/fresh_install_check.py --dry-run    # print the install lines and checks, run nothing
     python3 scripts/fresh_install_check.py --unlocked   # the newest releases the ranges allow (users' view)
+    python3 scripts/fresh_install_check.py --newest-canary   # then: the newest releases in that venv, and the
+                                                              # tests that caught the last release's breakage
 
 The install lines are read from the README's "## Install" block (the quickstart must show the same lines: one
 install text), so the check follows the README as it changes. CI passes the transformers 5.x lock as pip
@@ -37,6 +39,13 @@ NOT_RUN = re.compile(r"<!--\s*not-run:\s*(?P<reason>\S[^>]*?)\s*-->\s*$")
 # --dtype: the default must be one the simulation runs (issue 39)
 TIMELINE = ["plan", "--model", "tiny-qwen2", "--seq-len", "64", "--micro-batch", "2", "--timeline", "timeline.png"]
 CLI_CHECKS = [["--version"], ["env"], ["configs", "list"], ["config", "check", "--config_file", "cpu_pp"]]
+#: --newest-canary: the packages hf_gradfix integrates with, moved to the newest releases its ranges allow (what the
+#: README's install brings a new user the day a release lands), and the tests that caught such a release before: a
+#: packed row of one document on every hybrid family (transformers 5.25), TRL's packed rows, the composition matrix
+CANARY_PACKAGES = ["transformers", "accelerate", "peft", "trl", "datasets"]
+CANARY_TESTS = ["tests/test_packing_hybrid.py::test_rows_of_one_document_train_exactly_on_every_hybrid_family",
+                "tests/test_packing_hybrid.py::test_trainer_rows_of_one_document_and_the_last_row_train_exactly",
+                "tests/test_packing_already_packed.py", "tests/test_composition_matrix.py"]
 
 
 def install_lines(page: Path = PAGES[0]) -> list[str]:
@@ -133,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the install lines and the checks; run nothing")
     parser.add_argument("--unlocked", action="store_true", help="no lock constraints: the newest releases")
     parser.add_argument("--keep", action="store_true", help="keep the scratch venv and directory")
+    parser.add_argument("--newest-canary", action="store_true",
+                        help="after the checks: move the integrated packages to their newest releases in that venv and "
+                             "run the canary tests; reported, never the verdict (CI stays on the locks)")
     args = parser.parse_args(argv)
 
     lines = install_lines(PAGES[0])
@@ -188,17 +200,39 @@ def main(argv: list[str] | None = None) -> int:
         for command in CLI_CHECKS:
             step("a first CLI command", [str(venv / "bin" / "hf-gradfix"), *command], scratch, env,
                  shown="hf-gradfix " + shlex.join(command))
+        if args.newest_canary:
+            canary = Step(start)
+            newest = _newest_canary(canary, python, env)
     finally:
         if args.keep:
             print(f"kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
     took = time.monotonic() - start
+    if args.newest_canary:
+        print(f"[fresh-install +{took:.0f}s] newest releases (a canary, not the verdict: CI installs the locks): "
+              + (f"FAILED: {', '.join(canary.failed)} on {newest}; run `bash scripts/test.sh --latest` and fix before "
+                 "the locks move (docs/testing.md#locked-versions)" if canary.failed else f"passed on {newest}"))
     if step.failed:
         print(f"[fresh-install +{took:.0f}s] FAILED: {', '.join(step.failed)}")
         return 1
     print(f"[fresh-install +{took:.0f}s] passed: a fresh venv with only the README's install lines ran every step")
     return 0
+
+
+def _newest_canary(step: Step, python: str, env: dict) -> str:
+    """The newest releases of :data:`CANARY_PACKAGES` in the fresh venv (no lock), then :data:`CANARY_TESTS` from the
+    clone; returns what was installed. Failures land in ``step.failed``, which the caller reports apart."""
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
+    step("newest releases of the integrated packages (no lock)", [*pip, "-U", *CANARY_PACKAGES, "pytest>=8"], ROOT, env)
+    versions = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(', '.join(f'{p} {m.version(p)}' for p in "
+                       f"{CANARY_PACKAGES!r}))"], capture_output=True, text=True, env=env)
+    installed = versions.stdout.strip() or "(versions unknown)"
+    print(f"    {installed}", flush=True)
+    step("the canary tests on them", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CANARY_TESTS], ROOT,
+         env, timeout=1800)
+    return installed
 
 
 if __name__ == "__main__":

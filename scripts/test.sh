@@ -99,7 +99,7 @@ locked)
       if [ "${HF_GRADFIX_SKIP_FRESH_INSTALL:-0}" = 1 ]; then
           echo "== fresh-install check skipped (HF_GRADFIX_SKIP_FRESH_INSTALL=1) ==" >>"$log5b"; echo 0 >"$scratch/fresh.rc"
       else
-          python3 scripts/fresh_install_check.py >>"$log5b" 2>&1 && echo 0 >"$scratch/fresh.rc" || echo $? >"$scratch/fresh.rc"
+          python3 scripts/fresh_install_check.py --newest-canary >>"$log5b" 2>&1 && echo 0 >"$scratch/fresh.rc" || echo $? >"$scratch/fresh.rc"
       fi ) &
     pid457=$!
     trap 'pkill -P "$pid457" 2>/dev/null; kill "$pid457" 2>/dev/null; exit 130' INT TERM

@@ -94,3 +94,22 @@ def test_setup_env_passes_the_lock_as_constraints_and_refuses_a_missing_one(tmp_
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 2
     assert f"HF_GRADFIX_LOCK={tmp_path / 'missing.txt'}: no such file" in proc.stderr
+
+
+def test_the_newest_release_canary_names_tests_that_exist():
+    """scripts/fresh_install_check.py --newest-canary (CI's side stream) runs these on the newest releases; a node id
+    that names nothing would make pytest select nothing there (exit 5, a canary that checks nothing). Read by AST."""
+    import ast
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import fresh_install_check as F
+
+    tests = [t for t in F.CANARY_TESTS if not t.startswith("-")]
+    assert tests
+    for node in tests:
+        path, _, name = node.partition("::")
+        tree = ast.parse((ROOT / path).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert any(n.startswith("test_") for n in defined), path
+        assert not name or name in defined, node
+    assert set(F.CANARY_PACKAGES) >= {"transformers", "accelerate", "peft", "trl"}
