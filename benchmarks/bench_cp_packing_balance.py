@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import ROOT, on_path, results_path  # noqa: E402
+
+on_path(ROOT)
 
 from hf_gradfix.packing.sampler import PackedBatchSampler  # noqa: E402
 from hf_gradfix.parallel.context_packing import (load_balance_indices, long_document_indices,  # noqa: E402
@@ -275,7 +276,7 @@ def sweep_table(packed: list[list[int]], cps: list[int]) -> list[str]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "cp_packing_balance.md"))
+    p.add_argument("--out", default=results_path("cp_packing_balance.md"))
     p.add_argument("--cp", default="2,4,8")
     p.add_argument("--time-cp", default="2,4", help="cp degrees of the step-time table ('' to skip it)")
     p.add_argument("--threshold", type=int, default=None,

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shlex
 import socket
 import statistics
@@ -47,6 +46,8 @@ ROOT = HERE.parent
 for _p in (str(HERE), str(ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+from _common import peak_rss_bytes, results_path  # noqa: E402
 
 ARMS = {
     "dp2": ({"dp_replicate": 2, "dp_shard": 1}, "micro"),
@@ -129,7 +130,7 @@ def worker(args) -> None:
         hf_gradfix.unpatch()
     mine = dict(rank=rank, steps=[b - a for a, b in zip(rec["stamps"], rec["stamps"][1:])],
                 param_bytes=rec["param_bytes"], grad_bytes=rec["grad_bytes"], state_bytes=rec["state_bytes"],
-                maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_before=rss_before,  # KiB on Linux
+                maxrss=peak_rss_bytes(), rss_before=rss_before,
                 prepass_s=direct.seconds, losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
                 line=line, wrapped=type(trainer.model_wrapped).__name__, n_params=n_params, n_experts=n_experts,
                 experts_impl=getattr(model.config, "_experts_implementation", None))
@@ -194,7 +195,7 @@ def main(argv=None) -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--write", default=str(HERE / "results" / "ep.md"))
+    p.add_argument("--write", default=results_path("ep.md"))
     p.add_argument("--no-write", dest="write", action="store_const", const="")
     args = p.parse_args(argv)
     if args.worker:

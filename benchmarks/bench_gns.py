@@ -25,7 +25,6 @@ import copy
 import functools
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import quoted_command, results_path, versions  # noqa: E402
 from bench_overhead import ListDataset, StepTimer, build_model, collate, make_data, quartiles  # noqa: E402
 
 
@@ -121,7 +121,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--aa", action="store_true", help="A/A control: both arms without the callback")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gns.md"),
+    p.add_argument("--out", default=results_path("gns.md"),
                    help="markdown report (default benchmarks/results/gns.md; '' to skip)")
     p.add_argument("--trainer-dir", default="outputs/bench_gns", help="Trainer output_dir (nothing is saved there)")
     args = p.parse_args(argv)  # fmt: skip
@@ -134,10 +134,10 @@ def main(argv=None):
 
     transformers.logging.set_verbosity_error()
     cli = sys.argv[1:] if argv is None else list(argv)
-    command = " ".join(["python benchmarks/bench_gns.py", *map(shlex.quote, cli)])
+    command = quoted_command("bench_gns.py", cli)
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     env_line = (
-        f"torch {torch.__version__}, transformers {transformers.__version__}, hf_gradfix {hf_gradfix.__version__}, "
+        f"{versions('torch', 'transformers', 'hf_gradfix')}, "
         f"python {platform.python_version()}, {torch.get_num_threads()} torch thread(s), {os.cpu_count()} CPU(s), "
         f"load average {load0:.2f} at start"
     )

@@ -38,7 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, md_row  # noqa: E402
+
 GRID = [(32000, 2048), (32000, 8192), (32000, 32768), (128256, 2048), (128256, 8192), (151936, 2048),
         (151936, 8192)]
 TRAINER_GRID = [(32000, 2048), (32000, 8192), (128256, 2048)]
@@ -256,7 +257,7 @@ def main(argv=None) -> int:
             t = cells["trl"]
             row += [mib(t), ratio(t, "peak_mib"), ratio(t, "seconds")]
         row.append("-" if err is None else f"{err:.1e}")
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(md_row(row))
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -41,7 +41,6 @@ import argparse
 import copy
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -52,8 +51,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import HERE, ROOT, cpu_name, on_path, results_path  # noqa: E402
+
+on_path(ROOT, HERE)  # hf_gradfix of this checkout; _ref_loader beside this script
 
 import hf_gradfix.optim as hopt  # noqa: E402
 
@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--skip-memory", action="store_true", help="only the quality run")
     ap.add_argument("--quality-arms", default="", help="comma-separated subset of the quality arms (default: all)")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lowrank_grads.md"))
+    ap.add_argument("--out", default=results_path("lowrank_grads.md"))
     args = ap.parse_args()
     if args.quick:
         args.preset, args.vocab, args.quality_steps, args.seeds = "tiny", 2000, 20, 1
@@ -250,7 +250,7 @@ def main() -> None:
     t0 = time.time()
     n = sum(p.numel() for p in transformers.LlamaForCausalLM(llama_config(args.preset, args.vocab)).parameters())
     log(f"# Low-rank gradient accumulation: memory, DDP traffic, quality\n")
-    log(f"`python benchmarks/bench_lowrank_grads.py {' '.join(sys.argv[1:])}` on {platform.processor() or platform.machine()}, "
+    log(f"`python benchmarks/bench_lowrank_grads.py {' '.join(sys.argv[1:])}` on {cpu_name()}, "
         f"torch {torch.__version__}, 1 thread, {time.strftime('%Y-%m-%d')}\n")
     log(f"## Peak memory of one training step (CPU, torch MemTracker)\n")
     log(f"Llama preset `{args.preset}`: {n / 1e6:.1f}M parameters, fp32, micro-batch 1 x {args.seq} tokens, GaLore rank "

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -30,6 +28,8 @@ import tempfile
 import time
 
 import torch
+
+from _common import cpu_name, results_path, versions
 
 ARMS = ("micro", "global", "previous", "as_is")
 
@@ -159,7 +159,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--coef", type=float, default=0.01)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe.md"))
+    p.add_argument("--out", default=results_path("moe.md"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     import transformers
@@ -180,8 +180,8 @@ def main(argv=None):
     exact = grads["global"]
     lines = [f"# MoE router-loss conventions: cost and distance from the window loss", "",
              f"`python {' '.join(shlex.quote(a) for a in ['benchmarks/bench_moe.py'] + (argv or sys.argv[1:]))}` "
-             f"({time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-             f"transformers {transformers.__version__}, 1 thread): Qwen3-MoE hidden {args.hidden}, {args.layers} layers, "
+             f"({time.strftime('%Y-%m-%d')}, {cpu_name()}, {versions('torch', 'transformers')}, "
+             f"1 thread): Qwen3-MoE hidden {args.hidden}, {args.layers} layers, "
              f"{args.experts} experts top-2, coef {args.coef}, batch {args.batch}, GA {args.ga}, {args.steps} steps x "
              f"{args.rounds} rounds, lr 0 (every arm's gradients at the same weights on the same batches).", "",
              "| arm | step s (median) | vs micro | own code s/step (pre-pass, health) | own code / micro step | "

@@ -43,7 +43,6 @@ import copy
 import math
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -56,6 +55,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_gradfix.optim as hopt  # noqa: E402
+from _common import quoted_command, results_path, versions  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -373,7 +373,7 @@ def main() -> None:
     parser.add_argument("--val-rows", type=int, default=256, help="rows of the held-out split scored at the end")
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {','.join(ALL_ARMS)}")
     parser.add_argument("--threads", type=int, default=int(os.environ["OMP_NUM_THREADS"]))
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "optim.md"))
+    parser.add_argument("--out", default=results_path("optim.md"))
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--progress", action="store_true", help="print losses during the run (stderr)")
     args = parser.parse_args()
@@ -430,7 +430,7 @@ def main() -> None:
 
     lines = []
     lines.append(
-        f"torch {torch.__version__}, transformers {transformers.__version__}; {cpu_name()}, "
+        f"{versions('torch', 'transformers')}; {cpu_name()}, "
         f"{os.cpu_count()} CPU cores, {torch.get_num_threads()} torch thread(s), load average {load0:.2f} at start / "
         f"{os.getloadavg()[0]:.2f} at end. Llama hidden {args.hidden}, {args.layers} layers, "
         f"intermediate {args.intermediate}, vocab {args.vocab}, untied, fp32 ({n_params:,} parameters; {7 * args.layers} "
@@ -480,7 +480,7 @@ def main() -> None:
     lines.append("")
     lines.extend(key_ratios(summary, args))
     lines.append("")
-    cmd = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/bench_optim.py", *sys.argv[1:]])
+    cmd = quoted_command("bench_optim.py", sys.argv[1:])
     lines.append(f"Command: `{cmd}` ({elapsed:.0f} s).")
     text = "\n".join(lines)
     print(text)

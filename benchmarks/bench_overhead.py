@@ -33,13 +33,14 @@ import copy
 import functools
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
 
 import torch
 from torch.utils.data import Dataset
+
+from _common import quoted_command, versions
 
 
 class ListDataset(Dataset):
@@ -272,10 +273,10 @@ def main(argv=None):
 
     transformers.logging.set_verbosity_error()
     cli = sys.argv[1:] if argv is None else list(argv)
-    command = " ".join(["python benchmarks/bench_overhead.py", *map(shlex.quote, cli)])
+    command = quoted_command("bench_overhead.py", cli)
     print(f"command: {command}")
     print(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, hf_gradfix {hf_gradfix.__version__}, "
+        f"{versions('torch', 'transformers', 'hf_gradfix')}, "
         f"python {platform.python_version()}, {torch.get_num_threads()} torch thread(s), {os.cpu_count()} CPU(s)"
     )
     print(

@@ -71,8 +71,7 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from _common import ROOT, results_path  # noqa: E402
 MESHES = ("zero3", "pp", "ep")
 PAD = 256  # the Llama's padding id (vocabulary 259: 256 byte-like tokens + pad, bos, eos)
 
@@ -692,7 +691,7 @@ def main(argv=None) -> int:
                    help="cProfile the patched arm's measured steps on every rank into DIR and print hf_gradfix's share "
                         "per function (the profiler slows the steps: read the split, not the totals)")
     p.add_argument("--note", default="", help="a line added to the results file (e.g. what else ran)")
-    p.add_argument("--write", default=str(HERE / "results" / "overhead-distributed.md"))
+    p.add_argument("--write", default=results_path("overhead-distributed.md"))
     p.add_argument("--no-write", dest="write", action="store_const", const="")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--record", help=argparse.SUPPRESS)

@@ -43,15 +43,14 @@ import argparse
 import gc
 import math
 import os
-import platform
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import ROOT, best_time, cpu_name, on_path, versions  # noqa: E402
+
+on_path(ROOT)
 
 from hf_gradfix.packing import binpack  # noqa: E402
 from hf_gradfix.packing.sampler import PackedBatchSampler  # noqa: E402
@@ -65,13 +64,7 @@ def lognormal_lengths(n: int, seed: int = 0) -> np.ndarray:
 
 
 def timed(fn, repeat: int = 1):
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        gc.collect()
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+    return best_time(fn, repeat, before=gc.collect)  # no earlier garbage collected inside a timing
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,21 +238,20 @@ def main() -> None:
     binpack.pack([3, 2, 1], 4)  # load (or compile) the numba kernel once
     numba_load = time.perf_counter() - t0
     import torch
-    import transformers
 
-    versions = f"numpy {np.__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+    versions_line = versions("numpy", "torch", "transformers")
     try:
         import trl
 
-        versions += f", trl {trl.__version__}"
+        versions_line += f", trl {trl.__version__}"
     except ImportError:
         pass
     if has_numba:
         import numba
 
-        versions += f", numba {numba.__version__}"
+        versions_line += f", numba {numba.__version__}"
     print(f"# Packing benchmark: lognormal lengths (median 300, sigma 1, clipped [8, 4096]), budget {BUDGET}")
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s); {versions}")
+    print(f"{cpu_name()}, {os.cpu_count()} CPU(s); {versions_line}")
     print(f"numba kernel load/compile: {numba_load:.2f} s (once per process, excluded below)\n" if has_numba else "numba: not installed\n")
 
     results: dict[str, dict[int, dict]] = {}

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -34,6 +32,7 @@ from hf_gradfix.packing.attention import select_varlen_attention, set_attention_
 from hf_gradfix.packing.balance import attention_cost_coeff, document_cost  # noqa: E402
 from hf_gradfix.packing.collator import PackedCollator  # noqa: E402
 from hf_gradfix.packing.sampler import PackedBatchSampler  # noqa: E402
+from _common import median_time  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -82,13 +81,8 @@ def main(argv=None) -> int:
     print(f"timing {len(rows)} distinct rows ({args.repeats} repeats each) ...", file=sys.stderr, flush=True)
     for k, key in enumerate(rows):
         batch = collate([{"input_ids": docs[i], "labels": docs[i]} for i in key])
-        times = []
-        for _ in range(args.repeats):
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            model(**batch).loss.backward()
-            times.append(time.perf_counter() - t0)
-        rows[key] = statistics.median(times)
+        rows[key] = median_time(lambda: model(**batch).loss.backward(), args.repeats,
+                                before=lambda: model.zero_grad(set_to_none=True))
         if k % 50 == 0:
             print(f"  {k}/{len(rows)}", file=sys.stderr, flush=True)
 

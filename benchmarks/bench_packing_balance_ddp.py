@@ -26,8 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from _common import HERE, ROOT  # noqa: E402
 
 
 def _worker(out: Path, balance: str, samples: int, budget: int) -> None:

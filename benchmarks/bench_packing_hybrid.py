@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -43,7 +42,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import ROOT, command_line, on_path, results_path, versions  # noqa: E402
+
+on_path(ROOT)
 
 from hf_gradfix.packing.attention import select_varlen_attention, set_attention_implementation  # noqa: E402
 from hf_gradfix.packing.collator import PackedCollator  # noqa: E402
@@ -149,7 +150,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "packing-hybrid.md"),
+    ap.add_argument("--out", default=results_path("packing-hybrid.md"),
                     help="markdown report ('' to skip)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -197,8 +198,7 @@ def main() -> None:
     lines = [
         "# Packing a hybrid model (Gated DeltaNet + attention): throughput, padded vs packed with the split",
         "",
-        f"`python {' '.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}` (torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, {platform.machine()} CPU, {torch.get_num_threads()} thread, fp32, "
+        f"`{command_line()}` ({versions('torch', 'transformers')}, {platform.machine()} CPU, {torch.get_num_threads()} thread, fp32, "
         f"{time.time() - t_start:.0f} s; a shared, loaded machine: ratios, not absolute speed). Qwen3.5 text, hidden "
         f"{args.hidden}, {args.layers} layers ({', '.join(model.config.layer_types)}), vocabulary {args.vocab}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; torch fallbacks for the Gated DeltaNet "

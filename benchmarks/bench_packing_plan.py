@@ -20,15 +20,14 @@ import argparse
 import gc
 import os
 import platform
-import resource
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import ROOT, on_path, peak_rss_bytes  # noqa: E402
+
+on_path(ROOT)
 
 from hf_gradfix.packing import binpack  # noqa: E402
 from hf_gradfix.packing.sampler import PackedBatchSampler  # noqa: E402
@@ -40,7 +39,7 @@ def lognormal_lengths(n: int, seed: int = 0, budget: int = 4096) -> np.ndarray:
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return peak_rss_bytes() / 2**20
 
 
 def plan_bytes(plan) -> int:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import ROOT, on_path  # noqa: E402
+
+on_path(ROOT)
 
 from hf_gradfix.packing.sampler import PackedBatchSampler  # noqa: E402
 from hf_gradfix.packing.stream import StreamingPacker  # noqa: E402

@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_gradfix  # noqa: E402
+from _common import versions  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -139,7 +140,7 @@ def main() -> None:
         for kind in results:
             results[kind].append(run(kind, data, args.steps, args.budget, 8))
     base = statistics.median(r[0] for r in results["padded"])
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}; tiny Llama (hidden 128, 4 layers), "
+    print(f"{versions('torch', 'transformers')}; tiny Llama (hidden 128, 4 layers), "
           f"lognormal lengths (median 300, sigma {args.sigma}), budget {args.budget}, padded batches of 8; medians of {args.rounds} rounds\n")
     print("| setup | real tokens/s | vs padded | padding waste |")
     print("|---|---:|---:|---:|")

@@ -27,8 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import ROOT, on_path, results_path  # noqa: E402
+
+on_path(ROOT)
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)]
 
@@ -126,7 +127,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (the one-process run too)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
-    p.add_argument("--write", default=str(ROOT / "benchmarks/results/pipeline.md"))
+    p.add_argument("--write", default=results_path("pipeline.md"))
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)

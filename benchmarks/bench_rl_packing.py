@@ -39,7 +39,9 @@ import types
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import ROOT, on_path, results_path, versions  # noqa: E402
+
+on_path(ROOT)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -208,7 +210,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "rl_packing.md"))
+    ap.add_argument("--out", default=results_path("rl_packing.md"))
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     import trl
@@ -247,7 +249,7 @@ def main() -> None:
     lines = [
         "# GRPO log-prob forwards: padded vs packed (`packing.rl_forwards`)",
         "",
-        f"`python benchmarks/bench_rl_packing.py` (torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"`python benchmarks/bench_rl_packing.py` ({versions('torch', 'transformers')}, "
         f"TRL {trl.__version__}, {platform.machine()}, CPU, {torch.get_num_threads()} thread, fp32; a shared, loaded "
         f"machine: ratios, not absolute speed). Qwen2 hidden {args.hidden}, {args.layers} layers, vocabulary "
         f"{args.vocab}, TRL's fused LM head (log-probs + entropies). {args.gen_batches} generation "

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _common import ROOT, on_path  # noqa: E402
+
+on_path(ROOT / "tests")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

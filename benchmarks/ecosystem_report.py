@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from _common import RESULTS, ROOT, on_path  # noqa: E402
+
+on_path(ROOT / "tests")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import transformers  # noqa: E402
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     ]
     for name, types, s, o, se, oe in rows:
         lines.append(f"| {name} | {types} | {_fmt(s)} | {_fmt(o)} | {_fmt(se)} | {_fmt(oe)} |")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"ecosystem-transformers-{transformers.__version__}.md"
+    out = Path(args.out) if args.out else RESULTS / f"ecosystem-transformers-{transformers.__version__}.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
     return 0

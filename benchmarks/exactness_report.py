@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _common import ROOT, on_path, versions  # noqa: E402
+
+on_path(ROOT / "tests")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="also run the 2-process DDP cases")
     parser.add_argument("-k", default="", help="only cases whose name contains this text")
     args = parser.parse_args()
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, hf_gradfix {hf_gradfix.__version__}\n")
+    print(f"{versions('transformers', 'torch', 'hf_gradfix')}\n")
     print("| case | stock grad err | stock loss err | hf_gradfix grad err | hf_gradfix loss err |")
     print("|---|---|---|---|---|")
     t0 = time.time()

@@ -29,7 +29,8 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import ROOT  # noqa: E402
+
 ACC = "compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nnum_processes: 2\nuse_cpu: true\n"
 DS = ACC.format(kind="DEEPSPEED")
 CPU = ACC.format(kind="MULTI_CPU")

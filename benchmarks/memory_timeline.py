@@ -30,7 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import ROOT, on_path, results_path, versions  # noqa: E402
+
+on_path(ROOT)
 
 MiB = 1024**2
 CATS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
@@ -157,11 +159,10 @@ def _err(pred: float, meas: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "memory_timeline.md"))
+    ap.add_argument("--out", default=results_path("memory_timeline.md"))
     ap.add_argument("--plot", help="also draw the first case's measured timeline with the prediction beside it")
     ns = ap.parse_args(argv)
     import torch
-    import transformers
 
     from hf_gradfix.parallel import ParallelDims
     from hf_gradfix.plan import Settings, estimate, load_model_config
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
             meas.plot(ns.plot, compare=pred, estimate=plan.components,
                       title=f"{name}, {batch}, {opt_name}: measured step (CPU storages), the planner beside it")
     text = (f"# Memory of one training step: predicted vs measured\n\n`python benchmarks/memory_timeline.py` "
-            f"(torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()}, CPU, one "
+            f"({versions('torch', 'transformers')}, {platform.machine()}, CPU, one "
             "process unless stated, fp32). Error = (predicted - measured) / measured of each category's maximum "
             "over the "
             "step (the peak column: the step's peak). Traced: `plan --simulate` (fake tensors); closed form: "

@@ -22,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import ROOT, on_path, results_path, versions  # noqa: E402
+
+on_path(ROOT)
 
 CASES = [
     ("tiny-llama", dict(world_size=1)),
@@ -69,15 +71,13 @@ def _row(name, cfg, kw, seq, recompute, dtype="fp32"):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "plan.md"))
+    ap.add_argument("--out", default=results_path("plan.md"))
     ns = ap.parse_args(argv)
-    import torch
-    import transformers
     from transformers import CONFIG_MAPPING
 
     from hf_gradfix.plan import load_model_config
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    on_path(ROOT / "tests")
     from test_plan import MORE_ARCHS
 
     head = ("| model | mesh | dtype | recompute | parameters | gradients | optimizer state | activations | comm buffers "
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
             rows.append(_row(arch, CONFIG_MAPPING[arch](**ckw), kw, 64, rc))
             print(rows[-1], flush=True)
     text = (f"# hf-gradfix plan: closed form vs fake-tensor trace\n\n`python benchmarks/plan_accuracy.py` "
-            f"(torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()}). "
+            f"({versions('torch', 'transformers')}, {platform.machine()}). "
             "Error = (closed form - traced) / traced per component; the total column is the closed-form peak "
             "(a sum of per-component maxima plus a 10 % margin) over the traced peak.\n\n" + head + "\n"
             + "\n".join(rows) + "\n")

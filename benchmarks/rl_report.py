@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from _common import RESULTS, ROOT, on_path  # noqa: E402
+
+on_path(ROOT / "tests")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import transformers  # noqa: E402
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
               "|---|---:|---:|"]
     if "2 processes".startswith(args.k) or args.k in "2 processes":
         lines += two_process_rows()
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"rl-trl-{trl.__version__}.md"
+    out = Path(args.out) if args.out else RESULTS / f"rl-trl-{trl.__version__}.md"
     if not args.k:
         out.write_text("\n".join(header + lines) + "\n")
         print(f"wrote {out}")

@@ -637,7 +637,7 @@ def test_max_grad_norm_bounds_what_every_step_consumes_or_the_run_is_refused(cli
     between the plain gradients' norm and the consumed norm of step 2, which only the caller's max_grad_norm tells).
     Control: both refusals taken out (the bug planted): some step consumes more than max_grad_norm."""
     from hf_gradfix.errors import UsageError
-    from hf_gradfix.optim import lowrank
+    from hf_gradfix.optim.lowrank import clipping as lowrank
 
     model0 = H.build_model("llama")
 

@@ -15,7 +15,9 @@ from torch import nn
 
 from . import projection as proj
 from .groups import OptimizerConfigError
-from .lowrank import LowRankAdamW, _is_dtensor, _local, _Plan
+from .lowrank import LowRankAdamW
+from .lowrank.plan import _Plan
+from .lowrank.tensors import _is_dtensor, _local
 
 __all__ = ["ApolloAdamW", "apollo_mini", "next_seed"]
 

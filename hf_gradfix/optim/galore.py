@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from . import projection as proj
-from .lowrank import LowRankAdamW, _full, _local, _Plan
+from .lowrank import LowRankAdamW
+from .lowrank.plan import _Plan
+from .lowrank.tensors import _full, _local
 
 __all__ = ["GaLoreAdamW"]
 

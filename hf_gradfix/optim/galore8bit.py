@@ -28,7 +28,8 @@ import torch
 from . import projection as proj
 from .galore import GaLoreAdamW
 from .groups import OptimizerConfigError
-from .lowrank import _Plan, _local
+from .lowrank.plan import _Plan
+from .lowrank.tensors import _local
 
 __all__ = ["GaLoreAdamW8bit", "BLOCKSIZE"]
 

@@ -51,7 +51,7 @@ def _make_optimizer(model, settings: Settings):
                   proj_side=settings.proj_side)
         if name == "galore_adamw":
             from ..optim import projection as proj
-            from ..optim.lowrank import _full
+            from ..optim.lowrank.tensors import _full
 
             class _TracedGaLore(GaLoreAdamW):
                 """GaLoreAdamW whose basis refresh skips the finiteness check (a data-dependent branch that fake
