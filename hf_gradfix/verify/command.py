@@ -130,8 +130,8 @@ class ScriptFailed(Exception):
 
 # frames of the machinery between the user's script and its error: runpy, this module, verify's trainer hook (the
 # modules that were hf_gradfix/verify.py before it became a package: the hook's progress wrapper is in report.py)
-_MACHINERY = tuple(os.path.join("hf_gradfix", "verify", f"{m}.py") for m in ("command", "trainer", "report", "reference",
-                                                                          "builtin")) + ("runpy.py", "<frozen runpy>")
+_MACHINERY = tuple(os.path.join("hf_gradfix", "verify", f"{m}.py")
+                   for m in ("command", "trainer", "report", "reference", "builtin")) + ("runpy.py", "<frozen runpy>")
 _INNERMOST = 12  # frames kept below the script's own (the error's neighbourhood), besides the script's frames
 
 
