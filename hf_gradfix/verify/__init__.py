@@ -61,11 +61,32 @@ Where it lives (one module per part; none imports this package's top, which only
 
 from __future__ import annotations
 
-from .builtin import (_ListDataset, _PadCollator, load_model, load_samples, plot_loss_curves, synthetic_samples,
-                      tiny_model, verify)
-from .reference import Precision, run_precision
-from .report import BUGS, FLOOR_FACTOR, HYPOTHESES, StepResult, VerifyReport, plot_report, verdict_of
-from .trainer import verify_trainer
+from typing import TYPE_CHECKING
+
+# Loaded when asked for (as hf_gradfix's own top): the command line (.command) and the light parts stay free of
+# torch until a run needs it (`hf-gradfix verify --help` answers at once); the names are static here for the docs.
+if TYPE_CHECKING:
+    from .builtin import (_ListDataset, _PadCollator, load_model, load_samples, plot_loss_curves, synthetic_samples,
+                          tiny_model, verify)
+    from .reference import Precision, run_precision
+    from .report import BUGS, FLOOR_FACTOR, HYPOTHESES, StepResult, VerifyReport, plot_report, verdict_of
+    from .trainer import verify_trainer
+
+
+def __getattr__(name: str):
+    if name in ("_ListDataset", "_PadCollator", "load_model", "load_samples", "plot_loss_curves", "synthetic_samples",
+                "tiny_model", "verify"):
+        from . import builtin as module
+    elif name in ("Precision", "run_precision"):
+        from . import reference as module
+    elif name in ("BUGS", "FLOOR_FACTOR", "HYPOTHESES", "StepResult", "VerifyReport", "plot_report", "verdict_of"):
+        from . import report as module
+    elif name == "verify_trainer":
+        from . import trainer as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)
+
 
 __all__ = ["verify", "verify_trainer", "verdict_of", "VerifyReport", "StepResult", "HYPOTHESES", "tiny_model",
            "synthetic_samples", "BUGS", "plot_report", "Precision", "run_precision", "FLOOR_FACTOR"]
