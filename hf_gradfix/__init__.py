@@ -79,10 +79,14 @@ def __getattr__(name: str):
         from .integration import trainer_fix
 
         return getattr(trainer_fix, name)
-    if name in ("verify_trainer", "VerifyReport"):
-        from . import verify
+    if name == "verify_trainer":
+        from .verify.trainer import verify_trainer
 
-        return getattr(verify, name)
+        return verify_trainer
+    if name == "VerifyReport":
+        from .verify.report import VerifyReport
+
+        return VerifyReport
     if name == "TokenWindow":
         from .loss.window import TokenWindow
 

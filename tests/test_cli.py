@@ -207,7 +207,7 @@ def test_patch_and_env_name_untested_versions_with_the_install_command(monkeypat
     import warnings
 
     import hf_gradfix
-    from hf_gradfix.env_report import environment_lines
+    from hf_gradfix.commands.env import environment_lines
     from hf_gradfix.integration import versions
 
     lock = _versions_as(monkeypatch, transformers="5.99.0", peft="0.99.0")
@@ -250,7 +250,7 @@ def test_the_tested_lock_follows_the_installed_transformers_line(monkeypatch):
 def test_env_counts_only_the_pins_whose_package_is_installed(monkeypatch):
     """Optional extras nobody installed (deepspeed, bitsandbytes, mkdocs, ...) are not differences: `env` counts the
     lock's installed pins only. Control: a pin installed at another version is counted and named."""
-    from hf_gradfix.env_report import environment_lines
+    from hf_gradfix.commands.env import environment_lines
 
     lock = _versions_as(monkeypatch, deepspeed=None, bitsandbytes=None, mkdocs=None, pyyaml="0.0.1")
     [line] = [x for x in environment_lines() if x.startswith("- lock: ")]

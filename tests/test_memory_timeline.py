@@ -21,7 +21,7 @@ import harness as H
 from hf_gradfix.diagnostics.memory_timeline import CATEGORIES, MemoryTimeline, MemoryTimelineRecorder
 from hf_gradfix.parallel import ParallelDims
 from hf_gradfix.plan import Settings, load_model_config
-from hf_gradfix.plan_cli import plan_main
+from hf_gradfix.plan.command import plan_main
 
 
 def _storage_bytes(tensors) -> int:

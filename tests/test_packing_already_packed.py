@@ -289,7 +289,7 @@ def test_verify_judges_a_trl_packed_run_by_the_documents_its_data_declares(capsy
     ``documents_merged`` (that reference reproduces the run to ~3e-7, the ground truth is 0.2 away). The control:
     with verify's reading of the declared documents switched off (what verify did before), the merged run is EXACT,
     'packing off', the issue's report."""
-    from hf_gradfix import verify_documents
+    from hf_gradfix.verify import documents as verify_documents
 
     code, rep = _verify(capsys, tmp_path, "--plugin")
     assert code == 0 and rep["exact"] is True and rep["packing"] is True, rep

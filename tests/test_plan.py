@@ -6,7 +6,7 @@ from transformers import LlamaConfig
 
 from hf_gradfix.parallel import ParallelDims
 from hf_gradfix.plan import PlanError, Settings, estimate, load_model_config, playbook_model_state_bytes
-from hf_gradfix.plan_cli import plan_main
+from hf_gradfix.plan.command import plan_main
 
 # Published Llama 3.1 shapes (Meta's config.json for Llama-3.1-8B / -70B).
 LLAMA31_8B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,

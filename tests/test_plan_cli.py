@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_gradfix import plan_cli
-from hf_gradfix.plan_cli import plan_main
+from hf_gradfix.plan import command as plan_cli
+from hf_gradfix.plan.command import plan_main
 
 ROOT = Path(__file__).resolve().parent.parent
 

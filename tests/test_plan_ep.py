@@ -13,7 +13,7 @@ import harness as H
 from hf_gradfix.parallel import ParallelDims
 from hf_gradfix.parallel.ep import EPError, check_combination
 from hf_gradfix.plan import Settings, estimate, param_table
-from hf_gradfix.plan_cli import plan_main
+from hf_gradfix.plan.command import plan_main
 
 
 @pytest.fixture(scope="module")

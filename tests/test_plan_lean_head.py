@@ -122,7 +122,7 @@ def test_docstring_examples_run():
 def test_the_cli_reads_the_lean_head_from_the_flag_and_the_config(tmp_path, capsys):
     import json as _json
 
-    from hf_gradfix.plan_cli import plan_main
+    from hf_gradfix.plan.command import plan_main
 
     def plan(*argv):
         assert plan_main(["--model", "tiny-llama", "--seq-len", "64", "--json", *argv]) == 0
@@ -146,7 +146,7 @@ def test_the_simulated_step_runs_the_lean_head_and_names_what_it_cannot_see(caps
     from hf_gradfix.parallel import ParallelDims
     from hf_gradfix.plan import Settings
     from hf_gradfix.plan.simulate import simulate
-    from hf_gradfix.plan_cli import plan_main
+    from hf_gradfix.plan.command import plan_main
 
     lean = Settings(dtype="fp32", seq_len=512, micro_batch=2, loss_head="lean")
     fake, real = (simulate(BIG_VOCAB, ParallelDims(1), lean, fake=f)["peak"] for f in (True, False))
@@ -207,7 +207,7 @@ def test_the_timeline_picture_says_which_head_it_traced(tmp_path, monkeypatch, c
     under FSDP2, as the run; stock under tp, with the one reason on the next line), as the text's first line does."""
     pytest.importorskip("matplotlib")
     from hf_gradfix.diagnostics.memory_timeline import MemoryTimeline
-    from hf_gradfix.plan_cli import plan_main
+    from hf_gradfix.plan.command import plan_main
 
     titles = []
     real = MemoryTimeline.plot

@@ -79,7 +79,7 @@ def test_lowrank_gradient_bytes_match_a_measured_run():
 
 
 def test_suggest_offers_lowrank_grads_for_llama7b_on_24gib():
-    from hf_gradfix.plan_cli import suggest
+    from hf_gradfix.plan.command import suggest
 
     cfg = load_model_config("llama-7b")
     rows = suggest(cfg, 1, 24 * GiB, Settings(**SEVEN_B), gpu="rtx4090")

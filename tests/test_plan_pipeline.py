@@ -18,7 +18,7 @@ import torch
 
 from hf_gradfix.parallel import ParallelDims
 from hf_gradfix.plan import Settings, estimate, load_model_config
-from hf_gradfix.plan_cli import plan_main
+from hf_gradfix.plan.command import plan_main
 from hf_gradfix.plan.pipeline import PipelineSpec, bubble_fraction, in_flight
 
 # ------------------------------------------------------------------------------------------ per-stage parameters
@@ -255,7 +255,7 @@ def test_suggest_finds_pipeline_layouts_where_nothing_else_fits():
     """Heads 1 (no tp) and an odd sequence (no cp): only pipeline stages cut the activations of one rank."""
     from transformers import LlamaConfig
 
-    from hf_gradfix.plan_cli import suggest
+    from hf_gradfix.plan.command import suggest
     from hf_gradfix.plan.estimate import GiB
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=1,

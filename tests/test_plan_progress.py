@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hf_gradfix.plan_cli import plan_main
+from hf_gradfix.plan.command import plan_main
 from hf_gradfix.progress import Progress
 
 
@@ -23,7 +23,7 @@ def _texts(lines: list[str]) -> list[str]:
 def test_every_phase_says_a_line_when_it_starts_the_first_before_any_import(monkeypatch, capsys):
     """The phases of `hf-gradfix plan --simulate` in order, stamped with the seconds since the command started; the
     first (loading the config, which imports torch and transformers: 3-15 s) at 0.0 s, said before that import."""
-    import hf_gradfix.plan_cli as cli
+    import hf_gradfix.plan.command as cli
 
     lines: list[str] = []
     seen = {}
@@ -54,7 +54,7 @@ def test_a_heartbeat_fires_while_a_phase_runs_long(monkeypatch):
     """The closed form made slow (its estimate sleeps 1 s) under a 0.1 s heartbeat: "still" lines repeat that phase
     while it runs; the control, the same slow phase with the heartbeat off, says it once. (The heartbeat's own rule
     on a fake clock: tests/test_verify.py, the same module.)"""
-    import hf_gradfix.plan_cli as cli
+    import hf_gradfix.plan.command as cli
 
     real = cli.estimate
 

@@ -11,7 +11,7 @@ import torch
 
 from hf_gradfix.parallel import ParallelDims
 from hf_gradfix.plan import PlanError, Settings, estimate, load_model_config
-from hf_gradfix.plan_cli import plan_main
+from hf_gradfix.plan.command import plan_main
 from hf_gradfix.plan.rl import TOKEN_TILE, VOCAB_TILE, RLRun, fused_head_bytes, kv_cache_bytes
 
 transformers = pytest.importorskip("transformers")

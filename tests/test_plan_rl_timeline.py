@@ -19,7 +19,7 @@ import torch
 
 from hf_gradfix.parallel import ParallelDims
 from hf_gradfix.plan import PlanError, Settings, load_model_config
-from hf_gradfix.plan_cli import plan_main
+from hf_gradfix.plan.command import plan_main
 from hf_gradfix.plan.rl import RLRun
 
 transformers = pytest.importorskip("transformers")

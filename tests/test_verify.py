@@ -25,7 +25,7 @@ import harness as H
 from hf_gradfix.cli import main
 from hf_gradfix.verify import (FLOOR_FACTOR, _ListDataset, _PadCollator, synthetic_samples, tiny_model, verdict_of, verify,
                                verify_trainer)
-from hf_gradfix.verify_cli import trainer_train_hook
+from hf_gradfix.verify.command import trainer_train_hook
 
 SCRIPTS = Path(__file__).resolve().parent / "verify_scripts"
 USER = str(SCRIPTS / "train_user.py")
@@ -422,7 +422,7 @@ def test_fp16_on_cpu_and_a_loss_scaler(tmp_path):
     """fp16=True on a CPU: accelerate applies no autocast there, the run is fp32 and verify says so (exact at the fixed
     tolerance).  A GradScaler (what fp16 uses on a GPU) leaves the gradient scaled until the optimizer step: verify
     divides the scale out (control: without that, the run reads as the exact gradient x1024)."""
-    import hf_gradfix.verify as V
+    import hf_gradfix.verify.trainer as V
 
     rep = verify_trainer(_tiny_trainer(tmp_path, fp16=True), steps=1)
     assert rep.exact and rep.precision == "fp32" and rep.steps[0].tolerance == 1e-5, "\n".join(rep.lines())
@@ -572,7 +572,7 @@ def test_grpo_defaults_bf16_patched_is_exact_within_its_floor_and_a_bug_below_it
     run's precision). With the floor factor widened until the gradient cannot tell stock's expected-count bug (3e-2)
     from exact, the bug is still named, by the reported loss."""
     pytest.importorskip("trl")
-    import hf_gradfix.verify as V
+    import hf_gradfix.verify.report as V
 
     code, rep = _verify_grpo(capsys, tmp_path, "--patch", bf16=True, steps=1)
     assert code == 0 and rep["precision"].startswith("bf16 autocast"), rep["steps"]
@@ -650,7 +650,7 @@ def test_errors_of_verify_and_of_hf_gradfix_are_theirs_not_the_scripts(capsys, t
     """Issue 50: verify's own refusal was reported as "the script raised InvalidArgumentError: verify_trainer: ..."
     (once per rank). Now verify's own error is its one line, and a refusal of hf_gradfix inside the script's run says
     hf_gradfix stopped it; the script's own exceptions keep "the script raised" (test above)."""
-    import hf_gradfix.verify as V
+    import hf_gradfix.verify.trainer as V
     from hf_gradfix.errors import InvalidArgumentError
 
     def refuse(*a, **kw):
@@ -674,7 +674,7 @@ def test_errors_of_verify_and_of_hf_gradfix_are_theirs_not_the_scripts(capsys, t
 def test_a_failure_is_said_once_per_run(capsys, monkeypatch):
     """Under a launch every rank fails alike: rank 0 says it at once; another rank only after a grace period (the
     launcher ends it first when rank 0 failed too), then with its rank, so a failure of one rank alone is still said."""
-    import hf_gradfix.verify_cli as C
+    import hf_gradfix.verify.command as C
 
     slept = []
     monkeypatch.setattr("time.sleep", slept.append)

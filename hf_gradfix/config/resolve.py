@@ -1,8 +1,8 @@
 """Resolve a combined accelerate + hf_gradfix YAML into what a launch will run: world size, mesh, global batch.
 
-Shared by ``hf-gradfix config check`` / ``launch`` (:mod:`hf_gradfix.cli`) and ``hf-gradfix plan --config``
-(:mod:`hf_gradfix.plan_cli`); both import it from here (downward), and the run time applies the same
-``parallel`` rule (:func:`parallel_requested`).
+Shared by ``hf-gradfix config check`` / ``launch`` (:mod:`hf_gradfix.commands.check`,
+:mod:`hf_gradfix.commands.launch`) and ``hf-gradfix plan --config`` (:mod:`hf_gradfix.plan.command`); both import it
+from here (downward), and the run time applies the same ``parallel`` rule (:func:`parallel_requested`).
 
 >>> import tempfile, os
 >>> f = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False); _ = f.write("num_processes: 2\\nhf_gradfix:\\n  loss: {}\\n"); f.close()

@@ -1,6 +1,6 @@
 """``hf-gradfix plan``: per-rank training memory for a model and a mesh, closed form and simulated.
 
-The command line is :mod:`hf_gradfix.plan_cli` (``plan_main``), beside the other CLI modules.
+The command line is :mod:`hf_gradfix.plan.command` (``plan_main``); nothing else in this package imports it.
 
 >>> from hf_gradfix.plan import estimate, Settings, load_model_config   # doctest: +SKIP
 """

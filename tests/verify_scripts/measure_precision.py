@@ -44,7 +44,7 @@ def main() -> None:
     import torch
 
     from hf_gradfix.verify import synthetic_samples, tiny_model, verify
-    from hf_gradfix.verify_cli import run_script
+    from hf_gradfix.verify.command import run_script
 
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")

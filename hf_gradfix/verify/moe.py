@@ -60,7 +60,7 @@ def router_spec(trainer: Any, model: Any) -> RouterSpec | None:
     if not coef or not top_k:
         return None
     try:
-        from .integration.state import state_of
+        from ..integration.state import state_of
 
         state = state_of(trainer)
     except Exception:  # noqa: BLE001 - transformers absent in a pure-math use: no plugin state

@@ -55,7 +55,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
+from .reference import (_data_ranks, _gather, _grads, _group_of, _plain_forward, _rel, _scale_fit, _world,
+                        run_precision)
+from .report import StepResult, VerifyReport, _progress, verdict_of
 
 __all__ = ["is_policy_gradient_batch", "PolicySettings", "settings_of", "window_terms", "compare", "TOKEN_MEAN_TYPES",
            "SEQUENCE_MEAN_TYPES", "ENTROPY_COEF_KEY"]
@@ -487,8 +490,6 @@ def _run_precision_floor(model: nn.Module, params: Sequence[nn.Parameter], windo
       the parameters' dtype);
     * loss: the larger of that objective's value and the value from forwards in the run's own layout (each micro-batch
       padded, as the trainer fed it; forward only)."""
-    from .verify import _grads, _rel
-
     acc = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p in params]
     U, T = max(w.units, 1.0), max(w.tokens, 1.0)
     total = layout = 0.0
@@ -512,8 +513,7 @@ def compare(trainer: Any, model: nn.Module, batches: list[dict], rl_marks: list[
     """The report of a policy-gradient run: each optimizer step's recorded gradient and reported loss against the
     window objective recomputed in float64 from the recorded micro-batches (every rank's, gathered), at the
     parameters of that step."""
-    from .verify import (FLOOR_FACTOR, StepResult, VerifyReport, _data_ranks, _gather, _group_of, _plain_forward,
-                         _progress, _rel, _scale_fit, _world, run_precision, verdict_of)
+    from .report import FLOOR_FACTOR  # read at each call: widening it on hf_gradfix.verify.report reaches the RL run
 
     names = [n for n, _ in trainable]
     params = [p for _, p in trainable]

@@ -1,7 +1,7 @@
 """``hf-gradfix plan``: the command line (closed form, ``--simulate``, ``--suggest``, ``--json``, ``--plot``).
 
-It sits beside the other command-line modules (``cli.py``, ``verify_cli.py``), above the capabilities: the
-planner itself (:mod:`hf_gradfix.plan`) never imports it.
+It is the plan room's one command module (like :mod:`hf_gradfix.verify.command` and :mod:`hf_gradfix.commands`,
+dispatched by :mod:`hf_gradfix.cli`), above the planner: no other module of :mod:`hf_gradfix.plan` imports it.
 
 >>> build_parser().parse_args(["--model", "tiny-llama", "--tp", "2"]).tp
 2
@@ -15,7 +15,7 @@ import math
 import sys
 from typing import Sequence
 
-from .plan.estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model_config, param_table, parse_memory
+from .estimate import COMPONENTS, GiB, PlanError, Settings, estimate, load_model_config, param_table, parse_memory
 
 __all__ = ["plan_main", "build_parser", "suggest"]
 
@@ -180,8 +180,8 @@ def _traced_head(plan, mesh) -> tuple[str, str]:
     """The loss head the supervised ``--simulate`` step runs, as the run would (:func:`hf_gradfix.plan.lean_head.
     stock_head_reason`), and a note: why a lean head asked for is not run, or what its op holds that the trace does
     not see ("" when there is nothing to add)."""
-    from .plan.common import _fmt
-    from .plan.lean_head import stock_head_reason
+    from .common import _fmt
+    from .lean_head import stock_head_reason
 
     if plan.settings.get("loss_head") != "lean":
         return "stock loss head", ""
@@ -208,7 +208,7 @@ def _schedule_name(value) -> str:
 
 
 def _mesh_and_settings(ns, config):
-    from .parallel import ParallelDims
+    from ..parallel import ParallelDims
 
     opt_name, rank, side, targets, exclude, min_size = "adamw", 128, "auto", None, (), 0
     lowrank, gap = False, 200
@@ -233,8 +233,8 @@ def _mesh_and_settings(ns, config):
     if not seq_given:
         ns.seq_len = 2048
     if ns.config:
-        from .config.loader import read_config_file
-        from .config.resolve import resolve_config
+        from ..config.loader import read_config_file
+        from ..config.resolve import resolve_config
 
         cf = read_config_file(ns.config)
         par = cf.gradfix.parallel
@@ -324,7 +324,7 @@ def _mesh_and_settings(ns, config):
                             "galore_adamw8bit, apollo_adamw, apollo_mini); drop it or pick one of them")
     if pp > 1 and not deepspeed:  # (DeepSpeed with pp is refused above in the planner's own words)
         # what the run refuses under pp, in its own line (config check's): not a layout to plan
-        from .parallel.pipeline import check_combination as check_pp_combination
+        from ..parallel.pipeline import check_combination as check_pp_combination
 
         given = ns.optimizer is not None
         check_pp_combination(pp=pp, tp=mesh.tp, cp=mesh.cp, dp_shard=mesh.dp_shard, packing=packing,
@@ -361,7 +361,7 @@ def _with_mesh_flags(ns, rc, cf, config):
     """The --config's mesh with the mesh flags applied: a flag fills a degree the file does not set and may repeat
     one it sets; a flag that contradicts the file is refused (one rule, as for --pp and --ep).  The file sets the
     keys of its ``hf_gradfix.parallel`` section, or all four degrees through accelerate's ``parallelism_config``."""
-    from .parallel import ParallelDims, ParallelDimsError
+    from ..parallel import ParallelDims, ParallelDimsError
 
     mesh, flags = rc.mesh, _mesh_flags(ns)
     first = f"--{next(iter(flags)).replace('_', '-')} {next(iter(flags.values()))}"
@@ -392,7 +392,7 @@ def _with_mesh_flags(ns, rc, cf, config):
 def _with_ep(mesh, ep: int, config):
     """``mesh`` with expert parallelism ``ep`` (ParallelDims checks that ep divides the shard group, check_model that
     it divides the model's routed experts)."""
-    from .parallel import ParallelDims
+    from ..parallel import ParallelDims
 
     dims = ParallelDims(mesh.world_size, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
                         pp=mesh.pp, pp_virtual_stages=mesh.pp_virtual_stages, ep=ep)
@@ -403,7 +403,7 @@ def _with_ep(mesh, ep: int, config):
 def _check_ep_flags(ns, ep: int, mesh, pp: int, packing: bool, config_optimizer: str, fsdp_plugin: bool) -> None:
     """``--ep`` against the other choices, in :func:`hf_gradfix.parallel.ep.check_combination`'s words (config check's
     line) and the planner's own for what only the planner has (--suggest, --simulate)."""
-    from .parallel.ep import check_combination
+    from ..parallel.ep import check_combination
 
     if ns.optimizer is not None:
         opt, key = (ns.optimizer if ns.optimizer.startswith(("galore", "apollo")) else "none"), "--optimizer"
@@ -419,7 +419,7 @@ _RL_ONLY = ("prompt_len", "completion_len", "num_generations", "steps_per_genera
 
 def _rl_run(ns, config_packed: bool):
     """The RL run of the command line (None without --rl); its flags without --rl are refused."""
-    from .plan.rl import DEFAULT_BETA, RLRun
+    from .rl import DEFAULT_BETA, RLRun
 
     if ns.rl is None:
         given = [k for k in _RL_ONLY if getattr(ns, k) is not None]
@@ -458,10 +458,10 @@ def suggest(config, num_gpus: int, gpu_memory: float, base: Settings, *, params=
     named): a model, not a measurement.  Each row carries its predicted peak, tokens/s/GPU and MFU."""
     from dataclasses import replace
 
-    from .parallel import ParallelDims, ParallelDimsError
-    from .parallel.pipeline import PipelineError, check_combination as check_pp_combination
-    from .parallel.pipeline_schedule import PipelineSpec, bubble_fraction, check_pipeline
-    from .plan.throughput import GPU_SPECS, layout_throughput
+    from ..parallel import ParallelDims, ParallelDimsError
+    from ..parallel.pipeline import PipelineError, check_combination as check_pp_combination
+    from ..parallel.pipeline_schedule import PipelineSpec, bubble_fraction, check_pipeline
+    from .throughput import GPU_SPECS, layout_throughput
 
     spec = GPU_SPECS.get((gpu or "h100").lower().replace(" ", ""), GPU_SPECS["h100"])
     params = params if params is not None else param_table(config)
@@ -611,7 +611,7 @@ def suggestion_text(row: dict, ns, num_gpus: int) -> str:
 
 
 def _gpu_specs() -> dict:
-    from .plan.throughput import GPU_SPECS
+    from .throughput import GPU_SPECS
 
     return GPU_SPECS
 
@@ -699,7 +699,7 @@ def _decide_defaults(ns) -> None:
             ns.dtype_note = (f"{flag} traces what torch runs: planning with --dtype amp-bf16 (the "
                              "Trainer's bf16=True); pass --dtype fp32 or bf16-pure for another")
     elif traced:
-        from .plan.trace_setup import check_traced_dtype
+        from .trace_setup import check_traced_dtype
 
         check_traced_dtype(ns.dtype)  # the library's own line, before any work
     if ns.suggest and not (ns.gpu or ns.gpu_memory):
@@ -733,7 +733,7 @@ def _plan(ns, progress):
                         f"of every layer (minutes per hundred layers on a CPU); it runs up to {MAX_SIMULATED_LAYERS} "
                         "layers. Drop --simulate (the closed form above is the plan), or simulate a config with "
                         "fewer layers: per-layer memory does not depend on the depth")
-    from .plan.estimate import pipeline_degree
+    from .estimate import pipeline_degree
 
     pp = pipeline_degree(mesh, s)
     if traced and pp > 1:  # refused before the closed form's traces
@@ -746,7 +746,7 @@ def _plan(ns, progress):
     out: dict = {"plan": plan.to_dict()}
     sim = None
     if traced:
-        from .plan.simulate import simulate
+        from .simulate import simulate
 
         head, note = _traced_head(plan, mesh) if s.rl is None else ("", "")
         progress.phase(f"simulating one training step of rank 0 under fake tensors ({mesh.world_size} rank(s))"
@@ -757,7 +757,7 @@ def _plan(ns, progress):
         if ns.timeline:
             progress.phase(f"drawing {ns.timeline} ...")
         if ns.timeline and s.rl is not None:
-            from .plan.rl_simulate import plot_rl_timeline
+            from .rl_simulate import plot_rl_timeline
 
             plot_rl_timeline(sim["timeline"], ns.timeline, estimate=plan.components, gpu_memory=gpu, title=(
                 f"{ns.model}: one {s.rl.trainer.upper()} optimizer step ({s.rl.forwards} forwards), rank 0 of "
@@ -791,8 +791,8 @@ def _plan(ns, progress):
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(argv) if argv is not None else None)
-    from .errors import HfGradfixError
-    from .progress import Progress
+    from ..errors import HfGradfixError
+    from ..progress import Progress
 
     try:
         _check_flags(ns)

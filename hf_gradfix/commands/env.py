@@ -17,6 +17,7 @@ import platform
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 #: the stack, by distribution name (what pip calls it)
 PACKAGES = ("torch", "transformers", "accelerate", "trl", "peft", "datasets", "deepspeed", "flash-attn",
@@ -45,7 +46,7 @@ def _device_lines() -> list[str]:
 def _lock_lines() -> list[str]:
     """The ``tested versions`` and ``lock`` lines: the integrated packages that differ from the tested lock (with the
     command that installs it), then every installed pin of that lock that differs."""
-    from .integration.versions import lock_drift, lock_of_installed, untested_versions
+    from ..integration.versions import lock_drift, lock_of_installed, untested_versions
 
     lock = lock_of_installed()
     if not lock.is_file():
@@ -66,12 +67,24 @@ def _lock_lines() -> list[str]:
 
 def environment_lines() -> list[str]:
     """The report, one ``- key: value`` line each."""
-    from . import __version__
+    from .. import __version__
 
-    lines = [f"- hf_gradfix version: {__version__} ({Path(__file__).resolve().parent})",
+    lines = [f"- hf_gradfix version: {__version__} ({Path(__file__).resolve().parent.parent})",
              f"- Python: {sys.version.split()[0]} ({sys.executable})",
              f"- platform: {platform.platform()}"]
     lines += [f"- {name}: {_version(name) or 'not installed'}" for name in PACKAGES]
     lines += _device_lines()
     lines += _lock_lines()
     return lines
+
+
+def add_parser(sub: Any) -> None:
+    """``env``, on the top-level parser's subcommands ``sub``."""
+    sub.add_parser("env", help="versions of the stack and the device, for a bug report (like accelerate env)")
+
+
+def run() -> int:
+    """Print the report, paste-ready."""
+    print("Copy-and-paste the text below in your GitHub issue\n")
+    print("\n".join(environment_lines()))
+    return 0

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 __all__ = ["RunShards", "quiet_gathers", "deepspeed_clipping_off"]
 
@@ -130,7 +130,7 @@ class RunShards:
         self.kind = self._kind()
 
     def _kind(self) -> str | None:
-        from .integration.state import state_of
+        from ..integration.state import state_of
 
         state = state_of(self.trainer)
         params = list(self.model.parameters())

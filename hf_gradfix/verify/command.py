@@ -28,8 +28,8 @@ import sys
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
-from .errors import HfGradfixError, InvalidArgumentError, model_load_error
-from .progress import Progress
+from ..errors import HfGradfixError, InvalidArgumentError, model_load_error
+from ..progress import Progress
 
 __all__ = ["verify_main", "add_verify_arguments", "trainer_train_hook", "run_script", "ScriptFailed",
            "format_script_failure"]
@@ -128,9 +128,10 @@ class ScriptFailed(Exception):
         self.error, self.phase, self.step = error, phase, step
 
 
-# frames of the machinery between the user's script and its error: runpy, this module, verify's trainer hook
-_MACHINERY = (os.path.join("hf_gradfix", "verify_cli.py"), os.path.join("hf_gradfix", "verify.py"), "runpy.py",
-              "<frozen runpy>")
+# frames of the machinery between the user's script and its error: runpy, this module, verify's trainer hook (the
+# modules that were hf_gradfix/verify.py before it became a package: the hook's progress wrapper is in report.py)
+_MACHINERY = tuple(os.path.join("hf_gradfix", "verify", f"{m}.py")
+                   for m in ("command", "trainer", "report", "reference", "builtin")) + ("runpy.py", "<frozen runpy>")
 _INNERMOST = 12  # frames kept below the script's own (the error's neighbourhood), besides the script's frames
 
 
@@ -143,7 +144,7 @@ def _short_path(path: str) -> str:
 
 
 def _script_frames(error: BaseException) -> list:
-    """The traceback's frames without verify's machinery (runpy, verify_cli, verify)."""
+    """The traceback's frames without verify's machinery (runpy, this command, verify's trainer hook)."""
     frames = traceback.extract_tb(error.__traceback__)
     return [f for f in frames if not any(f.filename.endswith(m) for m in _MACHINERY)]
 
@@ -221,7 +222,7 @@ def _check_data(path: str, vocab_size: int | None = None) -> None:
 
     if not os.path.exists(path):
         raise InvalidArgumentError(f"--data {path}: file not found (resolved to {os.path.abspath(path)})")
-    from .files import not_a_regular_file
+    from ..files import not_a_regular_file
 
     kind = not_a_regular_file(path)
     if kind is not None:  # a folder, a FIFO (open() would block), a device (never ends)
@@ -276,7 +277,7 @@ def _check_data(path: str, vocab_size: int | None = None) -> None:
 def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-5, quiet_stdout: bool = False) -> Any:
     """Run the user's command in this process and return the :class:`~hf_gradfix.verify.VerifyReport` of the
     first Trainer it trains.  Raises ``RuntimeError`` when the script trains none."""
-    from .verify import verify_trainer
+    from .trainer import verify_trainer
 
     kind, target, args = _split_command(command)
     progress: dict[str, Any] = {"phase": "before"}  # before -> train (the checked steps) -> compare (verify's own)
@@ -297,7 +298,7 @@ def run_script(command: Sequence[str], *, steps: int = 2, tolerance: float = 1e-
     def hard_exit(code=0):  # os._exit skips every handler: the process would end with the script's code, unchecked
         raise _HardExit(code)
 
-    from .integration.patching import is_patched, unpatch
+    from ..integration.patching import is_patched, unpatch
 
     was_patched = is_patched()
     saved_argv, saved_path = sys.argv[:], sys.path[:]
@@ -358,7 +359,7 @@ def _phase_words(progress: dict) -> str:
 
 
 def _print_report(report: Any, ns: argparse.Namespace) -> None:
-    from .verify import plot_report
+    from .report import plot_report
 
     if int(os.environ.get("RANK", "0")) != 0:
         return
@@ -374,7 +375,7 @@ def _one_voice(all_ranks: bool) -> None:
     ``hf_gradfix/__init__.py``; here the Python warnings too, which every rank would repeat), unless asked."""
     import warnings
 
-    from . import ALL_RANKS_ENV
+    from .. import ALL_RANKS_ENV
 
     if all_ranks:
         os.environ[ALL_RANKS_ENV] = "1"
@@ -482,7 +483,7 @@ def _ours(message: str) -> str:
 def _say_failure(lines: Sequence[str]) -> None:
     """A failure said once per run: rank 0 at once; another rank only after a grace period (then prefixed with its
     rank), so that a failure of every rank is one line, and a failure of one rank alone is still said."""
-    from . import ALL_RANKS_ENV
+    from .. import ALL_RANKS_ENV
 
     rank = int(os.environ.get("RANK", "0") or 0)
     every = os.environ.get(ALL_RANKS_ENV, "") not in ("", "0")
@@ -524,7 +525,7 @@ def _exit_code(report: Any) -> int:
 
 
 def _builtin(ns: argparse.Namespace) -> int:
-    from . import verify as V
+    from .builtin import load_model, load_samples, plot_loss_curves, verify
 
     spec = ns.model or "tiny"
     if ns.data is not None:
@@ -532,7 +533,7 @@ def _builtin(ns: argparse.Namespace) -> int:
     grad_accum = ns.grad_accum or 4
     batch_size = ns.batch_size or 2
     try:
-        model = V.load_model(spec)
+        model = load_model(spec)
     except (OSError, ValueError, KeyError, pickle.UnpicklingError) as err:  # one line (remote code or a pickle
         if isinstance(err, HfGradfixError):                                # refused, not found, ...), exit code 2
             raise
@@ -540,16 +541,16 @@ def _builtin(ns: argparse.Namespace) -> int:
     if ns.data is not None and str(ns.data).endswith(".jsonl"):  # ids against the loaded model's vocabulary
         _check_data(ns.data, int(getattr(model.config, "vocab_size", 0) or 0) or None)
     n = batch_size * grad_accum * max(1, int(os.environ.get("WORLD_SIZE", "1"))) * ns.steps * 2
-    samples = V.load_samples(ns.data, model, spec, n)
+    samples = load_samples(ns.data, model, spec, n)
     # --json: stdout carries the report only; what libraries print while the run imports them (DeepSpeed's
     # accelerator notice, for one) goes to stderr, as the script's own output does under run_script
     with contextlib.redirect_stdout(sys.stderr) if ns.json else contextlib.nullcontext():
-        report = V.verify(lambda: model, samples, config=ns.config, grad_accum=grad_accum, batch_size=batch_size,
+        report = verify(lambda: model, samples, config=ns.config, grad_accum=grad_accum, batch_size=batch_size,
                           steps=ns.steps, packing=ns.packing, inject=ns.inject, tolerance=ns.tolerance,
                           bf16=bool(ns.bf16))
     _print_report(report, ns)
     if ns.plot_curves and int(os.environ.get("RANK", "0")) == 0:
-        V.plot_loss_curves(ns.plot_curves, lambda: V.load_model(spec), samples, steps=ns.plot_steps,
+        plot_loss_curves(ns.plot_curves, lambda: load_model(spec), samples, steps=ns.plot_steps,
                            grad_accum=grad_accum, batch_size=batch_size, config=ns.config)
         print(f"loss curves: {ns.plot_curves}")
     return _exit_code(report)
