@@ -266,7 +266,7 @@ def test_a_crashing_script_names_exception_file_line_and_phase(capsys, tmp_path,
                     "nothing was checked")
     assert last == expected, last
     assert f'{os.path.relpath(USER)}", line {line}' in err  # the script's own traceback, innermost frame included
-    assert "runpy" not in err and "verify_cli.py" not in err  # verify's machinery left out
+    assert "runpy" not in err and "verify/command.py" not in err  # verify's machinery left out
 
 
 def test_hook_is_reversible_and_fires_once():
