@@ -46,7 +46,7 @@ import os
 import re
 from typing import Any
 
-from ..errors import HfGradfixError, InvalidArgumentError, UsageError
+from ...errors import HfGradfixError, InvalidArgumentError, UsageError
 
 logger = logging.getLogger("hf_gradfix")
 
