@@ -95,7 +95,7 @@ def patch(config: GradFixConfig | dict | str | None = None) -> GradFixConfig:
                 bound = _init_signature(original_init).bind_partial(self, *args, **kwargs).arguments
             except TypeError:  # transformers raises its own error for these arguments
                 bound = {}
-            # an expert-parallel model sharded at load time: hf_gradfix writes its resumable checkpoints (checkpoint.py)
+            # an expert-parallel model sharded at load time: hf_gradfix writes its resumable checkpoints (checkpoints/sharded.py)
             with init_allows_ep_checkpoints(bound.get("model"), bound.get("args")):
                 original_init(self, *args, **kwargs)
             # Only the outermost __init__ call installs (a subclass's __init__ may run more code after

@@ -75,7 +75,7 @@ GA_MISMATCH_NOTE = (
 def explain_accelerate_warnings() -> None:
     """Explain accelerate's mismatch line (it looks like an error and is the normal path), once per process. Only the
     Trainer's own case (accelerate at 1): a DeepSpeed file that pins another value than TrainingArguments is refused
-    by transformers before this line. Idempotent; ``unpatch()`` takes it off (:mod:`.explained_warnings`)."""
+    by transformers before this line. Idempotent; ``unpatch()`` takes it off (:mod:`..diagnostics.explained_warnings`)."""
     explain(ACCELERATE_LOGGER, GA_MISMATCH, GA_MISMATCH_NOTE)
 
 

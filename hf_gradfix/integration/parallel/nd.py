@@ -417,7 +417,7 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
             )
         args = trainer.args
         saves = str(getattr(args, "save_strategy", "no")).split(".")[-1].lower() != "no"
-        if saves and not getattr(args, "save_only_model", False) and dims.ep == 1:  # ep: checkpoint.py writes it
+        if saves and not getattr(args, "save_only_model", False) and dims.ep == 1:  # ep: checkpoints/sharded.py writes it
             raise NDParallelError(
                 f"hf_gradfix parallel: {dims.describe()}: a model sharded by transformers' DistributedConfig cannot "
                 "checkpoint its optimizer state for resuming (transformers' own rule; hf_gradfix resumes pp and ep "

@@ -28,7 +28,7 @@ guard refuses keeps its attention and its padded forwards, with one warning nami
 packed exactly stay padded for that call (one warning per reason): images or other multimodal inputs, an attention
 mask with a hole inside a sample, a completion with no prompt token in front of it.
 
-Version-gated like :mod:`.rl`: TRL 1.16 and the method as TRL's GRPO / RLOO code defines it; a subclass with its
+Version-gated like :mod:`.policy_gradient`: TRL 1.16 and the method as TRL's GRPO / RLOO code defines it; a subclass with its
 own log-prob forward, another TRL release, or context parallelism keeps TRL's padded forwards (one warning).
 
 >>> import torch
