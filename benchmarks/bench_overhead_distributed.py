@@ -199,7 +199,7 @@ def time_guard(trainer, watch: Stopwatch) -> None:
     """hf_gradfix's non-finite guard: its per-micro-batch loss check and its per-step gradient check + all-reduce
     (and, inside that, the gradient check and the flag all-reduce apart: module attributes, looked up when called;
     only the patched arm has a guard)."""
-    from hf_gradfix.integration import nonfinite
+    from hf_gradfix.integration.diagnostics import nonfinite
 
     guard = nonfinite.guard_of(trainer)
     if guard is not None:  # instance attributes: the training_step wrapper and the callback handler look them up
@@ -380,7 +380,7 @@ def build_arm_pp(args, max_steps: int, out: str, watch: Stopwatch):
     import transformers
 
     import hf_gradfix
-    from hf_gradfix.integration import pipeline as glue
+    from hf_gradfix.integration.parallel import pipeline as glue
 
     count_window = glue.count_window
 

@@ -11,7 +11,7 @@ Qwen2 (``--hidden``, ``--layers``, vocabulary ``--vocab``, fp32) with TRL's fuse
 
 - padded: TRL's own ``GRPOTrainer._get_per_token_logps_and_entropies`` on sdpa (stock; on CPU torch's flash-style
   kernel, which saves O(T) per row for backward);
-- packed: ``hf_gradfix.integration.rl_packing.packed_per_token_logps``, one row per chunk with ``cu_seq_lens``, on the
+- packed: ``hf_gradfix.integration.rl.packing.packed_per_token_logps``, one row per chunk with ``cu_seq_lens``, on the
   plugin's reference varlen attention (what ``packing.rl_forwards`` runs on CPU; it keeps each document's
   (heads, L, L) probabilities for backward, as no GPU kernel does); on the same varlen dispatch with sdpa run per
   document (:func:`sdpa_per_document`, benchmark only: O(L) saved per document, what FlashAttention 2 / torch's
@@ -127,7 +127,7 @@ def forward_fn(path: str, model):
     import trl
     from accelerate import Accelerator
 
-    from hf_gradfix.integration.rl_packing import packed_per_token_logps
+    from hf_gradfix.integration.rl.packing import packed_per_token_logps
     from hf_gradfix.packing.attention import register_reference_varlen_attention
 
     if path == "padded":

@@ -306,7 +306,7 @@ def guard(model) -> dict:
 
 
 def probe_batch(model):
-    """The probe row of hf_gradfix.integration.packing_trainer._split_stateful_layers (seed 0, lengths 5, 7, 4)."""
+    """The probe row of hf_gradfix.integration.packing.trainer._split_stateful_layers (seed 0, lengths 5, 7, 4)."""
     vocab = int(model.get_input_embeddings().num_embeddings)
     gen = torch.Generator().manual_seed(0)
     docs = [{"input_ids": torch.randint(1, vocab - 1, (n,), generator=gen).tolist()} for n in PROBE]

@@ -92,11 +92,11 @@ def __getattr__(name: str):
 
         return TokenWindow
     if name == "GradientNoiseScaleCallback":
-        from .integration.gns import GradientNoiseScaleCallback
+        from .integration.diagnostics.gns import GradientNoiseScaleCallback
 
         return GradientNoiseScaleCallback
     if name == "MemoryTimelineCallback":
-        from .integration.memory_timeline import MemoryTimelineCallback
+        from .integration.diagnostics.memory_timeline import MemoryTimelineCallback
 
         return MemoryTimelineCallback
     if name == "MemoryTimelineRecorder":

@@ -31,7 +31,8 @@ import transformers  # noqa: E402
 
 import harness as H  # noqa: E402
 import hf_gradfix  # noqa: E402
-from hf_gradfix.integration import complete_checkpoints, packing_trainer  # noqa: E402
+from hf_gradfix.integration.checkpoints import complete as complete_checkpoints  # noqa: E402
+from hf_gradfix.integration.packing import trainer as packing_trainer
 
 KILL_STEP = 4
 PHASES = ("model", "optimizer", "stream", "marker", "trainer_state", "disk")

@@ -169,7 +169,7 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
     if opts.get("file"):
         source = str(harness.REPO_ROOT / opts["file"])
     if stock:  # the user shards the model at load time; no hf_gradfix
-        from hf_gradfix.integration.nd import distributed_config
+        from hf_gradfix.integration.parallel.nd import distributed_config
         from hf_gradfix.parallel import ParallelDims
 
         model, initial_state = ep_worker.load_ep_model(out, rank, world, distributed_config(ParallelDims(world, **config["parallel"])))
@@ -226,7 +226,7 @@ def run_scenario(name: str, out: Path, rank: int, world: int) -> None:
 
     trainer.remove_callback(PrinterCallback)
     if opts.get("unfix"):
-        from hf_gradfix.integration.patching import restore_partial_grad_allreduce
+        from hf_gradfix.integration.parallel.tensor_parallel import restore_partial_grad_allreduce
 
         payload["restored"] = restore_partial_grad_allreduce(trainer.model)
     if opts.get("break_tp_data"):

@@ -24,7 +24,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 import harness as H  # noqa: E402
 from multiproc import finish_distributed  # noqa: E402
 import hf_gradfix  # noqa: E402
-from hf_gradfix.integration.nonfinite import NonFiniteWarning  # noqa: E402
+from hf_gradfix.integration.diagnostics.nonfinite import NonFiniteWarning  # noqa: E402
 
 MARK = 3
 

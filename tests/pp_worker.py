@@ -173,7 +173,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     import transformers
 
     import hf_gradfix
-    from hf_gradfix.integration import pipeline as glue
+    from hf_gradfix.integration.parallel import pipeline as glue
 
     config, opts = CASES[name]
     saved = (glue.window_loss_fn, glue.make_schedule)

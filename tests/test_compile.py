@@ -13,7 +13,7 @@ import torch
 
 import harness as H
 import hf_gradfix
-from hf_gradfix.integration.first_run import compile_notice
+from hf_gradfix.integration.diagnostics.first_run import compile_notice
 
 TOL = 1e-5
 

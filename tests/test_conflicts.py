@@ -20,7 +20,7 @@ from hf_gradfix import GradFixCallback, state_of
 from hf_gradfix.config import ConfigError
 from hf_gradfix.errors import HfGradfixError, PatchError
 from hf_gradfix.integration.callback import GradFixCallbackError
-from hf_gradfix.integration.nonfinite import guard_of
+from hf_gradfix.integration.diagnostics.nonfinite import guard_of
 
 
 class _Records(logging.Handler):

@@ -36,7 +36,7 @@ FOUR = [*RING_FOUR, *PACKED_FOUR]
 
 
 def _launch(n: int, scenarios: list[str]) -> dict:
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
     from hf_gradfix.parallel import ParallelDims
 
     try:
@@ -304,7 +304,7 @@ def test_prepare_batch_refuses_what_cannot_be_exact(batch, needle):
 def test_setup_refuses_cp_models_it_cannot_run_exactly(config_kw, needle):
     import transformers as tf
 
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
 
     attn = "eager" if not config_kw else "sdpa"
     torch.manual_seed(0)
@@ -315,7 +315,7 @@ def test_setup_refuses_cp_models_it_cannot_run_exactly(config_kw, needle):
 
 
 def test_setup_refuses_cp_under_accelerate_fsdp_plugin():
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
 
     model = W.build_model(attn="sdpa")
     with pytest.raises(nd.NDParallelError, match="under accelerate's FSDP plugin"):
@@ -365,7 +365,7 @@ def test_launch_allows_accelerate_cp_without_its_fsdp_plugin(monkeypatch, tmp_pa
 
 
 def test_setup_refuses_cp_on_cpu_with_an_untested_torch(monkeypatch):
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
 
     monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
     monkeypatch.delenv("HF_GRADFIX_ALLOW_UNTESTED", raising=False)
@@ -376,7 +376,7 @@ def test_setup_refuses_cp_on_cpu_with_an_untested_torch(monkeypatch):
 def test_cp_hook_refuses_compute_metrics_in_eval():
     from types import SimpleNamespace
 
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
     from hf_gradfix.parallel import ParallelDims
 
     model = W.build_model(attn="sdpa").eval()

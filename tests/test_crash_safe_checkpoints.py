@@ -113,7 +113,7 @@ def test_a_folder_torn_during_the_weights_or_the_optimizer_named_explicitly_is_r
     the plugin's files) keeps stock's behaviour."""
     import crash_save_worker as W
     from hf_gradfix.errors import UsageError
-    from hf_gradfix.integration.complete_checkpoints import resolve
+    from hf_gradfix.integration.checkpoints.complete import resolve
 
     out, _, _ = crashed
     torn = out / "torn" / phase / "checkpoint-4"
@@ -140,7 +140,7 @@ def test_a_folder_torn_during_the_weights_or_the_optimizer_named_explicitly_is_r
 
 def test_an_explicit_incomplete_checkpoint_is_refused_in_one_line(crashed):
     from hf_gradfix.errors import InvalidArgumentError, UsageError
-    from hf_gradfix.integration.complete_checkpoints import resolve
+    from hf_gradfix.integration.checkpoints.complete import resolve
 
     out, _, _ = crashed
     torn = _copy(out / "straight", out / "refused", "checkpoint-2", "checkpoint-4") / "checkpoint-4"
@@ -166,7 +166,7 @@ def test_a_checkpoint_missing_a_file_its_save_wrote_is_skipped_and_the_run_resum
     checkpoint-2: the run ends where the uninterrupted run ended (ground truth: its final weights). Control: the same
     resume with the completeness check taken out (the bug planted) takes checkpoint-4 and ends elsewhere."""
     import crash_save_worker as W
-    from hf_gradfix.integration import complete_checkpoints
+    from hf_gradfix.integration.checkpoints import complete as complete_checkpoints
 
     out, _, _ = crashed
     straight = torch.load(out / "straight" / "final.pt", weights_only=True)
@@ -233,7 +233,7 @@ def test_completeness_is_every_file_its_save_wrote_whole_and_every_step_the_fold
     accepted): each is skipped with one warning and checkpoint-2 taken."""
     import shutil
 
-    from hf_gradfix.integration.complete_checkpoints import complete, resume_path
+    from hf_gradfix.integration.checkpoints.complete import complete, resume_path
 
     out, _, _ = crashed
     cases = {
@@ -287,7 +287,7 @@ def test_a_full_disk_during_a_save_is_reported_as_such_naming_the_torn_folder(di
 
     import crash_save_worker as W
     from hf_gradfix.errors import HfGradfixError
-    from hf_gradfix.integration import complete_checkpoints as C
+    from hf_gradfix.integration.checkpoints import complete as C
 
     unpatched.patch(PACKING)
     trainer = W.trainer_for(tmp_path)

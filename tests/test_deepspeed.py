@@ -224,7 +224,7 @@ def test_accelerate_accumulation_line_is_explained_beside_exact_runs(ds_runs):
     """accelerate's "Gradient accumulation steps mismatch ... has 1, DeepSpeed config has N" is printed by these real
     runs (measured: transformers' Trainer runs accelerate at 1 and gives DeepSpeed its GA), once with the plugin's
     explanation; test_zero_exact_with_patch_never_worse_than_stock shows the same runs exact."""
-    from hf_gradfix.integration.deepspeed import GA_MISMATCH, GA_MISMATCH_NOTE
+    from hf_gradfix.integration.parallel.deepspeed import GA_MISMATCH, GA_MISMATCH_NOTE
 
     log = ds_runs["_log"]
     assert GA_MISMATCH in log

@@ -176,8 +176,8 @@ def test_ep_checkpoint_on_another_mesh_is_one_line(ep_runs, tmp_path):
         assert "\n" not in line and "CheckpointError" in line, line
         assert "expert-parallel run (world 2, dp_replicate 1, dp_shard 2, tp 1, ep 2, efsdp 1)" in line, line
         assert "no expert parallelism" in line and "resume with the same world size" in line, line
-    from hf_gradfix.integration import checkpoint as ckpt
-    from hf_gradfix.integration.nd import NDParallelError
+    from hf_gradfix.integration.checkpoints import sharded as ckpt
+    from hf_gradfix.integration.parallel.nd import NDParallelError
 
     ours = dict(world=2, dp_replicate=1, dp_shard=2, tp=1, ep=2, efsdp=1)
     with pytest.raises(NDParallelError, match="has no expert_parallel_mesh.json and expert_parallel/ .*not written by an "

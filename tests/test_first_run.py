@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hf_gradfix.cli import main
-from hf_gradfix.integration.first_run import SHM_OP, extension_build_dir
+from hf_gradfix.integration.diagnostics.first_run import SHM_OP, extension_build_dir
 
 CONFIG = str(Path(__file__).parent.parent / "configs" / "accelerate" / "cpu_deepspeed.yaml")
 
@@ -75,7 +75,7 @@ def test_accelerate_deepspeed_accumulation_line_is_explained_once_and_unpatch_re
     from accelerate.logging import get_logger
 
     import hf_gradfix
-    from hf_gradfix.integration import deepspeed as ds
+    from hf_gradfix.integration.parallel import deepspeed as ds
 
     source = inspect.getsource(accelerate_accelerator.Accelerator._prepare_deepspeed)
     assert "Gradient accumulation steps mismatch: GradientAccumulationPlugin has" in source
@@ -89,7 +89,7 @@ def test_accelerate_deepspeed_accumulation_line_is_explained_once_and_unpatch_re
         def emit(self, record):
             records.append(record.getMessage())
 
-    from hf_gradfix.integration import explained_warnings
+    from hf_gradfix.integration.diagnostics import explained_warnings
 
     target = logging.getLogger("accelerate.accelerator")
     keep = Keep()
@@ -121,7 +121,7 @@ def test_accelerate_deepspeed_accumulation_line_is_explained_once_and_unpatch_re
 def test_docstring_examples_run():
     import doctest
 
-    from hf_gradfix.integration import explained_warnings, first_run
+    from hf_gradfix.integration.diagnostics import explained_warnings, first_run
 
     for module in (explained_warnings, first_run):
         result = doctest.testmod(module)

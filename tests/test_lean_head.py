@@ -568,14 +568,14 @@ def test_control_the_probes_on_the_stock_head_hold_the_logits_in_the_first_step(
 
 
 def test_the_last_pipeline_stage_computes_the_measured_objective_or_keeps_the_stock_head():
-    """parallel.pp's lean loss (integration/pipeline.py) replaces window_loss_fn, which calls the model's
+    """parallel.pp's lean loss (integration/parallel/pipeline.py) replaces window_loss_fn, which calls the model's
     loss_function: a masked LM's loss (same-position targets) gives a lean loss equal to the stock one, not the
     causal shift; a loss that is no head cross-entropy keeps the stock head, said once."""
     from types import SimpleNamespace
 
     from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
-    from hf_gradfix.integration.pipeline import _lean_last_stage
+    from hf_gradfix.integration.parallel.pipeline import _lean_last_stage
     from hf_gradfix.parallel.dims import ParallelDims
 
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ The same launch trains the tiny Qwen3-MoE of tests/ep_worker.py with expert para
 with ``aux_loss: micro`` and ``global``, against tests/test_moe.py's float64 reference through tests/test_ep.py's
 per-group comparison, and stock's router term beside them (the control).
 
-The other tests (no processes) check the refusals of :func:`hf_gradfix.integration.nd.setup` on a stand-in trainer,
+The other tests (no processes) check the refusals of :func:`hf_gradfix.integration.parallel.nd.setup` on a stand-in trainer,
 and the clear error on transformers 4.57 (no ``DistributedConfig``) in the ``.venv-tf457`` environment.
 """
 
@@ -53,7 +53,7 @@ needs_ep = pytest.mark.skipif(not HAS_EP, reason="this transformers has no Distr
 
 @pytest.fixture(scope="module")
 def nd_runs():
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
     from hf_gradfix.parallel import ParallelDims
 
     try:  # transformers 4.57 has no DistributedConfig: the route refuses (tested below without processes)
@@ -313,7 +313,7 @@ def test_nd_docstring_examples():
     import doctest
 
     from hf_gradfix.config import resolve
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
 
     # the "is a parallel section requested" rule moved to the config capability (nd re-exports it as requested)
     assert nd.requested is resolve.parallel_requested
@@ -322,7 +322,7 @@ def test_nd_docstring_examples():
 
 
 def test_setup_leaves_a_launch_without_parallel_section_alone():
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
 
     assert not nd.requested(section()) and nd.requested(section(tp=2))
     trainer = fake_trainer()
@@ -346,7 +346,7 @@ def test_setup_leaves_a_launch_without_parallel_section_alone():
     ids=["tp-heads", "world", "two-rest", "cp", "accelerate-fsdp-tp", "optimizer", "save"],
 )
 def test_setup_refuses_with_a_clear_error(kwargs, trainer_kw, needle):
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
     from hf_gradfix.parallel import ParallelDimsError
 
     with pytest.raises((nd.NDParallelError, ParallelDimsError)) as err:
@@ -356,15 +356,15 @@ def test_setup_refuses_with_a_clear_error(kwargs, trainer_kw, needle):
 
 @needs_ep  # transformers 5.x: the ND route (4.57 refuses tp outright, and its Qwen3 plan has no such style)
 def test_partial_grad_allreduce_fix_replaces_transformers_forward_idempotently_and_reversibly():
-    """patching.fix_partial_grad_allreduce on transformers' own ReplicatedWithGradAllReduce forward (exactness: the ep x tp
+    """tensor_parallel.fix_partial_grad_allreduce on transformers' own ReplicatedWithGradAllReduce forward (exactness: the ep x tp
     scenarios above): the module's forward is replaced once (a second call changes nothing), restore puts transformers'
     own function object back, and a forward of that name with another closure is a loud PatchError, which nd.setup turns
     into one line under gradient accumulation."""
     from transformers.distributed.tensor_parallel import ReplicatedWithGradAllReduce
 
     from hf_gradfix.errors import PatchError
-    from hf_gradfix.integration import nd
-    from hf_gradfix.integration.patching import fix_partial_grad_allreduce, restore_partial_grad_allreduce
+    from hf_gradfix.integration.parallel import nd
+    from hf_gradfix.integration.parallel.tensor_parallel import fix_partial_grad_allreduce, restore_partial_grad_allreduce
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
     ReplicatedWithGradAllReduce().install_forward(model[1], SimpleNamespace(get_group=lambda: None))
@@ -396,7 +396,7 @@ def test_partial_grad_allreduce_fix_replaces_transformers_forward_idempotently_a
 def test_setup_refuses_a_non_transformers_model_and_a_mismatching_accelerate_config():
     from accelerate import ParallelismConfig
 
-    from hf_gradfix.integration import nd
+    from hf_gradfix.integration.parallel import nd
 
     wrapper = H.NoKwargsWrapper(W.build_model())
     with pytest.raises(nd.NDParallelError, match="shards a transformers PreTrainedModel"):
@@ -416,7 +416,7 @@ def test_transformers_457_refuses_tensor_parallel_with_versions_named():
         import sys
         sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
         from test_nd_parallel import fake_trainer, section
-        from hf_gradfix.integration import nd
+        from hf_gradfix.integration.parallel import nd
         try:
             nd.setup(fake_trainer(), section(dp_shard=2, tp=2))
         except nd.NDParallelError as err:

@@ -296,7 +296,7 @@ def test_stock_trainer_scaling(arch, weighting):
 
 
 def test_refuses_sharded_backends():
-    from hf_gradfix.integration.gns import GradientNoiseScaleError, _check_setup
+    from hf_gradfix.integration.diagnostics.gns import GradientNoiseScaleError, _check_setup
 
     class _Acc:
         distributed_type = "FSDP"

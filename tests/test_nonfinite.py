@@ -21,7 +21,7 @@ from transformers import Trainer
 
 import hf_gradfix
 from hf_gradfix.errors import HfGradfixError, NonFiniteError
-from hf_gradfix.integration.nonfinite import NonFiniteWarning
+from hf_gradfix.integration.diagnostics.nonfinite import NonFiniteWarning
 from hf_gradfix.optim import ApolloAdamW, GaLoreAdamW
 
 import harness as H
@@ -243,7 +243,7 @@ def test_the_guard_leaves_the_callback_list_as_stock_builds_it(disable_tqdm, tmp
     at construction, PrinterCallback without tqdm): patched, the list is stock's, and the guard still runs (it raises
     on the poisoned step under on_nonfinite: error, the control that it is attached)."""
     from hf_gradfix.integration.internal_callbacks import internal_callbacks
-    from hf_gradfix.integration.nonfinite import guard_of
+    from hf_gradfix.integration.diagnostics.nonfinite import guard_of
 
     class Custom(transformers.TrainerCallback):
         pass
@@ -282,7 +282,7 @@ def test_handlers_get_on_train_begin_on_a_callback_handler_a_subclass_replaces(w
     training_step only re-wraps the new handler, and on_train_begin is missed (the assertion must fail)."""
     from transformers.trainer_callback import CallbackHandler
 
-    from hf_gradfix.integration import nonfinite
+    from hf_gradfix.integration.diagnostics import nonfinite
     from hf_gradfix.integration.internal_callbacks import add_internal_callback
 
     class Recorder:

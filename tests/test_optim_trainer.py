@@ -301,7 +301,7 @@ def test_noise_scale_callback_refuses_lowrank_grads(tmp_path, monkeypatch):
     """The noise-scale callback's big-batch norm would be the projected one: it stops with the reason and the fix
     at train start; with full gradients the same run measures."""
     from hf_gradfix import GradientNoiseScaleCallback
-    from hf_gradfix.integration.gns import GradientNoiseScaleError
+    from hf_gradfix.integration.diagnostics.gns import GradientNoiseScaleError
 
     with pytest.raises(GradientNoiseScaleError, match="lowrank_grads: true.*lowrank_grads: false"):
         _run("patch", tmp_path / "low", monkeypatch, opt_cfg=LOWRANK, callbacks=[GradientNoiseScaleCallback()])

@@ -151,7 +151,7 @@ def test_streamed_training_resumed_from_a_checkpoint_continues_with_the_same_row
     """Interrupted at a checkpoint (save_steps) and resumed: the checkpoint holds the packer's state (stream position,
     buffer, pending rows); the resumed run starts the packer there (not by re-packing the stream and skipping), trains
     on exactly the rows the uninterrupted run trained on after that step, and ends with bit-equal weights."""
-    from hf_gradfix.integration.packing_trainer import _STREAMS
+    from hf_gradfix.integration.packing.trainer import _STREAMS
 
     samples = _samples(60, seed=2, hi=40)
     rows = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]

@@ -264,7 +264,7 @@ def test_lifecycle_epochs_short_last_window_second_train_and_second_trainer():
 def test_balance_log_docstring_examples_run():
     import doctest
 
-    from hf_gradfix.integration import packing_balance_log
+    from hf_gradfix.integration.packing import balance_log as packing_balance_log
 
     result = doctest.testmod(packing_balance_log)
     assert result.attempted > 0 and result.failed == 0

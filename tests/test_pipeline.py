@@ -79,7 +79,7 @@ def test_transformers_no_input_embeddings_warning_is_explained_on_the_stage_with
     """TRL turns gradient checkpointing on by default; on the second stage (no embedding layer) transformers 5 then
     warns "does not expose input embeddings. Gradients cannot flow back ...". Measured in this launch: the warning is
     there, carries the plugin's explanation, once, and the same case's gradients are exact (pp2_sft_ga4 in EXACT)."""
-    from hf_gradfix.integration import pipeline as P
+    from hf_gradfix.integration.parallel import pipeline as P
     from hf_gradfix.integration.versions import transformers_major
 
     if "pp2_sft_ga4" not in ALL or transformers_major() < 5:
@@ -236,7 +236,7 @@ def test_checkpoint_resume_is_bit_identical(request, case, ranks):
 
 def test_resume_on_another_mesh_is_one_line(tmp_path):
     """A checkpoint written by another mesh or schedule is refused before anything loads, naming both."""
-    from hf_gradfix.integration import pipeline as glue
+    from hf_gradfix.integration.parallel import pipeline as glue
     from hf_gradfix.parallel.dims import ParallelDims
 
     (tmp_path / glue.CHECKPOINT_DIR).mkdir()

@@ -239,7 +239,7 @@ def test_padded_and_packed_training_activations_match_real_forwards():
     each counted: SDPA with a padding mask saves that mask per layer (FlashAttention 2 unpads instead), and the
     per-document kernel saves the concatenation of its outputs (one layer output more than a varlen kernel).
     Control: the padded count is not the packed forward's."""
-    from hf_gradfix.integration.rl_packing import pack_chunk
+    from hf_gradfix.integration.rl.packing import pack_chunk
     from hf_gradfix.packing.attention import _REGISTERED, _register, _varlen_attention_forward
     from hf_gradfix.packing.attention import use_attention_implementation
     from hf_gradfix.plan.activations import trace_activations

@@ -3,7 +3,7 @@ one GRPO / RLOO optimizer step against the same step run on real tensors on CPU.
 
 The ground truth is written here from TRL 1.16's source, independently of the planner: transformers' own
 ``generate``, TRL's own fused LM head (``trl.trainer.utils.add_fused_lm_head``, its path without Triton: every
-position scored, the torch tile folds), the plugin's packer (``integration.rl_packing.packed_per_token_logps``) for
+position scored, the torch tile folds), the plugin's packer (``integration.rl.packing.packed_per_token_logps``) for
 packed forwards, TRL's ``dapo`` loss, a fused AdamW. Memory is counted by a dispatch mode of this file that follows
 every storage created in the step until it dies (torch's tracker is not used), plus the weights; phase by phase.
 The planner's trace runs the same step with ``kernel="torch"`` (TRL's path on a device without Triton)."""
@@ -97,7 +97,7 @@ def _measured(cfg, *, packed: bool, beta: float, old: bool, recompute: bool) -> 
     """The step of _measured_step on ``cfg``."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from hf_gradfix.integration.rl_packing import packed_per_token_logps
+    from hf_gradfix.integration.rl.packing import packed_per_token_logps
 
     torch.manual_seed(0)
     policy = _model(cfg, recompute).train()

@@ -1,5 +1,5 @@
 """Padding-free policy forwards for TRL's GRPO / RLOO (issue 35, item 2; ``packing.rl_forwards``,
-``hf_gradfix/integration/rl_packing.py``).
+``hf_gradfix/integration/rl/packing.py``).
 
 - TRL's own ``_get_per_token_logps_and_entropies`` (padded, sdpa) vs the packed one (one varlen row per chunk, the
   reference varlen attention): log-probs, entropies, the MoE aux loss and the gradient equal within fp32 rounding,
@@ -27,7 +27,7 @@ import rl_runs  # noqa: E402
 from test_rl import assert_exact  # noqa: E402
 
 from hf_gradfix.config import config_from_dict  # noqa: E402
-from hf_gradfix.integration import rl_packing as RP  # noqa: E402
+from hf_gradfix.integration.rl import packing as RP  # noqa: E402
 from hf_gradfix.integration.state import GradFixState  # noqa: E402
 from hf_gradfix.packing.attention import (  # noqa: E402
     register_reference_varlen_attention,

@@ -162,7 +162,7 @@ def launch(argv: Sequence[str]) -> int:
                 os.environ[ORIGIN_ENV_VAR] = str(path)  # named in the start line and in conflict messages
             os.environ.update(_cpu_launch_env(acc, resolved))
             if resolved.deepspeed is not None:  # issue 39: minutes of silence otherwise, on a first CPU launch
-                from ..integration.first_run import deepspeed_cpu_build_notice
+                from ..integration.diagnostics.first_run import deepspeed_cpu_build_notice
 
                 notice = deepspeed_cpu_build_notice()
                 if notice:

@@ -219,7 +219,7 @@ def resolve_config(
     world = int(num_processes if num_processes is not None else (acc.get("num_processes") or 1))
     acc_sizes = _accelerate_sizes(acc)
     par = gradfix.parallel
-    ours_set = section is not None and parallel_requested(par)  # the run time's own rule (integration.nd uses it)
+    ours_set = section is not None and parallel_requested(par)  # the run time's own rule (integration.parallel.nd uses it)
     if ours_set:
         from ..parallel.pipeline import PipelineError, check_combination, check_schedule
 

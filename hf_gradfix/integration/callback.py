@@ -9,6 +9,7 @@ from transformers import Trainer, TrainerCallback
 from ..config import GradFixConfig, config_to_dict
 from ..config.sources import combine, label_for, source_of
 from ..errors import HfGradfixError
+from .calling_trainer import _find_trainer
 from .patching import fix_trainer, patch_sources, swap_to_fixed_class
 from .state import state_of
 from .versions import check_supported, warn_if_untested
@@ -18,30 +19,13 @@ class GradFixCallbackError(HfGradfixError, RuntimeError):
     """The callback cannot fix the trainer it was added to."""
 
 
-def _find_trainer(callback: TrainerCallback) -> Trainer | None:
-    # Callbacks are not given the trainer (transformers passes model, optimizer, ... but not `self`), so we
-    # find the Trainer whose callback handler is calling us on the stack. The frame walk is bounded and only
-    # reads `self` of each frame.
-    frame = sys._getframe(2)
-    depth = 0
-    while frame is not None and depth < 50:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            handler = getattr(candidate, "callback_handler", None)
-            if handler is not None and callback in getattr(handler, "callbacks", ()):
-                return candidate
-        frame = frame.f_back
-        depth += 1
-    return None
-
-
 def _check_resumed_checkpoint(trainer: Trainer) -> None:
     """Added with ``add_callback`` after construction, the callback fixes the trainer at ``on_train_begin``, after
     ``train()`` chose its checkpoint as stock does (``resume_from_checkpoint=True``: the highest N, torn or not). A
     folder hf_gradfix wrote that is incomplete (a file of its save missing, a torn save with a ``trainer_state.json``
     of an earlier one) is refused here, before the first step, instead of training on from partial state. The value
     is read from the frame of the training loop that called us (bounded walk, reads locals only)."""
-    from .complete_checkpoints import resolve
+    from .checkpoints.complete import resolve
 
     frame, depth = sys._getframe(1), 0
     while frame is not None and depth < 50:
@@ -116,13 +100,13 @@ class GradFixCallback(TrainerCallback):
             fixed_now = True
         else:
             self._combine_with_patch(trainer)
-        from .nonfinite import attach
+        from .diagnostics.nonfinite import attach
 
         attach(trainer, state_of(trainer).config)
-        from .deepspeed import attach as attach_deepspeed
+        from .parallel.deepspeed import attach as attach_deepspeed
 
         attach_deepspeed(trainer, state_of(trainer).config)
-        from .rl_packing import attach as attach_rl_packing
+        from .rl.packing import attach as attach_rl_packing
 
         attach_rl_packing(trainer, state_of(trainer).config)
         self._trainer = trainer

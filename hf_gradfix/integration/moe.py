@@ -37,7 +37,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..loss.counting import mean_term_share
 from ..loss.moe import routing_stats, window_share
-from .callback import _find_trainer
+from .calling_trainer import _find_trainer
 from .instance_methods import InstanceMethods
 from ..errors import GradFixError
 from .state import GradFixState, _dp_world, _nd_dims, _tp_size, state_of

@@ -1,6 +1,6 @@
 """Per-trainer state of the loss fix and the mesh helpers every integration module shares.
 
-The integration modules (callback, gns, nd, packing_trainer, optim_trainer, verify, ...) read a fixed trainer's
+The integration modules (callback, gns, nd, packing.trainer, optim_trainer, verify, ...) read a fixed trainer's
 state and its data-parallel degrees from here; :mod:`.trainer_fix` (the class swap) imports this module, never
 the other way round, so imports run one way: ``trainer_fix -> state -> config / loss``.
 
@@ -106,9 +106,9 @@ class GradFixState:
     packing_line: str | None = None  # what prepare_model_for_packing did, for the fix log
     optimizer_line: str | None = None  # which low-rank optimizer create_optimizer built, for the fix log
     saved_accepts_loss_kwargs: Any = None
-    pp: Any = None  # the pipeline plan (hf_gradfix.integration.pipeline.PipelinePlan) when parallel.pp > 1
-    rl: Any = None  # a TRL policy-gradient trainer's plan (hf_gradfix.integration.rl.RLPlan)
-    nd: Any = None  # the ND-parallel plan (hf_gradfix.integration.nd.NDPlan) when a mesh is in force
+    pp: Any = None  # the pipeline plan (hf_gradfix.integration.parallel.pipeline.PipelinePlan) when parallel.pp > 1
+    rl: Any = None  # a TRL policy-gradient trainer's plan (hf_gradfix.integration.rl.plan.RLPlan)
+    nd: Any = None  # the ND-parallel plan (hf_gradfix.integration.parallel.nd.NDPlan) when a mesh is in force
     moe: Any = None  # routing bookkeeping of a MoE model (hf_gradfix.integration.moe.MoEState)
     lean: Any = None  # loss.head: lean (hf_gradfix.integration.lean_head.LeanHead)
     fixes: list[str] = field(default_factory=list)

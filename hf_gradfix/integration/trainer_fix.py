@@ -33,7 +33,7 @@ from transformers import Trainer
 
 from ..config import GradFixConfig
 from ..errors import GradFixError
-from ..probe_mode import probe_mode
+from .probe_mode import probe_mode
 from ..loss.counting import CountRule, count_targets
 from ..loss.probe import LossBehaviour, NonFiniteProbeError, ProbeError, detect_count_rule, probe_honors_num_items
 from .state import (  # noqa: F401  (re-exported: documented and imported from here by user code and tests)
@@ -399,7 +399,7 @@ def _describe_fixes(trainer: Trainer, state: GradFixState, owner: type | None) -
     if state.optimizer_line:
         fixes.append(state.optimizer_line)
     if state.config.log_fixes:
-        from .start_line import log_on_own_line, split_changes, summary
+        from .diagnostics.start_line import log_on_own_line, split_changes, summary
 
         # transformers 5 passes the window's global count itself: a loss that honours it was already exact
         stock_exact = (_STOCK_EXACT,) if transformers_major() >= 5 else ()
@@ -421,8 +421,8 @@ def _set_flags(trainer: Trainer, state: GradFixState) -> None:
     args = trainer.args
     state.flags_set = True
     if not state.probed:  # before the first forward of this trainer, where torch.compile would compile silently
-        from .first_run import compile_notice
-        from .start_line import log_on_own_line
+        from .diagnostics.first_run import compile_notice
+        from .diagnostics.start_line import log_on_own_line
 
         notice = compile_notice(trainer)
         if notice is not None:
@@ -598,7 +598,7 @@ class _GradFixTop:
         # its gradients for an optimizer that no longer steps (a second, plain trainer trains every weight).
         from .optim_trainer import begin_lowrank_training, end_lowrank_training
 
-        from .complete_checkpoints import resolve
+        from .checkpoints.complete import resolve
 
         state = state_of(self)
         if args:  # resume_from_checkpoint=True: the newest COMPLETE checkpoint (a save a crash tore is skipped)
@@ -621,7 +621,7 @@ class _GradFixTop:
         state = state_of(self)
         if state is None or not state.config.packing.enabled:
             return super().get_train_dataloader()
-        from .packing_trainer import packed_train_dataloader, prepare_model_for_packing
+        from .packing.trainer import packed_train_dataloader, prepare_model_for_packing
 
         state.packing_line = prepare_model_for_packing(self, state.config.packing)
         return packed_train_dataloader(self, state.config.packing)
@@ -631,14 +631,14 @@ class _GradFixTop:
         super()._save_rng_state(output_dir, *args, **kwargs)
         state = state_of(self)
         if state is not None and state.config.packing.enabled:
-            from .packing_trainer import save_stream_state
+            from .packing.trainer import save_stream_state
 
             save_stream_state(self, output_dir)
         if state is not None and getattr(state, "moe", None) is not None:
             from .moe import save_state
 
             save_state(self, state, output_dir)
-        from .complete_checkpoints import finish
+        from .checkpoints.complete import finish
 
         # this process's files of the checkpoint are all written: its marker; every process's marker is on disk
         # before rank 0 lists the folder's files and goes on to trainer_state.json and rotate_checkpoints, so
@@ -648,7 +648,7 @@ class _GradFixTop:
     def _save_checkpoint(self, model, trial, *args, **kwargs):
         # the start file before anything is written (a torn folder is known as the plugin's); a full disk is reported
         # as such, naming the folder it tore (complete_checkpoints.py)
-        from .complete_checkpoints import saving
+        from .checkpoints.complete import saving
 
         with saving(self, trial):
             return super()._save_checkpoint(model, trial, *args, **kwargs)
@@ -658,7 +658,7 @@ class _GradFixTop:
         if state is None or state.pp is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
         # pipeline: every stage's weights gathered on rank 0, saved as one model (from_pretrained loads it)
-        from .pipeline import full_state_dict
+        from .parallel.pipeline import full_state_dict
 
         merged = full_state_dict(self, state.pp)
         if self.args.should_save:
@@ -670,7 +670,7 @@ class _GradFixTop:
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        from .checkpoint import sharded
+        from .checkpoints.sharded import sharded
 
         writer = sharded(state_of(self))
         if writer is None:
@@ -681,7 +681,7 @@ class _GradFixTop:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        from .checkpoint import refuse_foreign, sharded
+        from .checkpoints.sharded import refuse_foreign, sharded
 
         state = state_of(self)
         writer = sharded(state)
@@ -693,7 +693,7 @@ class _GradFixTop:
         writer.load(self, resume_from_checkpoint, optimizer=False)
 
     def _load_optimizer_and_scheduler(self, checkpoint, *args, **kwargs):
-        from .checkpoint import sharded
+        from .checkpoints.sharded import sharded
 
         state = state_of(self)
         writer = sharded(state)
@@ -709,7 +709,7 @@ class _GradFixTop:
         # per process, on resume, before the dataloader is iterated: the packed stream continues from its state,
         # the previous window's router counts too (both saved with the RNG state, whatever writes the optimizer)
         if state is not None and state.config.packing.enabled:
-            from .packing_trainer import load_stream_state
+            from .packing.trainer import load_stream_state
 
             load_stream_state(self, checkpoint)
         if state is not None and state.config.loss.aux_loss == "previous":
@@ -732,7 +732,7 @@ class _GradFixTop:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batches, count = self._gradfix_draw_window(epoch_iterator, num_batches, device)
         if state.nd is not None:  # first window: every tp rank got the same batches (a collective on all ranks)
-            from .nd import check_window
+            from .parallel.nd import check_window
 
             check_window(self, state.nd, batches)
         if state.config.packing.enabled:
@@ -832,7 +832,7 @@ class _GradFixTop:
             if state.rl is None:  # recognized, but left to TRL (one warning said why)
                 return
         if state.rl is not None:  # a TRL policy-gradient trainer: its window counted from the generation batch
-            from .rl import open_window
+            from .rl.policy_gradient import open_window
 
             open_window(self, state.rl, window.micro_batches, lambda values: _all_reduce_sum(self, values))
             window.pending = False
@@ -847,8 +847,8 @@ class _GradFixTop:
 
     def _gradfix_pipeline_window(self, state, epoch_iterator, num_batches, device):
         """Pipeline parallelism: the window's micro-batches and their target count over the data-parallel ranks."""
-        from .nd import check_window
-        from .pipeline import count_window
+        from .parallel.nd import check_window
+        from .parallel.pipeline import count_window
 
         batches = _draw_window(epoch_iterator, num_batches)
         check_window(self, state.nd, batches)
@@ -866,7 +866,7 @@ class _GradFixTop:
         super()._track_num_input_tokens(inputs)
         state = state_of(self)
         if state is not None and state.pp is not None:
-            from .pipeline import count_each_batch_once
+            from .parallel.pipeline import count_each_batch_once
 
             count_each_batch_once(self, state.pp, before)
 
@@ -880,7 +880,7 @@ class _GradFixTop:
     def _clip_grad_norm(self, model):
         state = state_of(self)
         if state is not None and state.pp is not None:
-            from .pipeline import clip_grad_norm
+            from .parallel.pipeline import clip_grad_norm
 
             return clip_grad_norm(self, state.pp, self.args.max_grad_norm)
         return super()._clip_grad_norm(model)
@@ -888,7 +888,7 @@ class _GradFixTop:
     def _get_grad_norm(self, model, grad_norm=None):
         state = state_of(self)
         if grad_norm is None and state is not None and state.pp is not None:
-            from .pipeline import clip_grad_norm
+            from .parallel.pipeline import clip_grad_norm
 
             grad_norm = clip_grad_norm(self, state.pp, float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
@@ -897,11 +897,11 @@ class _GradFixTop:
         state = state_of(self)
         if state is not None and state.pp is not None:
             # the whole window runs as one schedule step, on its last micro-batch
-            from .pipeline import run_window
+            from .parallel.pipeline import run_window
 
             plan = state.pp
             if transformers_major() < 5:  # 4.57 added this micro-batch's tokens inline, just before this call
-                from .pipeline import count_each_batch_once
+                from .parallel.pipeline import count_each_batch_once
 
                 count_each_batch_once(self, plan, plan.tokens_counted)
             plan.pending.append(self._prepare_inputs(inputs))
@@ -956,7 +956,7 @@ class _GradFixTop:
         if state.rl is not None:  # TRL's policy-gradient losses: each term by its objective over the window
             if not (window_step and model.training and state.rl.counted):
                 return chain(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch, **kwargs)
-            from .rl import window_loss
+            from .rl.policy_gradient import window_loss
 
             loss = window_loss(self, state.rl, inputs, lambda: chain(
                 model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch, **kwargs))
@@ -1017,7 +1017,7 @@ class _GradFixTop:
     def _gradfix_detect_rl(self, state, inputs) -> bool:
         """Whether this is a TRL policy-gradient trainer (GRPO, RLOO and their subclasses, decided by what compute_loss
         is given): then it is made exact by :mod:`.rl`, or left to TRL with one warning."""
-        from .rl import check_aux_convention, detect
+        from .rl.policy_gradient import check_aux_convention, detect
 
         found = detect(self, inputs, _own_loss_is_scaled_for_ga(self))
         if found is None:
@@ -1100,7 +1100,7 @@ class _GradFixTop:
 
     def _gradfix_pipeline_prediction(self, state, inputs, prediction_loss_only):
         """Pipeline parallelism: the eval batch forward-only through the schedule; the loss (a token mean) only."""
-        from .pipeline import PipelineError, eval_batch
+        from .parallel.pipeline import PipelineError, eval_batch
 
         if not prediction_loss_only:
             raise PipelineError(
@@ -1449,7 +1449,7 @@ def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from:
     state = state_of(trainer)
     if state is not None:
         return state
-    from .nd import setup as nd_setup
+    from .parallel.nd import setup as nd_setup
     from .optim_trainer import (
         begin_lowrank_training,
         check_optimizer_setup,
@@ -1464,11 +1464,11 @@ def install(trainer: Trainer, config: GradFixConfig, source: str, settings_from:
     check_optimizer_setup(trainer, config.optimizer)
     state = GradFixState(config=config, source=source, settings_from=settings_from)
     # Pipeline parallelism (parallel.pp > 1): the model split into this rank's stages, data by data-parallel rank
-    from .pipeline import setup as pipeline_setup
+    from .parallel.pipeline import setup as pipeline_setup
 
     state.pp = pipeline_setup(trainer, config)
     if state.pp is not None:
-        from .nd import NDPlan
+        from .parallel.nd import NDPlan
 
         state.nd = NDPlan(dims=state.pp.dims, route="pipeline", source="config")
         state.fixes.append(state.pp.line)

@@ -2,7 +2,7 @@
 
 Pure logic (no DeepSpeed import): read by ``hf-gradfix config check`` / ``launch`` (through
 :mod:`hf_gradfix.config.resolve`), by ``hf-gradfix plan --zero`` and by the Trainer glue
-(:mod:`hf_gradfix.integration.deepspeed`).
+(:mod:`hf_gradfix.integration.parallel.deepspeed`).
 
 Measured traps (deepspeed 0.19.8, accelerate 1.15, transformers 5.24):
 

@@ -32,7 +32,7 @@ decoder layers are sharded over the tp sub-mesh with torch's ``parallelize_modul
 ``base_model_tp_plan`` (colwise / rowwise); embedding, norms and head stay replicated, so the tensors passed
 between stages are whole.
 
-Pure torch / transformers; no import of the Trainer glue (that is :mod:`hf_gradfix.integration.pipeline`).
+Pure torch / transformers; no import of the Trainer glue (that is :mod:`hf_gradfix.integration.parallel.pipeline`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import HfGradfixError
-from ..probe_mode import probe_mode
+from ..integration.probe_mode import probe_mode
 
 __all__ = [
     "SCHEDULES",
@@ -108,7 +108,7 @@ def check_combination(*, pp: int, tp: int = 1, cp: int = 1, dp_shard: int = 1, p
     """Refuse what pipeline parallelism does not run exactly yet (each with its reason and the fix)."""
     if pp <= 1:
         return
-    if not loss_enabled:  # the same words as the run's refusal (integration/pipeline.py), now at config check too
+    if not loss_enabled:  # the same words as the run's refusal (integration/parallel/pipeline.py), now at config check too
         raise PipelineError(
             f"parallel.pp={pp} with loss.enabled=false: the pipeline's loss is the window's exact token mean (there is "
             "no stock transformers pipeline to fall back to); set loss.enabled: true, or pp: 1")
@@ -301,7 +301,7 @@ def decoder_stage_class():
             self.after = torch.nn.ModuleList([getattr(base, n) for n in plan.after_layers]) if self.is_last else None
             self.head = getattr(model, plan.head) if self.is_last else None
             # loss.head: lean on the last stage: it returns the final hidden states and the loss function applies
-            # the head (hf_gradfix.integration.pipeline sets it where the head can take it)
+            # the head (hf_gradfix.integration.parallel.pipeline sets it where the head can take it)
             self.lean_head = False
             self.rotary = getattr(base, plan.rotary) if plan.rotary else None
             masks = _mask_functions()

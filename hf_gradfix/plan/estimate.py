@@ -750,7 +750,7 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_width = (getattr(config, "num_key_value_heads", None) or heads) * head_dim / tp
     lean = None
-    # under pp the last stage's loss function applies the head (integration/pipeline.py), except where FSDP2 shards
+    # under pp the last stage's loss function applies the head (integration/parallel/pipeline.py), except where FSDP2 shards
     # the head or the zero-bubble schedule runs its backward twice; the one reason that applies is said
     stock_why = None
     if settings.loss_head == "lean":

@@ -72,7 +72,7 @@ def stock_head_reason(*, rl: str | None = None, tp: int = 1, pp_stage: bool = Fa
     ``rl``: a TRL trainer (``"grpo"`` / ``"rloo"``); ``pp_stage``: the head sits on a pipeline stage (``fsdp``: FSDP2
     shards that stage, ``schedule``: its schedule). Without pp, FSDP2 unshards the head for its forward, where the lean
     head reads it (hf_gradfix/integration/lean_head.py), so it runs lean; under pp the loss function applies the head
-    outside the stage's forward (hf_gradfix/integration/pipeline.py).
+    outside the stage's forward (hf_gradfix/integration/parallel/pipeline.py).
 
     >>> stock_head_reason(tp=1, fsdp=True) is None
     True

@@ -265,7 +265,7 @@ def simulate_rl(config, mesh, settings: Settings, *, kernel: str = "triton", pro
             labels = ids.masked_fill(attention_mask == 0, -100)
             labels[:, :-C] = -100
             return ids, labels, None
-        # packing.rl_forwards (integration/rl_packing.pack_chunk): the chunk's real tokens in one row, positions
+        # packing.rl_forwards (integration/rl/packing.pack_chunk): the chunk's real tokens in one row, positions
         # restarted per sample, labels on the completion tokens, int32 document bounds
         rows = ids.shape[0]
         flat_ids = ids.reshape(-1)[:real].clone()[None]

@@ -131,7 +131,7 @@ def verify(
         )
         base = _inject_trainer(transformers.Trainer, inject, grad_accum)
         collator = _PadCollator(int(getattr(model.config, "pad_token_id", None) or 0))
-        from hf_gradfix.integration.nd import requested
+        from hf_gradfix.integration.parallel.nd import requested
 
         # an ND mesh (tp / FSDP2 / cp) shards the model in place when the trainer is built: keep an unsharded copy
         unsharded = copy.deepcopy(model) if requested(cfg.parallel) else None

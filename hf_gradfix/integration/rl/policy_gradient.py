@@ -1,6 +1,6 @@
 """TRL's policy-gradient trainers (``GRPOTrainer``, ``RLOOTrainer`` and their subclasses), exact over the window.
 TRL's experimental ``AsyncGRPOTrainer`` (packed rollouts, no generation buffer) is routed from here to
-:mod:`hf_gradfix.integration.rl_async`.
+:mod:`hf_gradfix.integration.rl.asynchronous`.
 
 TRL normalizes each micro-batch of a GRPO-family loss by a local or an *expected* count: ``dapo`` / ``cispo`` /
 ``vespo`` by the generation batch's token count times ``GA / steps_per_generation`` (exact only when the two are
@@ -19,7 +19,7 @@ generation batch, which holds every micro-batch of the window once ``steps_per_g
 accumulation steps (TRL's default: equal). Anything else (another TRL release, a window spanning two generation
 batches, ``top_entropy_quantile < 1``) trains exactly as TRL computes it, with one warning.
 
->>> from hf_gradfix.integration.rl import SUPPORTED_TRL
+>>> from hf_gradfix.integration.rl.policy_gradient import SUPPORTED_TRL
 >>> "1.16.0" in SUPPORTED_TRL
 True
 """
@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from packaging.specifiers import SpecifierSet
 
-from ..loss.objective import MICRO_MEAN, RL_LOSS_TYPES, SEQUENCE_MEAN, TOKEN_MEAN, Objective, PolicyLoss
+from ...loss.objective import MICRO_MEAN, RL_LOSS_TYPES, SEQUENCE_MEAN, TOKEN_MEAN, Objective, PolicyLoss
+from .plan import RLPlan
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -47,24 +48,6 @@ _TRL_LOSS_MODULES = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")
 
 #: Keys of a micro-batch TRL's policy-gradient trainers give compute_loss (what makes a trainer one of them).
 _RL_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "advantages")
-
-
-@dataclass
-class RLPlan:
-    """One RL trainer's normalization: its loss type's objective and TRL's own normalizers."""
-
-    # "grpo": TRL scales for accumulation itself (loss_is_scaled_for_ga); "rloo": the Trainer does; "async_grpo":
-    # trl.experimental.async_grpo (hf_gradfix.integration.rl_async)
-    trainer_kind: str
-    loss_type: str
-    policy: PolicyLoss
-    line: str
-    window_tokens: float = 0.0  # completion tokens of the window, every rank (the loss mask's)
-    window_sequences: float = 0.0  # sequences of the window, every rank
-    data_ranks: int = 1
-    counted: bool = False
-    captured: dict = field(default_factory=dict)
-    warned: bool = False  # a window left to TRL was named once
 
 
 def _trl_version() -> str | None:
@@ -86,7 +69,7 @@ def detect(trainer: Any, inputs: Any, scaled_for_ga: Any) -> RLPlan | str | None
     """An :class:`RLPlan` for a TRL policy-gradient trainer it can make exact; a reason (str) for one it recognizes but
     leaves to TRL; None for any other trainer. Decided by what compute_loss is given and what the trainer holds, not
     by its class. ``scaled_for_ga``: the trainer's own ``loss_is_scaled_for_ga`` (TRL's GRPO: True, RLOO: False)."""
-    from . import rl_async
+    from . import asynchronous as rl_async
 
     if rl_async.is_async_layout(inputs):  # AsyncGRPO's packed rollouts (trl.experimental.async_grpo)
         return rl_async.detect(trainer, inputs, scaled_for_ga, SUPPORTED_TRL, _trl_version())
@@ -151,7 +134,7 @@ def check_aux_convention(trainer: Any, convention: str) -> None:
     """TRL's RL trainers add the MoE router loss inside their own policy loss as the mean over micro-batches, which
     this wing keeps (``micro``); any other ``loss.aux_loss`` would silently train that one: refused in one line."""
     if getattr(trainer, "aux_loss_enabled", False) and convention not in ("micro", "micro_batch_mean", "as_is"):
-        from ..errors import GradFixError
+        from ...errors import GradFixError
 
         raise GradFixError(
             f"hf_gradfix.loss.aux_loss: invalid value {convention!r}; {type(trainer).__name__} adds the MoE router loss "
@@ -174,7 +157,7 @@ def open_window(trainer: Any, plan: RLPlan, micro_batches: int, all_reduce) -> N
     """Count the window's completion tokens and sequences on every rank, from TRL's buffered generation batch (every
     rank joins, once per window, at the window's first compute_loss)."""
     if plan.trainer_kind == "async_grpo":  # no generation buffer: the window's packed micro-batches themselves
-        from .rl_async import open_window as open_async_window
+        from .asynchronous import open_window as open_async_window
 
         return open_async_window(trainer, plan, all_reduce)
     spg = int(getattr(trainer.args, "steps_per_generation", None) or trainer.args.gradient_accumulation_steps)
@@ -230,7 +213,7 @@ def window_loss(trainer: Any, plan: RLPlan, inputs: Mapping, compute) -> torch.T
     """This micro-batch's loss with every term normalized by its objective over the window (``compute``: TRL's own
     compute_loss for these inputs)."""
     if plan.trainer_kind == "async_grpo":
-        from .rl_async import window_loss as async_window_loss
+        from .asynchronous import window_loss as async_window_loss
 
         return async_window_loss(trainer, plan, inputs, compute)
     mask = _loss_mask(inputs).float()

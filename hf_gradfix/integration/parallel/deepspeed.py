@@ -22,9 +22,9 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from ..config import GradFixConfig
-from ..parallel.deepspeed import check_clipping
-from .explained_warnings import explain
+from ...config import GradFixConfig
+from ...parallel.deepspeed import check_clipping
+from ..diagnostics.explained_warnings import explain
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -54,7 +54,7 @@ class DeepSpeedGuard(TrainerCallback):
         if engine is None:
             return control
         check_clipping(float(engine.gradient_clipping() or 0.0), getattr(args, "max_grad_norm", 0.0))
-        from .nonfinite import guard_of
+        from ..diagnostics.nonfinite import guard_of
 
         guard = guard_of(self.trainer)
         if guard is not None:
@@ -75,7 +75,7 @@ GA_MISMATCH_NOTE = (
 def explain_accelerate_warnings() -> None:
     """Explain accelerate's mismatch line (it looks like an error and is the normal path), once per process. Only the
     Trainer's own case (accelerate at 1): a DeepSpeed file that pins another value than TrainingArguments is refused
-    by transformers before this line. Idempotent; ``unpatch()`` takes it off (:mod:`.explained_warnings`)."""
+    by transformers before this line. Idempotent; ``unpatch()`` takes it off (:mod:`..diagnostics.explained_warnings`)."""
     explain(ACCELERATE_LOGGER, GA_MISMATCH, GA_MISMATCH_NOTE)
 
 
@@ -84,7 +84,7 @@ def attach(trainer: Trainer, config: GradFixConfig) -> DeepSpeedGuard | None:
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return None
     explain_accelerate_warnings()
-    from .internal_callbacks import add_internal_callback
+    from ..internal_callbacks import add_internal_callback
 
     guard = trainer.__dict__.get(_ATTR)
     if guard is None:

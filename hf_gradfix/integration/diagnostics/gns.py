@@ -40,12 +40,12 @@ from collections.abc import Mapping
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..diagnostics.noise_scale import NoiseScaleEstimate, NoiseScaleMonitor, plot_noise_scale
-from ..loss.counting import CountRule, count_targets, is_token_level
-from .callback import _find_trainer
-from .instance_methods import InstanceMethods
-from .state import _dp_world, state_of
-from ..errors import HfGradfixError, InvalidArgumentError
+from ...diagnostics.noise_scale import NoiseScaleEstimate, NoiseScaleMonitor, plot_noise_scale
+from ...loss.counting import CountRule, count_targets, is_token_level
+from ..calling_trainer import _find_trainer
+from ..instance_methods import InstanceMethods
+from ..state import _dp_world, state_of
+from ...errors import HfGradfixError, InvalidArgumentError
 
 logger = logging.getLogger("hf_gradfix")
 

@@ -50,11 +50,12 @@ from typing import Any
 
 import torch
 
-from ..config.resolve import parallel_requested as requested  # noqa: F401  (the rule lives with the config)
-from ..config.schema import ParallelConfig
-from ..parallel.dims import ParallelDims
-from .versions import ALLOW_UNTESTED_ENV
-from ..errors import HfGradfixError
+from ...config.resolve import parallel_requested as requested  # noqa: F401  (the rule lives with the config)
+from ...config.schema import ParallelConfig
+from ...parallel.dims import ParallelDims
+from ..versions import ALLOW_UNTESTED_ENV
+from ...errors import HfGradfixError
+from .errors import NDParallelError
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -62,10 +63,6 @@ __all__ = ["NDParallelError", "NDPlan", "setup", "requested", "distributed_confi
 
 #: Versions the transformers route was written and tested against (``HF_GRADFIX_ALLOW_UNTESTED=1`` to try others).
 ND_TESTED = {"transformers": ">=5.23,<6"}
-
-
-class NDParallelError(HfGradfixError, RuntimeError):
-    """An ND-parallel setup hf_gradfix cannot run exactly; the message says why and what to do."""
 
 
 @dataclass
@@ -383,7 +380,7 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
     accelerator = trainer.accelerator
     fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if dims.ep > 1:
-        from ..parallel.ep import EPError, check_combination
+        from ...parallel.ep import EPError, check_combination
 
         try:
             check_combination(ep=dims.ep, pp=dims.pp, cp=dims.cp, tp=dims.tp, packing=packing, optimizer=optimizer,
@@ -420,7 +417,7 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
             )
         args = trainer.args
         saves = str(getattr(args, "save_strategy", "no")).split(".")[-1].lower() != "no"
-        if saves and not getattr(args, "save_only_model", False) and dims.ep == 1:  # ep: checkpoint.py writes it
+        if saves and not getattr(args, "save_only_model", False) and dims.ep == 1:  # ep: checkpoints/sharded.py writes it
             raise NDParallelError(
                 f"hf_gradfix parallel: {dims.describe()}: a model sharded by transformers' DistributedConfig cannot "
                 "checkpoint its optimizer state for resuming (transformers' own rule; hf_gradfix resumes pp and ep "
@@ -435,13 +432,13 @@ def setup(trainer, section: ParallelConfig, *, packing: bool = False, optimizer:
     if dims.tp > 1 and route in ("transformers", "model"):
         plan.partial_grad_fixed = _fix_partial_grad_allreduce(trainer, dims)
     if dims.ep > 1:
-        from ..parallel.ep import EPError, check_model
+        from ...parallel.ep import EPError, check_model
 
         try:  # what transformers built: whole experts per ep rank, all-to-all dispatch, the gradient divide factor
             plan.ep = check_model(trainer.model)
         except EPError as err:
             raise NDParallelError(str(err)) from err
-        from .explained_warnings import explain
+        from ..diagnostics.explained_warnings import explain
 
         explain(TORCH_REDISTRIBUTE_LOGGER, EP_NORM_REDISTRIBUTE, EP_NORM_REDISTRIBUTE_NOTE, once_per_run=True)
     if route in ("transformers", "model"):
@@ -478,10 +475,10 @@ def _fix_partial_grad_allreduce(trainer, dims: ParallelDims) -> list[str]:
     """transformers' ``replicated_with_grad_allreduce`` tp style (Qwen3 / Qwen3-MoE ``q_norm`` / ``k_norm``) all-reduces
     the accumulated gradient after every micro-batch, so under gradient accumulation a window's earlier micro-batches
     count tp times (measured 1.4-1.5x at tp 2, GA 2; stock too): replaced by an all-reduce of each micro-batch's own
-    gradient (:func:`hf_gradfix.integration.patching.fix_partial_grad_allreduce`). Where transformers' structure is
+    gradient (:func:`hf_gradfix.integration.parallel.tensor_parallel.fix_partial_grad_allreduce`). Where transformers' structure is
     not the known one, GA 1 trains as stock (one all-reduce per window: exact) and GA > 1 is refused in one line."""
-    from ..errors import PatchError
-    from .patching import fix_partial_grad_allreduce
+    from ...errors import PatchError
+    from .tensor_parallel import fix_partial_grad_allreduce
 
     try:
         return fix_partial_grad_allreduce(trainer.model)
@@ -587,7 +584,7 @@ def _check_cp(trainer, dims: ParallelDims, fsdp_plugin) -> None:
             "attention only, so those layers would silently see the whole causal context. Fix: parallel.cp: 1."
         )
     if trainer.args.device.type == "cpu":  # the CPU kernel's ring handler is on private torch APIs: fail now, not mid-step
-        from ..parallel.cpu_ring_attention import UnsupportedTorchError, _check_version
+        from ...parallel.cpu_ring_attention import UnsupportedTorchError, _check_version
 
         try:
             _check_version()
@@ -605,15 +602,15 @@ def _cp_inputs_hook(trainer, plan: NDPlan):
     """``Trainer._prepare_context_parallel_inputs`` for this trainer: returns (context factory, split-ready inputs)."""
     from functools import partial
 
-    from ..parallel.context import ContextParallelError, context_parallel_block, prepare_batch
-    from ..parallel.context_packing import PACKED_DROPPED, PackedLayout, is_packed, packed_attention_block
+    from ...parallel.context import ContextParallelError, context_parallel_block, prepare_batch
+    from ...parallel.context_packing import PACKED_DROPPED, PackedLayout, is_packed, packed_attention_block
 
     cp = plan.dims.cp
     model_dtype = {p.dtype for p in trainer.model.parameters() if p.is_floating_point()}
     float64 = torch.float64 in model_dtype
 
     def _prepare_context_parallel_inputs(model, inputs):
-        from .state import state_of
+        from ..state import state_of
 
         state = state_of(trainer)
         if state is not None and not state.config.loss.enabled:

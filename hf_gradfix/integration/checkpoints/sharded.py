@@ -9,7 +9,7 @@ small mesh file naming the degrees that wrote it. Resuming loads both in place a
 checkpoint another mesh wrote (its data order, shards and schedule would differ, so the run would not continue bit
 for bit). The scheduler, RNG, trainer state and data position stay the Trainer's own machinery.
 
-Wired through the fixed trainer class (:mod:`.trainer_fix`: ``_save_optimizer_and_scheduler``,
+Wired through the fixed trainer class (:mod:`hf_gradfix.integration.trainer_fix`: ``_save_optimizer_and_scheduler``,
 ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``); nothing of transformers is patched here.
 """
 
@@ -21,10 +21,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import HfGradfixError
+from ...errors import HfGradfixError
+from ...parallel.pipeline import PipelineError
+from ..parallel.errors import NDParallelError
 
 __all__ = ["CheckpointError", "Kind", "PIPELINE", "EXPERT_PARALLEL", "Sharded", "sharded", "save", "load",
-           "refuse_foreign", "ep_mesh", "init_allows_ep_checkpoints"]
+           "refuse_foreign", "ep_mesh", "checkpoint_mesh", "init_allows_ep_checkpoints"]
 
 
 class CheckpointError(HfGradfixError, RuntimeError):
@@ -156,6 +158,14 @@ def ep_mesh(nd) -> dict:
                 efsdp=nd.ep.efsdp)
 
 
+def checkpoint_mesh(plan) -> dict:
+    """The degrees and schedule a pipeline checkpoint is tied to (``plan``: the trainer's PipelinePlan; another would
+    reorder data and stages)."""
+    d = plan.dims
+    return dict(world=d.world_size, pp=d.pp, pp_virtual_stages=d.pp_virtual_stages, dp_replicate=d.dp_replicate,
+                dp_shard=d.dp_shard, tp=d.tp, schedule=plan.schedule)
+
+
 @dataclass(frozen=True)
 class Sharded:
     """How one trainer's checkpoints are written: the kind, its mesh, the error class its refusals raise."""
@@ -176,13 +186,9 @@ def sharded(state) -> Sharded | None:
     if state is None:
         return None
     if state.pp is not None:
-        from .pipeline import PipelineError, checkpoint_mesh
-
         return Sharded(PIPELINE, checkpoint_mesh(state.pp), PipelineError)
     nd = state.nd
     if nd is not None and nd.ep is not None:
-        from .nd import NDParallelError
-
         return Sharded(EXPERT_PARALLEL, ep_mesh(nd), NDParallelError)
     return None
 

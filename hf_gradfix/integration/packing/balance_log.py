@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..packing.balance import document_cost
-from .instance_methods import InstanceMethods
+from ...packing.balance import document_cost
+from ..instance_methods import InstanceMethods
 
 TOKENS_KEY, COMPUTE_KEY = "packing/imbalance_tokens", "packing/imbalance_compute"
 

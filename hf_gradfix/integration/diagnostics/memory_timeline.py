@@ -28,9 +28,9 @@ from typing import Any, Iterable
 
 from transformers import Trainer, TrainerCallback
 
-from ..diagnostics.memory_timeline import MemoryTimeline, MemoryTimelineRecorder, peak_log_values
-from ..errors import HfGradfixError
-from .callback import _find_trainer
+from ...diagnostics.memory_timeline import MemoryTimeline, MemoryTimelineRecorder, peak_log_values
+from ...errors import HfGradfixError
+from ..calling_trainer import _find_trainer
 
 logger = logging.getLogger("hf_gradfix")
 _MISSING = object()
@@ -195,9 +195,9 @@ class MemoryTimelineCallback(TrainerCallback):
     # -- the planner's prediction ----------------------------------------------------------------------------------
     def _predict(self) -> None:
         """The planner's fake-tensor step for this model, batch shape, precision and optimizer (one process)."""
-        from ..parallel import ParallelDims
-        from ..plan.estimate import PlanError, Settings, estimate
-        from ..plan.simulate import simulate
+        from ...parallel import ParallelDims
+        from ...plan.estimate import PlanError, Settings, estimate
+        from ...plan.simulate import simulate
 
         trainer = self._trainer
         config = getattr(getattr(trainer, "model", None), "config", None)

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..config import GradFixConfig
-from ..diagnostics.finite import tensors_finite
-from ..errors import InvalidArgumentError, NonFiniteError
-from .internal_callbacks import add_internal_callback
+from ...config import GradFixConfig
+from ...diagnostics.finite import tensors_finite
+from ...errors import InvalidArgumentError, NonFiniteError
+from ..internal_callbacks import add_internal_callback
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -102,7 +102,7 @@ class NonFiniteGuard(TrainerCallback):
         self.skipped_steps: list[int] = []
         self.flagged_steps: list[int] = []
         self._overflow_set = False
-        # DeepSpeed's engine (set by hf_gradfix.integration.deepspeed): it steps inside the last backward, before
+        # DeepSpeed's engine (set by hf_gradfix.integration.parallel.deepspeed): it steps inside the last backward, before
         # on_pre_optimizer_step, and drops a step with a NaN/inf gradient norm itself
         self.engine: Any = None
 

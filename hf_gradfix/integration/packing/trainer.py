@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from ..config import ConfigError
-from ..config.schema import PackingConfig
-from ..errors import UsageError
-from .state import _nd_dims
+from ...config import ConfigError
+from ...config.schema import PackingConfig
+from ...errors import UsageError
+from ..state import _nd_dims
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -72,7 +72,7 @@ def _is_stream(dataset: Any) -> bool:
 
 def _checked_dataset(trainer, cfg: PackingConfig):
     """The train dataset as the loader reads it, and its one-pass validation (cached per trainer and dataset)."""
-    from ..packing.validate import validate_packing_dataset
+    from ...packing.validate import validate_packing_dataset
 
     dataset = trainer.train_dataset
     if dataset is None:
@@ -105,7 +105,7 @@ def _remove_unused_columns(trainer, dataset):
     """The Trainer's own removal of the columns its model does not take, except the ones that say where the documents
     of an already packed sample begin (TRL's ``seq_lengths``; a plain Trainer's model takes no such argument): the
     collator keeps those documents apart, where without them it would train a packed sample as one document."""
-    from ..packing.collator import BOUNDARY_KEYS
+    from ...packing.collator import BOUNDARY_KEYS
 
     keep = [c for c in BOUNDARY_KEYS if c in dataset.column_names]
     if not keep or not hasattr(trainer, "_set_signature_columns_if_needed"):
@@ -137,8 +137,8 @@ class _EpochAwareLoader(DataLoader):
 
 def packed_train_dataloader(trainer, cfg: PackingConfig):
     """The train dataloader of a packing trainer (prepared by accelerate, like the Trainer's own)."""
-    from ..packing.collator import PackedCollator
-    from ..packing.sampler import PackedBatchSampler
+    from ...packing.collator import PackedCollator
+    from ...packing.sampler import PackedBatchSampler
 
     budget = _check_budget(cfg)
     if _is_stream(trainer.train_dataset):
@@ -158,7 +158,7 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
     config = getattr(trainer.model, "config", None)
     cost_coeff, balance_how = None, "rows of equal tokens side by side"
     if cfg.balance == "compute":
-        from ..packing.balance import attention_cost_coeff
+        from ...packing.balance import attention_cost_coeff
 
         cost_coeff, balance_how = attention_cost_coeff(config)
         if cost_coeff is None:
@@ -194,7 +194,7 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
         len(lengths), held, len(sampler), budget, cfg.mode, 100.0 * stats.fill, len(sampler) // world,
     )
     if world > 1:
-        from ..packing.balance import attention_cost_coeff, document_cost
+        from ...packing.balance import attention_cost_coeff, document_cost
 
         c = cost_coeff if cost_coeff is not None else attention_cost_coeff(config)[0]
         cost_part = ""
@@ -204,8 +204,8 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
             cost_part = f", of compute {plan.step_imbalance(costs):.3f}"
         logger.info("hf_gradfix packing balance: %s; epoch 0's slowest rank per step / the mean, of tokens %.3f%s",
                     balance_how, plan.step_imbalance(), cost_part)
-        from .internal_callbacks import add_internal_callback, internal_callbacks
-        from .packing_balance_log import PackingBalanceLog
+        from ..internal_callbacks import add_internal_callback, internal_callbacks
+        from .balance_log import PackingBalanceLog
 
         if not any(isinstance(cb, PackingBalanceLog) for cb in internal_callbacks(trainer)):
             add_internal_callback(trainer, PackingBalanceLog(trainer, c))  # each window's imbalance, in the logs
@@ -232,8 +232,8 @@ def _refuse_unpackable(trainer) -> None:
 
 def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
     """``use_cache=False``, the attention implementation, then the guard. Returns a line for the fix log."""
-    from ..packing.attention import select_varlen_attention, set_attention_implementation
-    from ..packing.guard import check_model_packs_correctly
+    from ...packing.attention import select_varlen_attention, set_attention_implementation
+    from ...packing.guard import check_model_packs_correctly
 
     _refuse_unpackable(trainer)
     model = trainer.model
@@ -285,7 +285,7 @@ def _split_stateful_layers(model) -> str:
     (:func:`~hf_gradfix.packing.state_reset.split_documents`), or once per layer with the boundaries handed to the
     kernels where those measurably keep the documents apart. Returns what was done, in words ("" when nothing
     carries state)."""
-    from ..packing.state_reset import describe, probe_sequence_mixers, split_documents
+    from ...packing.state_reset import describe, probe_sequence_mixers, split_documents
 
     mixers = probe_sequence_mixers(model)
     if mixers is None:  # a model that cannot run a packed row: the guard refuses it in one line
@@ -303,9 +303,9 @@ def _split_stateful_layers(model) -> str:
 def _prepare_model_for_cp_packing(trainer, cfg: PackingConfig, cp: int, attention: str | None) -> str:
     """Context parallelism over packed rows: the model keeps sdpa (every attention call becomes the document-masked
     all-gather attention of :mod:`hf_gradfix.parallel.context_packing`); the guard probes that path."""
-    from ..packing.guard import check_model_packs_under_cp
-    from ..config.resolve import describe_balance
-    from .state import state_of
+    from ...packing.guard import check_model_packs_under_cp
+    from ...config.resolve import describe_balance
+    from ..state import state_of
 
     plan = state_of(trainer).nd
     how = describe_balance(plan.cp_balance, plan.cp_balance_threshold, cp)
@@ -476,8 +476,8 @@ def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
     """Online packing of an IterableDataset: every process packs the same global row sequence and accelerate's
     ``IterableDatasetShard`` deals row ``i`` to process ``i % world`` (batches are never dispatched from rank 0:
     packed rows of different lengths cannot be concatenated)."""
-    from ..packing.collator import PackedCollator
-    from ..packing.stream import StreamingPacker
+    from ...packing.collator import PackedCollator
+    from ...packing.stream import StreamingPacker
 
     if cfg.buffer_size < 2:
         raise ConfigError(

@@ -21,7 +21,7 @@ Left to TRL, with one warning: a subclass whose ``compute_loss`` is its own, a T
 was read from 1.16's code), and a MoE policy with the router aux loss (``router_aux_loss_coef`` != 0; TRL adds it to
 the same scalar, per micro-batch over GA).
 
->>> from hf_gradfix.integration.rl_async import ASYNC_GRPO
+>>> from hf_gradfix.integration.rl.asynchronous import ASYNC_GRPO
 >>> ASYNC_GRPO.objective.name
 'token_mean'
 """
@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from ..loss.objective import TOKEN_MEAN, PolicyLoss
+from ...loss.objective import TOKEN_MEAN, PolicyLoss
+from .plan import RLPlan
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -55,10 +56,8 @@ def is_async_layout(inputs: Any) -> bool:
 
 
 def detect(trainer: Any, inputs: Mapping, scaled_for_ga: Any, supported, version: str | None):
-    """An :class:`~hf_gradfix.integration.rl.RLPlan` for an AsyncGRPO trainer whose normalizer hf_gradfix knows, else a
+    """An :class:`~hf_gradfix.integration.rl.plan.RLPlan` for an AsyncGRPO trainer whose normalizer hf_gradfix knows, else a
     reason (str) it trains as TRL computes it."""
-    from .rl import RLPlan
-
     name = type(trainer).__name__
     owner = next((k for k in type(trainer).__mro__ if "compute_loss" in k.__dict__
                   and not k.__module__.startswith("hf_gradfix.")), None)
@@ -94,7 +93,7 @@ def _trained_terms(batch: Any) -> float:
 def open_window(trainer: Any, plan: Any, all_reduce) -> None:
     """Count the window's trained tokens per micro-batch over every rank (every rank joins, once per window, at the
     window's first compute_loss) and check each against TRL's ``global_n_tokens``."""
-    from .state import state_of
+    from ..state import state_of
 
     window = state_of(trainer).window
     batches = list(window.batches) if window is not None else []

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from ..config.schema import GradFixConfig
-from ..loss.counting import CountRule, count_targets
-from ..parallel.dims import ParallelDims
-from ..parallel.pipeline import (
+from ...config.schema import GradFixConfig
+from ...loss.counting import CountRule, count_targets
+from ...parallel.dims import ParallelDims
+from ...parallel.pipeline import (
     PipelineError,
     build_stages,
     check_combination,
@@ -44,9 +44,9 @@ from ..parallel.pipeline import (
     tied_embeddings,
     window_loss_fn,
 )
-from .checkpoint import PIPELINE  # the checkpoint layout pp and ep share
-from .explained_warnings import explain
-from .versions import transformers_major
+from ..checkpoints.sharded import PIPELINE, checkpoint_mesh  # the checkpoint layout pp and ep share
+from ..diagnostics.explained_warnings import explain
+from ..versions import transformers_major
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -256,7 +256,7 @@ def setup(trainer, config: GradFixConfig) -> PipelinePlan | None:
                         dp_replicate=section.dp_replicate, dp_shard=section.dp_shard, tp=section.tp, cp=section.cp)
     check_schedule(dims.pp, section.pp_schedule, dims.pp_virtual_stages)
     fsdp_plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) is not None
-    from .optim_trainer import optimizer_requested
+    from ..optim_trainer import optimizer_requested
 
     # a low-rank optimizer from the section, TrainingArguments(optim="galore_...") or optimizer_cls_and_kwargs
     requested = optimizer_requested(trainer, config.optimizer)
@@ -358,8 +358,8 @@ def _lean_last_stage(modules: list, dims: ParallelDims, schedule: str, fsdp: boo
     if not last:
         return stock_fn, None  # this rank holds no last stage: nothing to compute
     head = last[0].head
-    from ..loss.lean_head import Objective, measure_objective
-    from .lean_head import effective_linear
+    from ...loss.lean_head import Objective, measure_objective
+    from ..lean_head import effective_linear
 
     found = effective_linear(head)
     objective = Objective("next", "num_items")
@@ -385,7 +385,7 @@ def _lean_last_stage(modules: list, dims: ParallelDims, schedule: str, fsdp: boo
     shifted = objective.targets == "next"
 
     def lean_loss_fn(hidden, labels, num_items):
-        from ..loss.lean_head import head_cross_entropy_sum, next_token_targets
+        from ...loss.lean_head import head_cross_entropy_sum, next_token_targets
 
         weight, bias = effective_linear(head)  # per call: a LoRA head's merged weight follows its training
         targets = next_token_targets(labels) if shifted else labels
@@ -585,13 +585,6 @@ CHECKPOINT_DIR = PIPELINE.directory  # torch distributed checkpoint of every sta
 MESH_FILE = PIPELINE.mesh_file
 
 
-def checkpoint_mesh(plan: PipelinePlan) -> dict:
-    """The degrees and schedule a pipeline checkpoint is tied to (another would reorder data and stages)."""
-    d = plan.dims
-    return dict(world=d.world_size, pp=d.pp, pp_virtual_stages=d.pp_virtual_stages, dp_replicate=d.dp_replicate,
-                dp_shard=d.dp_shard, tp=d.tp, schedule=plan.schedule)
-
-
 def _local(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
@@ -613,9 +606,9 @@ def full_state_dict(trainer, plan: PipelinePlan) -> dict | None:
 
 def save_stage(trainer, plan: PipelinePlan, output_dir: str) -> None:
     """Write every stage's weights and optimizer state as one torch distributed checkpoint (a collective; see
-    :mod:`.checkpoint`): FSDP2 and tensor-parallel shards are DTensors that DCP saves shard by shard, replicas over
+    :mod:`hf_gradfix.integration.checkpoints.sharded`): FSDP2 and tensor-parallel shards are DTensors that DCP saves shard by shard, replicas over
     dp_replicate are written once. Rank 0 also writes the mesh that wrote it."""
-    from .checkpoint import save
+    from ..checkpoints.sharded import save
 
     save(trainer, output_dir, PIPELINE, checkpoint_mesh(plan))
 
@@ -626,7 +619,7 @@ def load_stage(trainer, plan: PipelinePlan, checkpoint: str, *, optimizer: bool)
     Refuses a checkpoint another mesh wrote: its data order and schedule would differ, so the run would not
     continue bit for bit.
     """
-    from .checkpoint import load
+    from ..checkpoints.sharded import load
 
     load(trainer, checkpoint, PIPELINE, checkpoint_mesh(plan), optimizer=optimizer, error=PipelineError)
 
@@ -668,6 +661,6 @@ def clip_grad_norm(trainer, plan: PipelinePlan, max_norm: float) -> torch.Tensor
 
 def bubble(plan: PipelinePlan, micro_batches: int) -> float:
     """The schedule's idle share for a window of ``micro_batches`` (the planner's formula)."""
-    from ..parallel.pipeline_schedule import PipelineSpec, bubble_fraction
+    from ...parallel.pipeline_schedule import PipelineSpec, bubble_fraction
 
     return bubble_fraction(PipelineSpec(plan.dims.pp, plan.schedule, plan.dims.pp_virtual_stages, micro_batches))
