@@ -191,12 +191,12 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 def fix_trainer(trainer: Any, config: GradFixConfig, source: str, settings_from: str = "defaults") -> Any:
     """Install the fixes on one trainer (idempotent) and return its state: the one way in for ``patch()`` and
-    ``GradFixCallback``, so that only this module reaches into the class layers (:mod:`.trainer`).
+    ``GradFixCallback``, so that only this module reaches into :mod:`.trainer_fix`.
 
     >>> callable(fix_trainer)
     True
     """
-    from .trainer.class_swap import install
+    from .trainer_fix import install
 
     return install(trainer, config, source, settings_from=settings_from)
 
@@ -210,10 +210,8 @@ def patch_sources() -> list[SettingsSource | None]:
 def swap_to_fixed_class(trainer: Any) -> None:
     """Give an already installed trainer the loss-fixing class (used when a callback's configuration turns the
     loss fix on over ``patch()``'s)."""
-    from .trainer.class_swap import fixed_class_for
-    from .trainer.ga_flag import _keep_instance_ga_flag
     from .trainer.reentry import snapshot_methods
-    from .trainer.top import _TOP_OVERRIDES
+    from .trainer_fix import _TOP_OVERRIDES, _keep_instance_ga_flag, fixed_class_for
 
     _keep_instance_ga_flag(trainer)
     snapshot_methods(trainer, _TOP_OVERRIDES)
