@@ -216,9 +216,9 @@ def train_steps(trainer, timer, steps):
 @contextlib.contextmanager
 def timing_probe(sink: list):
     """Time hf_gradfix's one-time probe (a private function; skipped if it is not there)."""
-    from hf_gradfix.integration import trainer_fix
+    from hf_gradfix.integration.trainer import probe
 
-    original = getattr(trainer_fix, "_probe", None)
+    original = getattr(probe, "_probe", None)
     if original is None:
         yield
         return
@@ -231,11 +231,11 @@ def timing_probe(sink: list):
         finally:
             sink.append(time.perf_counter() - start)
 
-    trainer_fix._probe = timed
+    probe._probe = timed
     try:
         yield
     finally:
-        trainer_fix._probe = original
+        probe._probe = original
 
 
 def quartiles(xs):

@@ -455,8 +455,10 @@ def worker(args) -> None:
             time_loss_path(trainer, watches[arm])
             record_losses(trainer, losses[arm])
             if arm == "patched":
-                trainer._gradfix_count_window = watches[arm].wrap(trainer._gradfix_count_window, "count_window")
-                if args.mesh == "ep":  # the router loss's share of each micro-batch (trainer_fix imports it per call)
+                from hf_gradfix.integration.trainer import window_steps  # only this arm's trainer is fixed
+
+                window_steps.count_window = watches[arm].wrap(window_steps.count_window, "count_window")
+                if args.mesh == "ep":  # the router loss's share of each micro-batch (imported per call)
                     from hf_gradfix.integration import moe
 
                     moe.aux_share = watches[arm].wrap(moe.aux_share, "aux_share")
@@ -659,7 +661,7 @@ def details(results: dict) -> list[str]:
             f"{ms(s['collective'])} -> hf_gradfix's all-reduce {ms(p['collective'])} ms, without it "
             f"{change('step_path_compute')}. bench_overhead.py's narrower loss path (`get_batch_samples` + "
             f"`compute_loss` minus the forward): {change('loss_path', 'direct')}. Inside it hf_gradfix's "
-            f"`_gradfix_count_window` (counting + the count all-reduce) {ms(p['count_window'])} ms "
+            f"`count_window` (counting + the count all-reduce) {ms(p['count_window'])} ms "
             f"({ms(p['count_window_max'])} with the wait)"
             + (f", the router loss's share (`moe.aux_share`, every micro-batch) {ms(p['aux_share'])} ms"
                if mesh == "ep" else "")

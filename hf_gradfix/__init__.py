@@ -76,9 +76,9 @@ def __getattr__(name: str):
 
         return state_of
     if name in ("install", "uninstall"):
-        from .integration import trainer_fix
+        from .integration.trainer import class_swap
 
-        return getattr(trainer_fix, name)
+        return getattr(class_swap, name)
     if name == "verify_trainer":
         from .verify.trainer import verify_trainer
 

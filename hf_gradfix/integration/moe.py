@@ -22,7 +22,7 @@ whose aux term is something else trains with ``micro`` and one warning.
 :class:`RouterHealthCallback` logs, per MoE layer, the max / mean expert load and the experts that received no token
 over each logging interval (every rank's tokens), and the interval's load-balancing loss.
 
-Imported by :mod:`.trainer_fix` only where a model returns router logits.
+Imported by the trainer layers (:mod:`.trainer`) only where a model returns router logits.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .calling_trainer import _find_trainer
 from .instance_methods import InstanceMethods
 from ..errors import GradFixError
 from .state import GradFixState, _dp_world, _nd_dims, _tp_size, state_of
-from .windows import _IdleMicroBatch
+from .trainer.windows import _IdleMicroBatch
 
 logger = logging.getLogger("hf_gradfix")
 

@@ -1,7 +1,7 @@
 """``patch()`` / ``unpatch()``: the one place where hf_gradfix changes third-party code.
 
 Exactly one function is replaced: ``transformers.Trainer.__init__``, wrapped so that every trainer
-built afterwards (any subclass, e.g. TRL's ``SFTTrainer``) is fixed by :func:`trainer_fix.install`.
+built afterwards (any subclass, e.g. TRL's ``SFTTrainer``) is fixed by :func:`trainer.class_swap.install`.
 The replacement is version-checked (:mod:`.versions`), idempotent (a second ``patch()`` only updates
 the configuration) and reversible (``unpatch()`` puts the original function object back). Around the original
 ``__init__`` it lets a model expert-parallel at load time pass transformers' ``save_only_model`` check (hf_gradfix
@@ -153,7 +153,7 @@ def _warn_if_trainers_exist(trainer_cls: type) -> None:
 def unpatch() -> None:
     """Restore every function :func:`patch` replaced (the original objects). Safe to call twice.
 
-    Trainers built while patched stay fixed; use ``hf_gradfix.integration.trainer_fix.uninstall`` on one.
+    Trainers built while patched stay fixed; use ``hf_gradfix.uninstall`` on one.
 
     >>> import hf_gradfix
     >>> hf_gradfix.unpatch()
@@ -190,12 +190,12 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 def fix_trainer(trainer: Any, config: GradFixConfig, source: str, settings_from: str = "defaults") -> Any:
     """Install the fixes on one trainer (idempotent) and return its state: the one way in for ``patch()`` and
-    ``GradFixCallback``, so that only this module reaches into :mod:`.trainer_fix`.
+    ``GradFixCallback``, so that only this module reaches into the class layers (:mod:`.trainer`).
 
     >>> callable(fix_trainer)
     True
     """
-    from .trainer_fix import install
+    from .trainer.class_swap import install
 
     return install(trainer, config, source, settings_from=settings_from)
 
@@ -209,8 +209,10 @@ def patch_sources() -> list[SettingsSource | None]:
 def swap_to_fixed_class(trainer: Any) -> None:
     """Give an already installed trainer the loss-fixing class (used when a callback's configuration turns the
     loss fix on over ``patch()``'s)."""
-    from .reentry import snapshot_methods
-    from .trainer_fix import _TOP_OVERRIDES, _keep_instance_ga_flag, fixed_class_for
+    from .trainer.reentry import snapshot_methods
+    from .trainer.class_swap import fixed_class_for
+    from .trainer.ga_flag import _keep_instance_ga_flag
+    from .trainer.top import _TOP_OVERRIDES
 
     _keep_instance_ga_flag(trainer)
     snapshot_methods(trainer, _TOP_OVERRIDES)

@@ -1,8 +1,8 @@
 """Per-trainer state of the loss fix and the mesh helpers every integration module shares.
 
 The integration modules (callback, gns, nd, packing.trainer, optim_trainer, verify, ...) read a fixed trainer's
-state and its data-parallel degrees from here; :mod:`.trainer_fix` (the class swap) imports this module, never
-the other way round, so imports run one way: ``trainer_fix -> state -> config / loss``.
+state and its data-parallel degrees from here; the Trainer class layers (:mod:`.trainer`) import this module, never
+the other way round, so imports run one way: ``trainer -> state -> config / loss``.
 
 >>> import hf_gradfix.integration.state as state
 >>> state.state_of(object.__new__(__import__("transformers").Trainer)) is None

@@ -5,7 +5,7 @@ Stock transformers writes ``checkpoint-N`` file by file (weights, optimizer, sch
 ``resume_from_checkpoint=True`` picks it (``get_last_checkpoint``: the highest N) and fails, e.g. with
 ``FileNotFoundError: trainer_state.json``, or worse loads a half-written optimizer state.
 
-With hf_gradfix a save of ``checkpoint-N`` (the fixed trainer's ``_save_checkpoint``, :mod:`hf_gradfix.integration.trainer_fix`) writes,
+With hf_gradfix a save of ``checkpoint-N`` (the fixed trainer's ``_save_checkpoint``, :mod:`hf_gradfix.integration.trainer.saving`) writes,
 in this order:
 
 1. ``hf_gradfix_checkpoint.json`` (step, world size, no file list yet), by every process, before anything else: a

@@ -9,7 +9,7 @@ small mesh file naming the degrees that wrote it. Resuming loads both in place a
 checkpoint another mesh wrote (its data order, shards and schedule would differ, so the run would not continue bit
 for bit). The scheduler, RNG, trainer state and data position stay the Trainer's own machinery.
 
-Wired through the fixed trainer class (:mod:`hf_gradfix.integration.trainer_fix`: ``_save_optimizer_and_scheduler``,
+Wired through the fixed trainer class (:mod:`hf_gradfix.integration.trainer.saving`: ``_save_optimizer_and_scheduler``,
 ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``); nothing of transformers is patched here.
 """
 

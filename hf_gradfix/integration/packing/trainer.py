@@ -1,6 +1,6 @@
 """Packing inside ``transformers.Trainer``: the train dataloader and the model settings it needs.
 
-Reached from the fixed trainer class (``trainer_fix._GradFixTop.get_train_dataloader``) when the
+Reached from the fixed trainer class (``trainer.top._GradFixTop.get_train_dataloader`` -> ``trainer.workloads``) when the
 configuration says ``packing: {enabled: true}``, whichever entry point installed the fix.
 
 - Data: a :class:`~hf_gradfix.packing.sampler.PackedBatchSampler` over the samples' lengths yields one

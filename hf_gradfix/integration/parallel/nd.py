@@ -344,7 +344,7 @@ def _resolve(trainer, section: ParallelConfig) -> tuple[ParallelDims | None, str
         source = "model"
     elif from_accelerate is not None and (from_accelerate["tp"] > 1 or from_accelerate["cp"] > 1):
         if from_accelerate["sp"] > 1:
-            return None, "accelerate"  # DeepSpeed Ulysses: refused by trainer_fix with its own message
+            return None, "accelerate"  # DeepSpeed Ulysses: refused by the trainer layers (trainer/probe.py) with its own message
         a = from_accelerate
         dims = ParallelDims(world, dp_replicate=a["dp_replicate"], dp_shard=a["dp_shard"], tp=a["tp"], cp=a["cp"])
         source = "accelerate"

@@ -1,8 +1,8 @@
 """Delegates that call back into the trainer: ``patch.object(MyTrainer, "training_step", wraps=trainer.training_step)``.
 
-The plugin gives a trainer a generated class ``[_GradFixTop, MyTrainer, ..., Trainer]`` (``trainer_fix``). A common
-test and instrumentation idiom (TRL's own ``test_prepare_input_called_with_correct_data``) replaces a method of the
-user's class by a wrapper of the trainer's *bound* method, taken after construction. Stock, the bound method is
+The plugin gives a trainer a generated class ``[_GradFixTop, MyTrainer, ..., Trainer]`` (:mod:`.class_swap`).
+A common test and instrumentation idiom (TRL's own ``test_prepare_input_called_with_correct_data``) replaces a method
+of the user's class by a wrapper of the trainer's *bound* method, taken after construction. Stock, the bound method is
 ``MyTrainer.training_step`` and the wrapper runs it once. Under the plugin the bound method is ``_GradFixTop``'s,
 whose ``super()`` reaches the wrapper, which calls the bound method again: endless recursion.
 

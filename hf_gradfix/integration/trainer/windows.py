@@ -2,9 +2,10 @@
 the whole trainer exactly as stock when the plugin cannot read it, telling a step of the drawn window from a call of
 the user's own, and watching what reaches ``accelerator.backward``.
 
-Split from :mod:`.trainer_fix` (which keeps the class layers and the probes); imported only by it.
+Split from the class layers, which import it (the window concern, :mod:`.window_steps`, and the others of this
+package); the plugin's other modules import only :class:`_IdleMicroBatch`.
 
->>> from hf_gradfix.integration.windows import _draw_window
+>>> from hf_gradfix.integration.trainer.windows import _draw_window
 >>> _draw_window(iter([{"x": 1}, {"x": 2}, {"x": 3}]), 2)
 [{'x': 1}, {'x': 2}]
 """
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from .state import GradFixState, _nd_dims, _replicated_divisor, _Step, _tp_size
+from ..state import GradFixState, _nd_dims, _replicated_divisor, _Step, _tp_size
 
 logger = logging.getLogger("hf_gradfix")
 
