@@ -5,7 +5,7 @@ Found by the peer suites (TRL's test_peft_with_quantization): the loss probe ran
 gradients, and bitsandbytes 0.50 repacks a 4-bit layer's weights in place into an inference-only layout on such a
 forward on a CPU with AVX512-BF16; QLoRA training then failed where stock trained (an assertion at hidden size 48,
 an in-place error at 64). The probes now leave modules holding quantized parameters in their mode
-(``hf_gradfix/integration/probe_mode.py``). The control, measured in the test: on this CPU one eval-mode forward without gradients
+(``hf_gradfix/probe_mode.py``). The control, measured in the test: on this CPU one eval-mode forward without gradients
 (what the probe used to run) changes a frozen 4-bit weight or raises.
 """
 

@@ -27,7 +27,7 @@ from .attention import (
 )
 from .collator import PackedCollator
 from ..errors import HfGradfixError, InvalidArgumentError
-from ..integration.probe_mode import probe_mode
+from ..probe_mode import probe_mode
 
 __all__ = ["PackingCheckError", "PackingCheckReport", "check_model_packs_correctly", "check_model_packs_under_cp",
            "probe_lengths"]

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ..integration.probe_mode import probe_mode
+from ..probe_mode import probe_mode
 
 __all__ = ["SequenceMixer", "DocumentSplit", "find_sequence_mixers", "probe_sequence_mixers", "split_documents",
            "segment_bounds", "handoff_call", "describe"]

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import HfGradfixError
-from ..integration.probe_mode import probe_mode
+from ..probe_mode import probe_mode
 
 __all__ = [
     "SCHEDULES",

@@ -22,7 +22,7 @@ from transformers import Trainer
 from ...errors import GradFixError
 from ...loss.counting import CountRule
 from ...loss.probe import LossBehaviour, NonFiniteProbeError, ProbeError, detect_count_rule, probe_honors_num_items
-from ..probe_mode import probe_mode
+from ...probe_mode import probe_mode
 from ..state import GradFixState, _dp_world
 from ..versions import transformers_major
 from .default_loss import _GradFixDefaultLoss
@@ -138,7 +138,7 @@ def _probe(trainer: Trainer, state: GradFixState, batch: Mapping, prepared: bool
 
     state.in_probe = True
     # no dropout, no router jitter: the probes compare forwards exactly (quantized layers keep their mode, every
-    # module's mode comes back as it was: hf_gradfix/integration/probe_mode.py)
+    # module's mode comes back as it was: hf_gradfix/probe_mode.py)
     modes = probe_mode(model)
     modes.__enter__()
     # TRL's trainers record per-forward metrics (entropy, token accuracy) in `_metrics[mode]` from compute_loss; the
