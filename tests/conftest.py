@@ -4,7 +4,8 @@ these files).
 The test files live in one folder per room of the package (tests/loss, tests/packing, ...); the workers, harnesses and
 references they share in tests/support. Test modules import support modules, and a few other rooms' test modules
 (tolerances, references), by bare name, so every one of these folders goes on sys.path here, whichever file pytest is
-asked to run (their basenames are unique: pytest's default prepend import mode needs that).
+asked to run (tests/support/suite_paths.py; their basenames are unique: pytest's default prepend import mode needs
+that).
 
 Set ``HF_GRADFIX_TIMINGS_DIR`` and each pytest process writes ``timings-<pid>.json`` there at its end:
 ``{"tests/<room>/test_x.py": seconds, ...}`` (setup + call + teardown of every test in the file). Off by default.
@@ -18,12 +19,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-_TESTS = Path(__file__).resolve().parent
-SUPPORT = _TESTS / "support"
-ROOMS = sorted(p for p in _TESTS.iterdir() if p.is_dir() and p.name != "support" and not p.name.startswith((".", "__")))
-for _folder in reversed([SUPPORT, *ROOMS]):
-    if str(_folder) not in sys.path:
-        sys.path.insert(0, str(_folder))
+_SUPPORT = str(Path(__file__).resolve().parent / "support")
+if _SUPPORT not in sys.path:
+    sys.path.insert(0, _SUPPORT)
+import suite_paths  # noqa: E402  (tests/support/suite_paths.py)
+
+suite_paths.add()
 
 _seconds_per_file: dict[str, float] = defaultdict(float)
 

@@ -34,8 +34,8 @@ UNREACHABLE_FROM_A_FILE = {
     ("hf_gradfix/parallel/dims.py", "parallel.pp_virtual_stages={v!r}"): "the schema's range",
     ("hf_gradfix/parallel/dims.py", "parallel.ep={self.ep!r}: must be"): "the schema's range",
     ("hf_gradfix/parallel/dims.py", "parallel: {rest} are all -1"): "only dp_replicate / dp_shard take -1 in the schema",
-    ("hf_gradfix/config/resolve.py", "--num-processes {num_processes}"): "a CLI flag (tests/test_bad_inputs.py)",
-    ("hf_gradfix/config/resolve.py", "{flag} {value}: invalid value"): "a CLI flag (tests/test_bad_inputs.py)",
+    ("hf_gradfix/config/resolve.py", "--num-processes {num_processes}"): "a CLI flag (tests/config/test_bad_inputs.py)",
+    ("hf_gradfix/config/resolve.py", "{flag} {value}: invalid value"): "a CLI flag (tests/config/test_bad_inputs.py)",
 }
 
 

@@ -152,7 +152,7 @@ def _fsdp2_worker(rank: int, world: int, path: str, port: int) -> None:
         raise
     from multiproc import finish_distributed
 
-    finish_distributed()  # no Python teardown: the gloo exit race of tests/multiproc.py
+    finish_distributed()  # no Python teardown: the gloo exit race of tests/support/multiproc.py
 
 
 def _tiny_llama_layer():

@@ -2,7 +2,7 @@
 
 Every case compares the gradient accumulated by the Trainer at each optimizer step (and the logged
 loss) with an independent ground truth: plain PyTorch, the whole optimizer window at once, each
-sample unpadded, cross-entropy computed from the logits by the task's rule (``tests/harness.py``).
+sample unpadded, cross-entropy computed from the logits by the task's rule (``tests/support/harness.py``).
 Tolerances: fp32 relative gradient error <= 1e-5, logged loss relative error <= 1e-6 (transformers
 4.x rounds logged values to 4 decimals, so there 1e-4). The bugs these tests guard against are 1e-1
 or worse; ``test_stock_is_wrong`` shows the same checks fail on stock transformers.

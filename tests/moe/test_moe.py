@@ -429,7 +429,7 @@ def test_micro_under_cp_counts_the_micro_batch_over_its_shards_and_falls_back_on
     """``micro`` under cp without processes: the cp all-reduce replaced by one that doubles (two cp ranks holding
     the same shard). The share is rebuilt from the shard's router logits with the padding rows masked; a model whose
     aux_loss is not the Switch loss of its logits trains the per-shard mean instead, with one warning and no more
-    all-reduces. The 2-process exactness run is tests/test_context_parallel.py::test_moe_micro_under_cp_*."""
+    all-reduces. The 2-process exactness run is tests/parallel/test_context_parallel.py::test_moe_micro_under_cp_*."""
     from types import SimpleNamespace
 
     from hf_gradfix.integration import moe as M

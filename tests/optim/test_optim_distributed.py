@@ -1,6 +1,6 @@
 """GaLoreAdamW / ApolloAdamW under DDP + gradient accumulation and under FSDP2 (2 processes, gloo, CPU).
 
-One launch of ``tests/optim_dist_worker.py`` (2 processes, ~15 s) runs every case; each test compares one case with a
+One launch of ``tests/support/optim_dist_worker.py`` (2 processes, ~15 s) runs every case; each test compares one case with a
 single-process reference run in this (pytest) process: the same initial weights, the same optimizer settings, the
 whole global batch per step (``optim_dist_worker.train_reference``).  The reference cannot run inside the workers:
 its refreshes would not join the other rank's basis broadcast.

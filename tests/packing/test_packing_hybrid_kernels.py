@@ -2,7 +2,7 @@
 mamba-ssm (one mixer call per layer) where the probe measures that they keep the documents apart, split where they do not.
 
 The kernels need CUDA and Triton, so the checks run on pure-PyTorch stand-ins with the kernels' import paths and
-signatures (``tests/kernel_standins``), in a process of their own: transformers binds the kernels when it first
+signatures (``tests/support/kernel_standins``), in a process of their own: transformers binds the kernels when it first
 imports a modeling module, which this process has long done. The real kernels run in ``scripts/gpu_check.sh``.
 """
 

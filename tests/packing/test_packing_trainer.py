@@ -205,7 +205,7 @@ def test_packed_training_under_ddp_is_exact(tmp_path, balance):
 @pytest.mark.parametrize("balance", ["tokens", "compute"])
 def test_resume_from_a_checkpoint_continues_exactly(tmp_path, balance):
     """Train 6 steps in one go, or 3 steps + resume from the checkpoint: the same final weights (rows dealt by tokens
-    or by compute; the multi-rank deal's resume is checked on the sampler, tests/test_packing_balance.py)."""
+    or by compute; the multi-rank deal's resume is checked on the sampler, tests/packing/test_packing_balance.py)."""
     samples = H.make_samples("causal", n=24, seed=2)
 
     def train(out, max_steps, resume=None):

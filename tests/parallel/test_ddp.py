@@ -95,7 +95,7 @@ def test_ddp_eval_loss_equals_single_process_token_mean(job, ddp):
 
 
 def test_moe_global_router_loss_on_two_processes(ddp):
-    """MoE ``loss.aux_loss: global`` (tests/test_moe.py's reference), 2 processes, the long samples on rank 1: the
+    """MoE ``loss.aux_loss: global`` (tests/moe/test_moe.py's reference), 2 processes, the long samples on rank 1: the
     window's expert frequencies count both ranks' tokens."""
     from test_moe import TOL, reference
 

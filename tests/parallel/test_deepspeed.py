@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO 1/2/3 through the Trainer: exact with ``patch()``, never worse than stock, no silent clipping.
 
-ONE launch of 2 processes (gloo, CPU, ``DS_ACCELERATOR=cpu``) runs every case of ``tests/deepspeed_worker.py`` in
+ONE launch of 2 processes (gloo, CPU, ``DS_ACCELERATOR=cpu``) runs every case of ``tests/support/deepspeed_worker.py`` in
 sequence. Each optimizer step's update (SGD lr 1, no clipping, no weight decay: update = the gradient the engine
 applied) is compared with the one-process ground truth of the samples both ranks consumed in that window
 (``harness.ground_truth``: each sample alone, CE sum / total targets, one backward), the ground-truth model stepped

@@ -1,9 +1,9 @@
 """Expert parallelism (transformers 5.24's ``DistributedConfig(ep_size=2, ep_implementation="all_to_all")``) through the
 ``Trainer`` on 2 gloo processes, against a one-process float64 reference of the whole window.
 
-The model is loaded as a user loads it, ``from_pretrained(path, distributed_config=...)`` (``tests/ep_worker.py``): each
+The model is loaded as a user loads it, ``from_pretrained(path, distributed_config=...)`` (``tests/support/ep_worker.py``): each
 rank holds 3 of the 6 experts whole, tokens reach them by all-to-all, dense modules are FSDP2-sharded over the 2 ranks.
-The reference is tests/test_moe.py's (token-mean cross-entropy over the window + ``coef *`` the ``micro`` router loss,
+The reference is tests/moe/test_moe.py's (token-mean cross-entropy over the window + ``coef *`` the ``micro`` router loss,
 written from the definitions, float64, experts as plain per-expert matmuls), on the micro-batches both ranks trained.
 Gradients are compared per group: dense, router (``mlp.gate``), experts (``mlp.experts``, shards gathered).
 """

@@ -1,6 +1,6 @@
 """``parallel.ep`` in the configuration: the shipped expert-parallel configs, ``config check``'s lines, and every
 combination expert parallelism refuses, in one line naming both keys, the same from the library and the CLI.
-No processes: the 2-process runs through the Trainer are tests/test_ep.py's."""
+No processes: the 2-process runs through the Trainer are tests/parallel/test_ep.py's."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_what_ep_does_not_combine_with_is_refused_in_one_line(tmp_path, capsys, 
 
 
 def test_ep_with_tensor_parallelism_resolves(tmp_path, capsys):
-    """ep x tp composes (measured exact in tests/test_nd_parallel.py): tp 2 x dp_shard 2 x ep 2 on 4 processes."""
+    """ep x tp composes (measured exact in tests/parallel/test_nd_parallel.py): tp 2 x dp_shard 2 x ep 2 on 4 processes."""
     path = _write(tmp_path, 4, {"parallel": {"dp_shard": 2, "tp": 2, "ep": 2}})
     r = resolve_config(path)
     assert (r.mesh.dp, r.mesh.tp, r.mesh.ep, r.mesh.efsdp) == (2, 2, 2, 2)

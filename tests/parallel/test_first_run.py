@@ -67,7 +67,7 @@ def test_accelerate_deepspeed_accumulation_line_is_explained_once_and_unpatch_re
     N. Using DeepSpeed's value." for every Trainer under DeepSpeed with GA > 1 (transformers' Trainer runs accelerate
     at 1 and fills DeepSpeed's value): the line gets one explanation per process, nothing is hidden, and unpatch()
     takes the explanation off. The wording is read from the installed accelerate (a changed line fails here), and
-    the real DeepSpeed runs of tests/test_deepspeed.py show the explained line beside their exact gradients."""
+    the real DeepSpeed runs of tests/parallel/test_deepspeed.py show the explained line beside their exact gradients."""
     import inspect
     import logging
 

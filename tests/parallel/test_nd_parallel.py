@@ -2,13 +2,13 @@
 
 The distributed tests share ONE launch of 4 processes (gloo, CPU; ~100 s on 2 shared cores;
 the MoE scenarios below add ~30 s of CPU time, +20 %) that runs every scenario of
-``tests/nd_worker.py`` in sequence. Window k of the ground truth is the union of the k-th windows of the
+``tests/support/nd_worker.py`` in sequence. Window k of the ground truth is the union of the k-th windows of the
 data-parallel ranks (one rank per TP group: its TP partners must have consumed the same micro-batches), run in one
 process with plain PyTorch (``harness.ground_truth``: each sample alone, CE sum / total targets, one backward).
 
-The same launch trains the tiny Qwen3-MoE of tests/ep_worker.py with expert parallelism on the 4 processes
+The same launch trains the tiny Qwen3-MoE of tests/support/ep_worker.py with expert parallelism on the 4 processes
 (transformers 5.x only): ep 2 x efsdp 2 (``dp_shard: 4``) and ep 2 x dp_replicate 2 (HSDP, configs/cpu_ep4.yaml), each
-with ``aux_loss: micro`` and ``global``, against tests/test_moe.py's float64 reference through tests/test_ep.py's
+with ``aux_loss: micro`` and ``global``, against tests/moe/test_moe.py's float64 reference through tests/parallel/test_ep.py's
 per-group comparison, and stock's router term beside them (the control).
 
 The other tests (no processes) check the refusals of :func:`hf_gradfix.integration.nd.setup` on a stand-in trainer,

@@ -1,6 +1,6 @@
 """Pipeline parallelism (``parallel.pp``) through a plain ``transformers.Trainer``: exact against one process.
 
-ONE launch of 2 processes (gloo, CPU) runs every case of ``tests/pp_worker.py`` in sequence. Window k's ground truth
+ONE launch of 2 processes (gloo, CPU) runs every case of ``tests/support/pp_worker.py`` in sequence. Window k's ground truth
 is the samples the pipeline consumed in that window (both stages consumed the same ones), run in one process with
 plain PyTorch (``harness.ground_truth``: each sample alone, CE sum / total targets, one backward) on the same
 initial weights (lr 0). Each stage's gradients (its own parameters; together they are the whole model) are compared

@@ -263,7 +263,7 @@ def test_cli_simulate_table(capsys):
     out = captured.out
     assert "simulated step with the stock loss head (fake tensors" in out and "optimizer_state" in out and "MiB/rank" in out
     # progress on the plugin's log (stdout stays the table / the JSON): a line when the trace starts, after the
-    # build, per step (tests/test_plan_progress.py checks every phase's line)
+    # build, per step (tests/plan/test_plan_progress.py checks every phase's line)
     progress = [line.split("] ", 1)[1] for line in lines]
     at = next(i for i, line in enumerate(progress) if line.startswith("simulating one training step"))
     assert "model built" in progress[at + 1], progress
@@ -338,7 +338,7 @@ def test_more_architectures_match_simulation(arch):
 
 # Hybrid decoders (issue 37): a layer that carries state along the sequence (LFM2's short convolution, Qwen3.5's Gated
 # DeltaNet, Bamba's Mamba-2 mixer; torch fallbacks on CPU) beside full-attention layers. The tiny configs of
-# tests/test_packing_hybrid.py: layer 0 is the state-carrying layer, layer 1 attention.
+# tests/packing/test_packing_hybrid.py: layer 0 is the state-carrying layer, layer 1 attention.
 HYBRIDS = {
     "lfm2": ("Lfm2Config", dict(layer_types=["conv", "full_attention"])),
     "qwen3_5": ("Qwen3_5TextConfig", dict(head_dim=8, layer_types=["linear_attention", "full_attention"],

@@ -2,7 +2,7 @@
 per-rank split and FSDP2's padding by hand, the command line and its refusals (config check's lines).
 
 The check against a real split (transformers' DistributedConfig(fsdp_size=2, ep_size=2) on 2 gloo processes) is in
-tests/test_ep.py (``test_planner_per_rank_shards_equal_the_expert_parallel_split``): it needs the 2-process launch.
+tests/parallel/test_ep.py (``test_planner_per_rank_shards_equal_the_expert_parallel_split``): it needs the 2-process launch.
 """
 
 import json

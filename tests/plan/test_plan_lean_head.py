@@ -1,7 +1,7 @@
 """The planner's count of the lean head (``hf_gradfix.plan.lean_head``) against what the head really allocates.
 
 Ground truth: the process's resident high-water mark during one forward + backward of the lean head on real
-tensors (``tests/plan_lean_head_probe.py``, one process per measurement; glibc's mmap threshold fixed at 64 KiB so
+tensors (``tests/support/plan_lean_head_probe.py``, one process per measurement; glibc's mmap threshold fixed at 64 KiB so
 that every large buffer is mapped at allocation and returned at its free, so the high-water mark is the live peak).
 The formula plus the gradients the probe's tensors receive must be within 10 % of it; the control: the other path's
 formula for the same shapes misses by more than that. The planner's totals use it (``--loss-head lean``).
@@ -180,7 +180,7 @@ def test_the_lean_trace_under_fsdp2_drops_the_logits(dtype):
     """Issue 50, item 5: `plan --num-gpus 8 --loss-head lean --timeline` traced the stock head (FSDP2 shards the head
     outside its forward, so the trace did not run lean) beside a closed form that counts the lean one: 25.3 GiB next
     to a traced 29.5 GiB for Llama 3.1 8B. The run's lean head reads the weight FSDP2 has unsharded inside the head's
-    forward (tests/test_nd_parallel.py); the trace does the same now. Measured on FSDP2 over 2 ranks: the lean step's
+    forward (tests/parallel/test_nd_parallel.py); the trace does the same now. Measured on FSDP2 over 2 ranks: the lean step's
     traced peak is below the stock one by at least the logits' size, and by what the closed form's head counts differ
     (within 10 %); the control, the stock head traced, gives the old number."""
     from hf_gradfix.parallel import ParallelDims
@@ -259,7 +259,7 @@ def test_the_closed_form_peak_is_above_the_traced_one_and_not_called_a_bound(nam
 
 
 def test_the_planner_counts_the_lean_head_on_the_last_pipeline_stage():
-    """Under pp the last stage's loss function applies the lean head (tests/test_pipeline.py runs it), except under
+    """Under pp the last stage's loss function applies the lean head (tests/parallel/test_pipeline.py runs it), except under
     the zero-bubble schedule (its backward runs twice, which torch's op refuses): counted on the last stage."""
     from transformers import LlamaConfig
 

@@ -454,7 +454,7 @@ def test_pp_with_packing_from_one_file_is_refused_by_the_library_config_check_an
 def test_zero_bubble_runs_one_stage_per_rank_and_every_entry_point_agrees(tmp_path, capsys):
     """pp_schedule zero_bubble with pp_virtual_stages 1: torch's ScheduleInterleavedZeroBubble takes one stage per rank
     (ZB-H1: its op order splits each backward into input (I) and weight (W) gradients, not 1F1B's whole B), the run
-    is exact on 2 gloo ranks (tests/test_pipeline.py, pp2_zero_bubble_v1_ga4), so config check accepts it, the schema
+    is exact on 2 gloo ranks (tests/parallel/test_pipeline.py, pp2_zero_bubble_v1_ga4), so config check accepts it, the schema
     says so, and the planner plans it with the bubble config check prints."""
     import dataclasses as dc
     import json

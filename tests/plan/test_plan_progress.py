@@ -53,7 +53,7 @@ def test_every_phase_says_a_line_when_it_starts_the_first_before_any_import(monk
 def test_a_heartbeat_fires_while_a_phase_runs_long(monkeypatch):
     """The closed form made slow (its estimate sleeps 1 s) under a 0.1 s heartbeat: "still" lines repeat that phase
     while it runs; the control, the same slow phase with the heartbeat off, says it once. (The heartbeat's own rule
-    on a fake clock: tests/test_verify.py, the same module.)"""
+    on a fake clock: tests/verify/test_verify.py, the same module.)"""
     import hf_gradfix.plan_cli as cli
 
     real = cli.estimate

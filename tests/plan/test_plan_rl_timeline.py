@@ -150,7 +150,7 @@ def _measured(cfg, *, packed: bool, beta: float, old: bool, recompute: bool) -> 
         loss.backward()
 
     phases: dict[str, int] = {}
-    live = _Live(weights)  # tests/test_plan_rl.py's storage counter
+    live = _Live(weights)  # tests/plan/test_plan_rl.py's storage counter
     with live.mode:
         # a first optimizer step makes the optimizer state
         train({"prompt_ids": torch.randint(3, cfg.vocab_size, (MB, P)), "prompt_mask": torch.ones(MB, P, dtype=torch.long),

@@ -174,7 +174,7 @@ def test_the_plan_command_line_sits_beside_the_other_clis():
 
 
 def test_the_suite_process_never_sees_the_kernel_stand_ins():
-    """tests/kernel_standins (pure-PyTorch causal_conv1d / fla / mamba_ssm) stay out of the suite's own processes:
+    """tests/support/kernel_standins (pure-PyTorch causal_conv1d / fla / mamba_ssm) stay out of the suite's own processes:
     were they importable here, transformers would bind them as installed kernels for every hybrid model the suite
     builds (tests/conftest.py's collect_ignore keeps `--doctest-modules tests` from putting them on sys.path)."""
     import importlib.util

@@ -1,10 +1,10 @@
 """Reinforcement learning from rewards, exact (issue 35): TRL's GRPO family (every ``loss_type``) and RLOO, normalized by
 each loss type's objective over the real optimizer window (every micro-batch, every data rank).
 
-Each case trains a tiny Qwen2 policy (``tests/rl_runs.py``: offline tokenizer, a deterministic reward, no vLLM,
+Each case trains a tiny Qwen2 policy (``tests/support/rl_runs.py``: offline tokenizer, a deterministic reward, no vLLM,
 completions of 1 to 10 tokens) under ``hf_gradfix.patch()`` and compares every optimizer step's accumulated gradient
 and logged loss with a float64, one-process reference recomputed from the tensors the trainer trained on
-(``tests/rl_reference.py``, written from the loss types' definitions). Controls that must fail: TRL's own divisor
+(``tests/support/rl_reference.py``, written from the loss types' definitions). Controls that must fail: TRL's own divisor
 for dapo when ``steps_per_generation = 2 x GA`` (the *expected* window count) and the mean of micro-batch means.
 Stock TRL's errors on the same settings are measured by ``benchmarks/bench_rl.py`` (docs/rl.md).
 """

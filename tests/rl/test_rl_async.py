@@ -1,7 +1,7 @@
 """TRL 1.16's asynchronous GRPO (``trl.experimental.async_grpo.AsyncGRPOTrainer``), exact over the optimizer window
 (issue 35).
 
-Driven offline on CPU through its own seams (``tests/rl_async_runs.py``: a fixed rollout worker, a no-op weight
+Driven offline on CPU through its own seams (``tests/support/rl_async_runs.py``: a fixed rollout worker, a no-op weight
 transfer, a tiny random-init Qwen2, the offline tokenizer, a CPU stand-in for the tree-attention kernel). Every
 optimizer step's accumulated gradient and logged loss are compared with a float64, one-process reference recomputed
 here from the samples the collator packed into each micro-batch (each sample alone through the model's ordinary

@@ -7,7 +7,7 @@
 - a control that must fail: the same row without restarted positions and without ``cu_seq_lens`` (the documents see
   each other);
 - the hook: a GRPO run (dapo + entropy bonus, old log-probs computed) and an RLOO run with packed forwards give the
-  gradient of the padded run and stay exact against ``tests/rl_reference.py``'s window reference; a model the guard
+  gradient of the padded run and stay exact against ``tests/support/rl_reference.py``'s window reference; a model the guard
   refuses (OPT on sdpa mixes packed sequences), multimodal inputs and a subclass's own forward stay padded with one
   warning; a separate reference model gets its own verdict.
 """

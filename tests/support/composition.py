@@ -1,4 +1,4 @@
-"""The composition matrix (``tests/test_composition_matrix.py``, issue 50): every opt-in setting crossed pairwise with
+"""The composition matrix (``tests/trainer/test_composition_matrix.py``, issue 50): every opt-in setting crossed pairwise with
 the others, the head families and the trainers, each cell trained for real and held to an independent ground truth.
 
 Why: every capability passed its own checks, yet two of them together trained the wrong objective without a word
@@ -23,7 +23,7 @@ a row the plugin (or TRL) packed, padded or flattened is cut into its documents 
 default positions. Each head's objective is written here from its definition: causal (next-token CE), masked and
 token classification (CE per labelled position), seq2seq (CE of the decoder against its labels), sequence
 classification (CE per row), transformers' label smoothing, the MoE router loss by the declared convention
-(``docs/moe.md``), and the policy-gradient objective of ``tests/rl_reference.py``.
+(``docs/moe.md``), and the policy-gradient objective of ``tests/support/rl_reference.py``.
 
 Pairwise covering (:func:`covering_rows`): every pair of values of two factors appears in at least one cell, not the
 full product (which would be ~1e6 runs). Pairs that cannot be built (:func:`unbuildable`: TRL's packing outside
@@ -284,7 +284,7 @@ def build_model(row: Mapping[str, Any], seed: int = 0):
     arch = {"causal": "llama", "seq2seq": "t5", "tokcls": "llama_tokcls", "seqcls": "llama_seqcls"}.get(head)
     if head == "masked":
         # ModernBERT: its masked-LM loss goes through loss_function (unshifted), what the lean head must measure; BERT
-        # computes it inline (the lean head keeps the stock head there, said once: tests/test_lean_head.py)
+        # computes it inline (the lean head keeps the stock head there, said once: tests/loss/test_lean_head.py)
         cfg = tf.ModernBertConfig(
             vocab_size=H.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
             max_position_embeddings=128, local_attention=16, global_attn_every_n_layers=2, embedding_dropout=0.0,
@@ -656,7 +656,7 @@ def window_truth(model, weights, window: list[Mapping], row: Mapping[str, Any]) 
 
 
 def rl_truth(trainer, weights, window, row) -> dict[str, torch.Tensor]:
-    """The policy-gradient objective of ``tests/rl_reference.py`` over the window (float64), plus, on a MoE model, TRL's
+    """The policy-gradient objective of ``tests/support/rl_reference.py`` over the window (float64), plus, on a MoE model, TRL's
     router term: the mean over micro-batches of each forward's load-balancing loss over its real tokens."""
     import rl_reference
 

@@ -1,4 +1,4 @@
-"""Kill a packed hf_gradfix training run at each phase of a checkpoint save, then resume (tests/test_crash_safe_checkpoints.py).
+"""Kill a packed hf_gradfix training run at each phase of a checkpoint save, then resume (tests/trainer/test_crash_safe_checkpoints.py).
 
 One process imports everything once, then forks a child per run (fork: no second import of transformers):
 
@@ -8,7 +8,7 @@ One process imports everything once, then forks a child per run (fork: no second
   saves its final weights, and what the resume chose; the checkpoints as the crash left them are copied to
   ``OUT/torn/<phase>/`` first.
 
-Run: ``python tests/crash_save_worker.py OUT phase1,phase2,...``; writes ``OUT/<run>/result.json`` and ``final.pt``.
+Run: ``python tests/support/crash_save_worker.py OUT phase1,phase2,...``; writes ``OUT/<run>/result.json`` and ``final.pt``.
 """
 
 from __future__ import annotations

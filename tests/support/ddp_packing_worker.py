@@ -1,5 +1,5 @@
 """DDP worker for packed training (gloo, CPU): run as
-``python -m torch.distributed.run --nproc_per_node 2 tests/ddp_packing_worker.py OUT_DIR``.
+``python -m torch.distributed.run --nproc_per_node 2 tests/support/ddp_packing_worker.py OUT_DIR``.
 
 Every rank trains a tiny Llama with ``hf_gradfix.patch({"packing": ...})``, SGD lr 0, GA 2, and writes
 its gradients at every optimizer step (after the DDP all-reduce) and its logged losses to OUT_DIR.

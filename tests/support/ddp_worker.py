@@ -3,7 +3,7 @@
 Run (normally through ``harness.run_ddp``)::
 
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29517 \
-        tests/ddp_worker.py --scenario llama --out DIR [--patch] [--avg-false] [--set KEY=VALUE ...]
+        tests/support/ddp_worker.py --scenario llama --out DIR [--patch] [--avg-false] [--set KEY=VALUE ...]
 
 Each rank builds the scenario (same seed on every rank), runs ``harness.run_trainer`` and writes ``DIR/rank{r}.pt``
 (torch.save of a dict: ``meta``, ``steps`` [idx_batches, grads, local_loss per optimizer step], ``logged_losses``,

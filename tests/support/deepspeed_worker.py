@@ -3,7 +3,7 @@
 Run (normally through ``test_deepspeed.py``)::
 
     DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
-        --master_port PORT tests/deepspeed_worker.py --out DIR --cases z2_llama_stock,z2_llama_ours,...
+        --master_port PORT tests/support/deepspeed_worker.py --out DIR --cases z2_llama_stock,z2_llama_ours,...
 
 A case is ``z<stage>_<model case>_<stock|ours>``: the tiny fp32 model of ``harness.build_model`` trained by a
 ``transformers.Trainer`` with ``TrainingArguments(deepspeed={zero stage ...}, use_cpu=True)``, SGD lr 1, bs 1, GA 2,

@@ -3,7 +3,7 @@
 Run (normally through ``test_ep.py``)::
 
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT \
-        tests/ep_worker.py --out DIR --cases patched,stock,...
+        tests/support/ep_worker.py --out DIR --cases patched,stock,...
 
 Every case builds the tiny Qwen3-MoE of ``harness.build_moe`` (6 experts, top-2, 2 layers, router aux coef 0.5; same
 seed on every rank), shards it with transformers' own expert parallelism as a user would load it
@@ -50,7 +50,7 @@ def _full(t):
 def _local_sizes(model) -> dict:
     """This rank's share of the sharded model, routed experts (``.mlp.experts.``) apart from the rest: elements of
     ``p.to_local()`` / ``p.grad.to_local()``, FSDP2's padded shard sizes, and the bytes of the storages (a gradient
-    storage is the reduce-scatter output of an FSDP2 unit, counted once). For tests/test_ep.py's planner check."""
+    storage is the reduce-scatter output of an FSDP2 unit, counted once). For tests/parallel/test_ep.py's planner check."""
     from torch.distributed.tensor import DTensor
 
     keys = ("param_numel", "param_storage_bytes", "fsdp_padded_numel", "grad_numel", "grad_storage_bytes")

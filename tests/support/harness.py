@@ -14,7 +14,7 @@ How a check works (see /work/shared/research/loss-normalization.md, sections 0, 
   (all ranks) and divided by the total target count; one backward.
 * :func:`check_against_gt` compares each recorded step with the GT over that step's samples (:func:`rel_err`,
   :func:`norm_ratio`, logged loss relative error).
-* :func:`run_ddp` launches ``tests/ddp_worker.py`` with ``torch.distributed.run`` (gloo, CPU) and loads the per-rank
+* :func:`run_ddp` launches ``tests/support/ddp_worker.py`` with ``torch.distributed.run`` (gloo, CPU) and loads the per-rank
   records; :func:`check_ddp_against_gt` compares window k with the GT over the union of all ranks' k-th windows.
 
 Only plain PyTorch + the model's logits are trusted for the GT.  Weights are compared against the state recorded before
@@ -1028,7 +1028,7 @@ def run_ddp(
     out_dir: str | os.PathLike | None = None,
     python: str | None = None,
 ) -> dict:
-    """Launch ``tests/ddp_worker.py --scenario NAME`` under ``torch.distributed.run`` (gloo, CPU, 127.0.0.1).
+    """Launch ``tests/support/ddp_worker.py --scenario NAME`` under ``torch.distributed.run`` (gloo, CPU, 127.0.0.1).
 
     ``patch``: pass ``--patch`` (the worker calls ``hf_gradfix.patch()``; if the plugin is missing, the worker exits
     with code 77 and this raises ``PluginMissing`` so a test can skip).  ``extra``: more worker flags, e.g.

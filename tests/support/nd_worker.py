@@ -3,7 +3,7 @@
 Run (normally through ``test_nd_parallel.py``)::
 
     python -m torch.distributed.run --nproc_per_node 4 --master_addr 127.0.0.1 --master_port PORT \
-        tests/nd_worker.py --out DIR --scenarios shard2_tp2,rep2_shard2,...
+        tests/support/nd_worker.py --out DIR --scenarios shard2_tp2,rep2_shard2,...
 
 Every scenario builds the same tiny fp32 Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 128; same seed on
 every rank), calls ``hf_gradfix.patch(<config with a parallel section>)``, trains a ``transformers.Trainer`` with SGD
@@ -14,7 +14,7 @@ micro-batches each rank consumed, its losses and its mesh coordinates. Rank r wr
 Scenarios whose name ends in ``_refused`` expect the Trainer to refuse the setup and record the message.
 
 The ``ep*`` scenarios (transformers 5.x only: the test leaves them out where DistributedConfig has no ep) train
-tests/ep_worker.py's tiny Qwen3-MoE (6 experts, top-2, router aux coef 0.5) with expert parallelism on the 4
+tests/support/ep_worker.py's tiny Qwen3-MoE (6 experts, top-2, router aux coef 0.5) with expert parallelism on the 4
 processes instead: bs 2, GA 2, 32 samples, 4 data ranks (short samples on rank 0, long ones on rank 3). The plain
 model is given to the Trainer and hf_gradfix shards it from the ``parallel`` section; ``*_stock`` loads it with
 transformers' DistributedConfig itself and trains without hf_gradfix.

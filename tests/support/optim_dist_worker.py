@@ -1,9 +1,9 @@
-"""Distributed worker for the low-rank optimizer tests (``tests/test_optim_distributed.py``; gloo, CPU).
+"""Distributed worker for the low-rank optimizer tests (``tests/optim/test_optim_distributed.py``; gloo, CPU).
 
 Run (normally through :func:`launch`)::
 
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT \
-        tests/optim_dist_worker.py --out DIR [--cases ddp_galore,fsdp_galore,...]
+        tests/support/optim_dist_worker.py --out DIR [--cases ddp_galore,fsdp_galore,...]
 
 Every case trains the same tiny fp32 Llama from the same initial weights for ``STEPS`` optimizer steps, each step on
 the same global batch (``WORLD * GA * MB`` sequences of ``SEQ`` tokens, no padding, so every micro-batch of every rank

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_optim_unit.py: tiny models, deterministic data, comparison metrics, reference loaders.
+"""Helpers for tests/optim/test_optim_unit.py: tiny models, deterministic data, comparison metrics, reference loaders.
 
 Nothing here computes an expected optimizer result: references are ``torch.optim.AdamW``, galore-torch,
 apollo-torch, or plain math written in the test itself.

@@ -1,7 +1,7 @@
 """Peak resident memory of the lean head's forward + backward on real tensors (one process per measurement, so the
-peak is this call's alone): tests/test_plan_lean_head.py compares it with hf_gradfix.plan.lean_head's formula.
+peak is this call's alone): tests/plan/test_plan_lean_head.py compares it with hf_gradfix.plan.lean_head's formula.
 
-usage: python tests/plan_lean_head_probe.py TOKENS HIDDEN VOCAB fp32|bf16-autocast   (prints one JSON line)
+usage: python tests/support/plan_lean_head_probe.py TOKENS HIDDEN VOCAB fp32|bf16-autocast   (prints one JSON line)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Run (normally through ``test_pipeline.py``)::
 
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT \
-        tests/pp_worker.py --out DIR --cases pp2_1f1b_ga4,...
+        tests/support/pp_worker.py --out DIR --cases pp2_1f1b_ga4,...
 
 Every case builds the same tiny fp32 Llama (4 layers, GQA, untied, same seed on every rank), calls
 ``hf_gradfix.patch(<config with parallel.pp>)`` and trains a plain ``transformers.Trainer`` with SGD lr 0 (the

@@ -1,4 +1,4 @@
-"""Offline runs of TRL 1.16's ``trl.experimental.async_grpo.AsyncGRPOTrainer`` for ``tests/test_rl_async.py``, and its
+"""Offline runs of TRL 1.16's ``trl.experimental.async_grpo.AsyncGRPOTrainer`` for ``tests/rl/test_rl_async.py``, and its
 2-process gloo worker.
 
 AsyncGRPO normally trains on rollouts a vLLM server generates; its constructor takes the two seams that make it run
@@ -16,7 +16,7 @@ different token counts (what makes a mean of micro-batch means differ from the w
 Worker::
 
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT \
-        tests/rl_async_runs.py --out DIR --cases ga2
+        tests/support/rl_async_runs.py --out DIR --cases ga2
 """
 
 from __future__ import annotations

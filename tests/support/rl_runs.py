@@ -1,4 +1,4 @@
-"""Runs of TRL's policy-gradient trainers for the RL tests (``tests/test_rl.py``, ``tests/rl_worker.py``): a tiny Qwen2
+"""Runs of TRL's policy-gradient trainers for the RL tests (``tests/rl/test_rl.py``, ``tests/support/rl_worker.py``): a tiny Qwen2
 policy built offline, the offline word-level tokenizer, a deterministic reward, ``use_vllm=False``, SGD at lr 0 (the
 weights never move: every window is compared at the initial weights), and a record of what the trainer trained on.
 

@@ -1,9 +1,9 @@
-"""RL worker (gloo on CPU) for ``tests/test_rl.py``: each case one TRL GRPO run under ``hf_gradfix.patch()`` on every
+"""RL worker (gloo on CPU) for ``tests/rl/test_rl.py``: each case one TRL GRPO run under ``hf_gradfix.patch()`` on every
 rank of one ``torch.distributed.run`` launch; rank r writes ``DIR/<case>/rank{r}.pt`` with its gradients, the
 micro-batches its loss function was given, its logged losses and the initial model.
 
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT \
-        tests/rl_worker.py --out DIR --cases dapo_spg4,...
+        tests/support/rl_worker.py --out DIR --cases dapo_spg4,...
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""A tiny patched Trainer run with its tqdm bar on, as a user runs it (tests/test_start_line.py reads its stderr).
+"""A tiny patched Trainer run with its tqdm bar on, as a user runs it (tests/trainer/test_start_line.py reads its stderr).
 
-usage: python tests/start_line_run.py sft|override
+usage: python tests/support/start_line_run.py sft|override
 """
 
 from __future__ import annotations

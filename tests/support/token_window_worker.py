@@ -1,4 +1,4 @@
-"""2-process worker for ``tests/test_token_window.py`` (gloo, CPU, launched with ``torch.distributed.run``).
+"""2-process worker for ``tests/loss/test_token_window.py`` (gloo, CPU, launched with ``torch.distributed.run``).
 
 A plain accelerate loop (``Accelerator(cpu=True, gradient_accumulation_steps=GA)``, prepared DDP model, SGD lr 0)
 over hand-made per-rank micro-batches (bs 1, GA 3, no dataloader sharding, so the data per rank is fixed here):

@@ -1,4 +1,4 @@
-"""The trainer matrix (``tests/test_trainer_matrix.py``): every trainer class the installed TRL ships, found by walking
+"""The trainer matrix (``tests/trainer/test_trainer_matrix.py``): every trainer class the installed TRL ships, found by walking
 the package, and transformers' ``Trainer`` / ``Seq2SeqTrainer`` with the subclasses real projects write, each trained
 stock and under ``hf_gradfix.patch()`` on tiny models built offline.
 
@@ -14,7 +14,7 @@ stock and under ``hf_gradfix.patch()`` on tiny models built offline.
   optimizer step, the inputs of every training ``compute_loss`` call (the micro-batches as trained on, after the
   trainer's own ``_prepare_inputs`` and any generation), the accumulated gradient (``on_pre_optimizer_step``), the
   ``hf_gradfix`` warnings, and the exception if construction or ``train()`` raised.
-* The ground truths a run hf_gradfix reports exact is held to: :func:`token_truth` (``tests/ecosystem.py``'s per-target
+* The ground truths a run hf_gradfix reports exact is held to: :func:`token_truth` (``tests/support/ecosystem.py``'s per-target
   cross entropy from the logits, plus the MoE router aux term averaged over the window's micro-batches, the convention
   hf_gradfix documents) and, for losses this file does not write out (distillation), :func:`trainer_loss_truth`: the
   trainer's own loss on the whole window as one batch (GA k x b = 1 x kb).
@@ -252,7 +252,7 @@ def build_named(kind: str, seed: int = 0):
 
 def build(kind: str, seed: int = 0):
     """A tiny fp32 model, every dropout 0: ``llama`` / ``qwen2`` / ``llama_seqcls`` (1 label: a reward model) / ``t5`` /
-    ``bart`` from tests/harness.py, ``qwen3_moe`` (4 experts, 2 per token, router aux loss) or ``llama_lora`` (PEFT
+    ``bart`` from tests/support/harness.py, ``qwen3_moe`` (4 experts, 2 per token, router aux loss) or ``llama_lora`` (PEFT
     LoRA on the Llama)."""
     import transformers as tf
 
@@ -743,7 +743,7 @@ def router_aux_coef(model) -> float:
 
 def token_truth(model, batches: list, task: str, aux_coef: float = 0.0) -> dict[str, torch.Tensor]:
     """Gradient of (sum of the window's per-target CE) / (its target count) [+ aux_coef * mean over the window's
-    micro-batches of the model's router aux loss], from the logits, by the task's rule (tests/ecosystem.py)."""
+    micro-batches of the model's router aux loss], from the logits, by the task's rule (tests/support/ecosystem.py)."""
     model.zero_grad(set_to_none=True)
     total, count = None, 0
     for batch in batches:
@@ -816,7 +816,7 @@ def truth_errors(patched: Run, stock: Run, truth: str) -> list[float]:
     model.train()
     errors = []
     for k, (got, window) in enumerate(zip(patched.grads, patched.windows)):
-        if truth == "rl":  # the loss type's objective over the window (tests/rl_reference.py, float64)
+        if truth == "rl":  # the loss type's objective over the window (tests/support/rl_reference.py, float64)
             import rl_reference
 
             loss_type = patched.reports[k].get("rl_loss_type") or "rloo"

@@ -1,6 +1,6 @@
 """The composition matrix (issue 50): every opt-in setting crossed pairwise with the others, the head families
 (causal, masked, seq2seq, token and sequence classification) and the trainers (transformers' Trainer, TRL's SFTTrainer
-and GRPOTrainer), each cell trained for real and held to an independent ground truth; how, in ``tests/composition.py``.
+and GRPOTrainer), each cell trained for real and held to an independent ground truth; how, in ``tests/support/composition.py``.
 
 Each cell must be exact, or equal to stock with exactly one warning, or refused before any step in one line, and
 every opt-in setting of the cell must be in force or named by a warning: never silent. The planted composition bugs

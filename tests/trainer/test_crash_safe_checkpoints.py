@@ -5,7 +5,7 @@ The torn folders, named explicitly, are refused in one line naming the newest co
 lost a file its save wrote (or holds a marker of another step) is skipped / refused by every way in; a full disk is
 reported as such.
 
-One launch of tests/crash_save_worker.py (forks a child per run: ~40 s on 2 shared cores); the other runs are a few
+One launch of tests/support/crash_save_worker.py (forks a child per run: ~40 s on 2 shared cores); the other runs are a few
 optimizer steps in this process."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ produces training labels, the default-collator path, TRL's ``SFTTrainer`` in its
 
 Every case records the batches the Trainer actually drew (``BatchEncoding`` from transformers' collators) and compares
 each optimizer step's accumulated gradient and logged loss with an independent ground truth computed on exactly those
-batches (``tests/ecosystem.py``). The same case also runs stock: the plugin must be exact (gradient <= 1e-5 relative)
+batches (``tests/support/ecosystem.py``). The same case also runs stock: the plugin must be exact (gradient <= 1e-5 relative)
 and never worse than stock. ``STOCK_WRONG`` pins which cases stock transformers gets wrong, so a change on either side
 is noticed.
 """

@@ -11,7 +11,7 @@
   the step, so nothing it does first depends on those.
 
 Every verdict is measured against an independent ground truth (plain PyTorch, one process, the whole window at once,
-``tests/harness.py``) with a control that must fail.
+``tests/support/harness.py``) with a control that must fail.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The trainer matrix (issue 34): every trainer class the installed TRL ships, discovered by walking the package (not
 from a list), and transformers' ``Trainer`` / ``Seq2SeqTrainer`` with the ``training_step`` / ``compute_loss`` /
 ``get_batch_samples`` overrides real projects write, each trained stock and under ``hf_gradfix.patch()`` on tiny
-models built offline (helpers and recipes: ``tests/trainer_matrix.py``).
+models built offline (helpers and recipes: ``tests/support/trainer_matrix.py``).
 
 Both runs start from the same weights and draw the same data (SGD at lr 0, no clipping, GA 2, 2 optimizer steps, CPU,
 fp32). The verdict of a case comes from what hf_gradfix reports about the trainer (``hf_gradfix.state_of``), not from

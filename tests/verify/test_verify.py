@@ -1,7 +1,7 @@
 """``hf-gradfix verify``: the verdict follows the numbers; the user's own script is checked; every planted bug is
 caught and named, the same scripts fixed pass.
 
-The user scripts live in tests/verify_scripts/ (a tokenizer trained offline, ``datasets``, transformers' own
+The user scripts live in tests/support/verify_scripts/ (a tokenizer trained offline, ``datasets``, transformers' own
 collators returning ``BatchEncoding``).  The ground truth is computed by hf_gradfix.verify in plain PyTorch; the
 planted bugs are written in the scripts, independently of it, and each must be named by the one reference that
 reproduces the run's gradient to fp32 precision.

@@ -1,6 +1,6 @@
 """Hybrid packing with the varlen kernels installed (stand-ins of causal-conv1d, fla and mamba-ssm, see README.md): hf_gradfix hands the document
 boundaries to the kernels (one mixer call per layer) where the probe measures that they keep the documents apart, and
-splits where they do not. Run by ``tests/test_packing_hybrid_kernels.py`` in its own process, with this folder first on
+splits where they do not. Run by ``tests/packing/test_packing_hybrid_kernels.py`` in its own process, with this folder first on
 ``PYTHONPATH`` (transformers binds the kernels when it imports a modeling module).
 
 Ground truth: each document alone through the same model (``harness.ground_truth``: CE summed, divided by the

@@ -4,7 +4,7 @@ Runs correct and buggy training runs under the Trainer's bf16 autocast on this m
 through ``hf-gradfix verify``'s own code path (``run_script`` for the scripts in this folder, ``verify`` for the
 built-in run), and prints per run: the gradient error against the ground truth computed under the same autocast,
 the rounding floor, their ratio, the error against the fp32 ground truth, the tolerance, the verdict and the
-nearest bug reference.  ``python tests/verify_scripts/measure_precision.py [--quick]`` (from the repository root).
+nearest bug reference.  ``python tests/support/verify_scripts/measure_precision.py [--quick]`` (from the repository root).
 """
 
 from __future__ import annotations

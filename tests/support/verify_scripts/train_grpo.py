@@ -1,4 +1,4 @@
-"""A user's TRL GRPO script, as ``hf-gradfix verify -- python train_grpo.py ...`` sees it (tests/test_verify.py).
+"""A user's TRL GRPO script, as ``hf-gradfix verify -- python train_grpo.py ...`` sees it (tests/verify/test_verify.py).
 
 Everything is built offline: a word-level tokenizer (``tokenizers``, the pattern of docs/rl.md), a tiny random-init
 Qwen2 policy in fp32, a ``datasets.Dataset`` of prompts, a deterministic reward that prefers longer completions

@@ -1,4 +1,4 @@
-"""A user's TRL SFT script, as ``hf-gradfix verify -- python train_sft.py ...`` sees it (tests/test_verify.py).
+"""A user's TRL SFT script, as ``hf-gradfix verify -- python train_sft.py ...`` sees it (tests/verify/test_verify.py).
 
 ``SFTConfig`` keeps TRL's defaults (``bf16=True``: the Trainer runs the model under bf16 autocast; gradient
 checkpointing on); only the sizes are small, and ``use_cpu=True`` (transformers refuses bf16 on a machine

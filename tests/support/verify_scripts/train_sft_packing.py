@@ -1,5 +1,5 @@
 """A user's TRL SFT script with TRL's packing (``SFTConfig(packing=True)``: BFD rows with a ``seq_lengths`` column),
-as ``hf-gradfix verify -- python train_sft_packing.py ...`` sees it (tests/test_packing_already_packed.py).
+as ``hf-gradfix verify -- python train_sft_packing.py ...`` sees it (tests/packing/test_packing_already_packed.py).
 
 fp32, a tokenizer trained offline (train_user.build_tokenizer), 40 sentences, a tiny random-init LFM2 (``--arch
 lfm2``, a short convolution) or Llama; GA 2, rows of at most 64 tokens.

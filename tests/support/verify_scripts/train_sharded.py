@@ -1,5 +1,5 @@
 """A user's training script for the sharded launches, as ``hf-gradfix launch --config_file CFG -m hf_gradfix verify --
-train_sharded.py ...`` sees it (tests/test_verify.py): a plain ``Trainer`` script with ``hf_gradfix.patch()`` and
+train_sharded.py ...`` sees it (tests/verify/test_verify.py): a plain ``Trainer`` script with ``hf_gradfix.patch()`` and
 ``TrainingArguments(use_cpu=True)``, whatever the launch shards (``configs/cpu_ep.yaml``: expert parallelism,
 ``configs/cpu_pp.yaml``: pipeline stages, ``configs/cpu_nd.yaml``: FSDP2 x tp, ``configs/cpu_cp.yaml``,
 ``configs/accelerate/cpu_deepspeed.yaml``: ZeRO).
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
 
     if os.environ.get("DS_ACCELERATOR") == "cpu":  # configs/accelerate/cpu_deepspeed.yaml (hf-gradfix launch sets it)
         # No shared-memory all-reduce op: DeepSpeed's own fallback when it cannot build one (its collectives go through
-        # gloo), as tests/deepspeed_worker.py does; saves its first-run g++ build (45 s - 5 min)
+        # gloo), as tests/support/deepspeed_worker.py does; saves its first-run g++ build (45 s - 5 min)
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__ = {}

@@ -1,4 +1,4 @@
-"""A user's training script, as ``hf-gradfix verify -- python train_user.py ...`` sees it (tests/test_verify.py).
+"""A user's training script, as ``hf-gradfix verify -- python train_user.py ...`` sees it (tests/verify/test_verify.py).
 
 A tokenizer trained offline with ``tokenizers`` on examples/data/corpus.txt, a ``datasets.Dataset`` tokenized
 with ``map``, transformers' own collators (they return ``BatchEncoding``) and a tiny random-init model of the
