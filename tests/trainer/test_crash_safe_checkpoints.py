@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the worker fork
 def crashed():
     out = Path(tempfile.mkdtemp(prefix="hgf_crash_"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.REPO_ROOT / "tests")])}
+           "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.REPO_ROOT / "tests" / "support")])}
     proc = subprocess.run([sys.executable, str(H.REPO_ROOT / "tests" / "support" / "crash_save_worker.py"), str(out), ",".join(PHASES)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
