@@ -38,7 +38,7 @@ def results_path(name: str) -> str:
 
 def on_path(*folders: Path | str) -> None:
     """Put folders first on ``sys.path`` (the repository root: hf_gradfix from this checkout without installing it;
-    ``tests/``: the harness a report script reuses)."""
+    ``tests/support``: the harness a report script reuses)."""
     for folder in reversed(folders):
         sys.path.insert(0, str(folder))
 

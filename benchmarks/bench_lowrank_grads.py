@@ -27,7 +27,7 @@ peak: the planner's prediction (``hf_gradfix.plan.estimate`` for the same model,
 DDP traffic.  What one optimizer step all-reduces under DDP, counted from the tensors each arm holds at the step:
 plain DDP all-reduces every gradient; with ``lowrank_grads`` DDP all-reduces the unprojected gradients and the
 optimizer the rank-r accumulators plus the full gradients of the matrices refreshing at that step (bit for bit what
-``tests/test_optim_distributed.py`` all-reduces in its 2-process run, where the bytes are measured with a DDP comm
+``tests/optim/test_optim_distributed.py`` all-reduces in its 2-process run, where the bytes are measured with a DDP comm
 hook and the optimizer's counter).
 
 Quality.  A tiny Llama (hidden 128, 2 layers, vocabulary 512) on bench_optim.py's synthetic bigram task, GA 4,

@@ -9,13 +9,13 @@ processes on 127.0.0.1 (1 torch thread each) that runs this file with ``--worker
 per-step records as JSON, and the parent prints a markdown table (and writes ``results/overhead-distributed.md``).
 
 * ``zero3``: a tiny Llama through ``transformers.Trainer`` with ``TrainingArguments(deepspeed={ZeRO stage 3})``
-  (DeepSpeed on CPU, its collectives over gloo, as ``tests/deepspeed_worker.py`` runs it). Arms: ``stock``,
+  (DeepSpeed on CPU, its collectives over gloo, as ``tests/support/deepspeed_worker.py`` runs it). Arms: ``stock``,
   ``patched`` (built after ``hf_gradfix.patch()``) and ``control`` (a second stock trainer: the A/A control).
 * ``pp``: the same Llama split in 2 stages by ``hf_gradfix.patch({"parallel": {"pp": 2}})`` (1F1B). One arm: there
   is no stock Trainer pipeline to compare with.
 * ``ep``: a tiny Qwen3-MoE loaded as a user loads it for expert parallelism, ``from_pretrained(path,
   distributed_config=DistributedConfig(fsdp_size=2, ep_size=2, ep_implementation="all_to_all"))`` (as
-  ``tests/ep_worker.py``); arms ``stock``, ``patched`` (``loss.aux_loss: micro``), ``control``.
+  ``tests/support/ep_worker.py``); arms ``stock``, ``patched`` (``loss.aux_loss: micro``), ``control``.
 
 Where there are several arms, they live in the same 2 processes and take turns one optimizer step at a time: each
 arm's ``trainer.train()`` runs in its own thread, and a callback hands a baton over at every ``on_step_end`` (only
@@ -426,7 +426,7 @@ def worker(args) -> None:
         import deepspeed.ops
 
         # no shared-memory all-reduce op (its g++ build takes minutes): DeepSpeed's own fallback when the op cannot be
-        # built, its collectives then go through torch's gloo (as tests/deepspeed_worker.py)
+        # built, its collectives then go through torch's gloo (as tests/support/deepspeed_worker.py)
         deepspeed.ops.__compatible_ops__ = {}
         deepspeed.init_distributed(dist_backend="gloo")
     else:

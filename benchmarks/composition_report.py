@@ -1,11 +1,11 @@
-"""The composition matrix's verdict table (issue 50): every cell of ``tests/test_composition_matrix.py``, its verdict
+"""The composition matrix's verdict table (issue 50): every cell of ``tests/trainer/test_composition_matrix.py``, its verdict
 and why, and the pairs no cell holds, with their reasons.
 
     python benchmarks/composition_report.py                      # prints the table (~30 s on 2 cores)
     python benchmarks/composition_report.py --out benchmarks/results/composition-matrix.md
 
 Each cell is one training run (GA 2, 2 optimizer steps, AdamW moving the weights) held to the independent float64
-ground truth of ``tests/composition.py``; the verdicts: exact (relative gradient error <= 1e-5 at every step), stock
+ground truth of ``tests/support/composition.py``; the verdicts: exact (relative gradient error <= 1e-5 at every step), stock
 (equal to the stock run, one warning), refused (one line before any step), FAIL (anything else).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from _common import ROOT, on_path  # noqa: E402
 
-on_path(ROOT / "tests")
+on_path(ROOT / "tests" / "support")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -1,10 +1,10 @@
-"""Before/after table on the ecosystem's own paths: each case of ``tests/test_ecosystem.py`` (a real tokenizer,
+"""Before/after table on the ecosystem's own paths: each case of ``tests/trainer/test_ecosystem.py`` (a real tokenizer,
 transformers' and TRL's collators and trainers, ``datasets`` objects), stock transformers beside hf_gradfix.
 
     python benchmarks/ecosystem_report.py            # ~3 min on 2 cores; writes benchmarks/results/ecosystem-transformers-<v>.md
 
 Each number is the worst relative gradient error ``||g - g*|| / ||g*||`` over the run's optimizer steps against the
-ground truth computed on the batches the Trainer actually drew (``tests/ecosystem.py``), and the relative error of
+ground truth computed on the batches the Trainer actually drew (``tests/support/ecosystem.py``), and the relative error of
 the eval loss against the exact token mean over the eval set (cases with an eval set).
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 from _common import RESULTS, ROOT, on_path  # noqa: E402
 
-on_path(ROOT / "tests")
+on_path(ROOT / "tests" / "support")
+__import__("suite_paths").add()  # the rooms' test modules (tests/support/suite_paths.py)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import transformers  # noqa: E402

@@ -4,7 +4,7 @@
     python benchmarks/exactness_report.py --ddp      # plus the 2-process DDP cases (~3 more min)
 
 Each number is the worst over the run's optimizer steps of the relative gradient error
-||g - g*|| / ||g*|| against the independent ground truth of ``tests/harness.py`` (plain PyTorch,
+||g - g*|| / ||g*|| against the independent ground truth of ``tests/support/harness.py`` (plain PyTorch,
 whole optimizer window at once), and of the logged training loss's relative error. Tolerances of the
 tests: gradient 1e-5, loss 1e-6.
 """
@@ -17,7 +17,8 @@ import time
 
 from _common import ROOT, on_path, versions  # noqa: E402
 
-on_path(ROOT / "tests")
+on_path(ROOT / "tests" / "support")
+__import__("suite_paths").add()  # the rooms' test modules (tests/support/suite_paths.py)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402

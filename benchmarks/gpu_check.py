@@ -7,7 +7,7 @@ varlen kernel (and flash-attn 2 where installed), half precision, the guard, thr
 
 Without CUDA it prints one line (``gpu_check: skipped: ...``) and exits 0 without writing anything, so a CPU
 machine never overwrites results a GPU produced. Every measurement is a function that also runs on CPU (the
-reference varlen kernel, or a stand-in for torch's kernel, fp32, tiny sizes); ``tests/test_gpu_check.py`` runs them.
+reference varlen kernel, or a stand-in for torch's kernel, fp32, tiny sizes); ``tests/project/test_gpu_check.py`` runs them.
 With ``--out-dir`` the results (``gpu-check.md``, ``gpu-check.json``) are rewritten after every section, and every
 section has a time budget (``PROFILES``): a section stopped at its budget keeps the rows it finished.
 
@@ -21,7 +21,7 @@ Sections, in the order they run (each a row of the results table, ``passed`` / `
    ``torch_varlen_calls``). Tolerances: see :func:`half_precision_verdict`.
 2. **guard**: ``check_model_packs_correctly`` on CUDA accepts torch's kernel / FA2 / the reference and refuses a model planted to mix packed sequences (all-ones mask).
 3. **trainer**: ``hf_gradfix.patch(packing)`` + ``transformers.Trainer`` on CUDA against the unpacked ground truth
-   of the windows the sampler drew (``tests/harness.py``): bf16 autocast through what the Trainer picks ("auto":
+   of the windows the sampler drew (``tests/support/harness.py``): bf16 autocast through what the Trainer picks ("auto":
    FA2, else torch's kernel; half-precision rule), and fp32 through the reference kernel (<= 1e-5).
 4. **throughput**: real tokens/s over one epoch of the same samples: padded batches vs hf_gradfix packing vs TRL's
    padding-free collator (through FA2, else torch's kernel), against the padding-waste limit 1 / (1 - waste).
@@ -59,9 +59,10 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-for _p in (REPO, REPO / "tests", REPO / "benchmarks"):
+for _p in (REPO, REPO / "tests" / "support", REPO / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+__import__("suite_paths").add()  # the rooms' test modules (tests/support/suite_paths.py)
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu-check.md"
 SECTIONS = ("packing", "guard", "trainer", "throughput", "plan", "lean", "hybrid", "optim")  # in order of value
@@ -70,7 +71,7 @@ HALF_FACTOR = 2.0  # packed half-precision error may be at most this multiple of
 CONTROL_FACTOR = 10.0  # sequence mixing must be at least this multiple of the unpacked error (the check can fail)
 NOT_PROVABLE_ON_ONE_GPU = [
     "DDP / FSDP2 / TP / CP exactness across ranks over NCCL (world size 1 has no cross-rank sums; proven over gloo "
-    "on CPU by tests/test_ddp.py, test_nd_parallel.py, test_optim_distributed.py)",
+    "on CPU by tests/parallel/test_ddp.py, test_nd_parallel.py, test_optim_distributed.py)",
     "the packed sampler's token balance across ranks and the per-rank count all-reduce (gloo tests only)",
     "FSDP2 all-gather / reduce-scatter buffer memory against the planner's comm_buffers (needs >= 2 GPUs)",
     "throughput scaling and communication overlap (the --suggest roofline is a model, not a measurement)",
@@ -1014,7 +1015,7 @@ def kernel_imports() -> dict[str, str]:
 
 
 def hybrid_packed_row(family: str, device: str, *, repeats: int = 3) -> dict:
-    """One tiny hybrid model (``tests/test_packing_hybrid.build``, fp32) on ``device``: the probe's verdict per state-
+    """One tiny hybrid model (``tests/packing/test_packing_hybrid.build``, fp32) on ``device``: the probe's verdict per state-
     carrying layer (split, or handed to the kernels), the gradient of one packed row (``PackedCollator`` varlen, sdpa)
     against each document alone on the same device (CE summed, divided by the targets), stock's error on the same row
     (the model unchanged: the control), and the packed step's time with the verdict and with every layer split."""

@@ -175,7 +175,7 @@ row("plan --simulate ~1e13 parameters", "hang", "cli", {"files": {"big.json": js
     "argv": ["plan", "--model", "big.json", "--simulate"]}, "refuse", "--simulate")
 
 # --- misleading
-USER_SCRIPT = str(ROOT / "tests" / "verify_scripts" / "train_user.py")
+USER_SCRIPT = str(ROOT / "tests" / "support" / "verify_scripts" / "train_user.py")
 # the script catches verify's stop and exits 0 (the comparison ran first: its report must stand), or sys.exit(0)s
 # inside step 1 before the comparison (nothing was checked: exit 2, saying where it left, not "never called train()")
 row("verify: script catch_and_exit", "misleading", "cli", {"argv": ["verify", "--", "python", USER_SCRIPT, "--output_dir",

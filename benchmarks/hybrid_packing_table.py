@@ -25,7 +25,7 @@ sdpa where the family takes it, CPU; no download) and measured five ways:
    document alone with its own shifted labels, summed and divided by the same count: ||g_packed - g_ref|| /
    ||g_ref|| over all parameters, accumulated in float64 (train mode, dropout off).
 
-``--kernel-standins``: the same with ``tests/kernel_standins`` first on the path, i.e. with pure-PyTorch stand-ins of
+``--kernel-standins``: the same with ``tests/support/kernel_standins`` first on the path, i.e. with pure-PyTorch stand-ins of
 causal-conv1d and fla's gated delta rule (their import paths and signatures, ``seq_idx`` / ``cu_seqlens`` honoured)
 bound by transformers where a family asks for them: the mixers column then says which layers the probe hands to the
 kernels (``kernels``) and which it splits (``split``); mamba-ssm has no stand-in.
@@ -46,7 +46,7 @@ import time
 import traceback
 from pathlib import Path
 
-STANDINS = Path(__file__).resolve().parents[1] / "tests" / "kernel_standins"
+STANDINS = Path(__file__).resolve().parents[1] / "tests" / "support" / "kernel_standins"
 if "--kernel-standins" in sys.argv:  # before transformers imports any modeling module: it binds the kernels then
     sys.path.insert(0, str(STANDINS))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -412,7 +412,7 @@ def main() -> None:
                     help="markdown report ('' to skip)")
     ap.add_argument("--tracebacks", action="store_true", help="print the traceback tail of every exception")
     ap.add_argument("--kernel-standins", action="store_true",
-                    help="with tests/kernel_standins (causal-conv1d and fla stand-ins) importable; default --out "
+                    help="with tests/support/kernel_standins (causal-conv1d and fla stand-ins) importable; default --out "
                          "results/hybrid-packing-kernels.md")
     args = ap.parse_args()
     if args.kernel_standins and args.out == ap.get_default("out"):
@@ -440,7 +440,7 @@ def main() -> None:
         f"transformers {transformers.__version__}, {platform.machine()} CPU, {torch.get_num_threads()} thread, fp32, "
         f"seed {SEED}; {time.time() - t_start:.0f} s). Optional kernels importable here: "
         + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in fa.items())
-        + (" (causal_conv1d and fla: the pure-PyTorch stand-ins of `tests/kernel_standins`; a layer marked `kernels:` "
+        + (" (causal_conv1d and fla: the pure-PyTorch stand-ins of `tests/support/kernel_standins`; a layer marked `kernels:` "
            "is handed the document boundaries by the probe's measurement, the others run once per document)"
            if args.kernel_standins else "") + ".",
         "",

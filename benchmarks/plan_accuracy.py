@@ -11,7 +11,7 @@ each component against its own maximum over the step (the optimizer state: after
 tensors plus the backward's transient gradients, which the tracker files as temporaries).  ``-`` where the trace
 has no such component (one process, or TP alone: no FSDP buffers; DDP buckets are not traced).
 
-The Playbook (Llama 3.1 8B / 70B) and GaLore-paper (LLaMA 7B) comparisons are in ``tests/test_plan.py``.
+The Playbook (Llama 3.1 8B / 70B) and GaLore-paper (LLaMA 7B) comparisons are in ``tests/plan/test_plan.py``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def main(argv=None) -> int:
 
     from hf_gradfix.plan import load_model_config
 
-    on_path(ROOT / "tests")
+    on_path(ROOT / "tests" / "support")
+    __import__("suite_paths").add()  # the rooms' test modules (tests/support/suite_paths.py)
     from test_plan import MORE_ARCHS
 
     head = ("| model | mesh | dtype | recompute | parameters | gradients | optimizer state | activations | comm buffers "

@@ -4,11 +4,11 @@ real optimizer window (the conformance table of docs/rl.md).
     python benchmarks/rl_report.py            # ~3 min on 2 cores; writes benchmarks/results/rl-trl-<version>.md
     python benchmarks/rl_report.py -k dapo    # only rows whose name contains "dapo"
 
-Every row trains the same tiny Qwen2 policy on the same prompts twice (``tests/rl_runs.py``: offline tokenizer, a
+Every row trains the same tiny Qwen2 policy on the same prompts twice (``tests/support/rl_runs.py``: offline tokenizer, a
 deterministic reward, no vLLM, completions of 1 to 10 tokens, SGD at lr 0), stock and under ``hf_gradfix.patch()``,
 and reports the worst relative gradient error over the optimizer steps against the float64 window reference
-recomputed from the tensors each run trained on (``tests/rl_reference.py``). The 2-process rows launch
-``tests/rl_worker.py`` on gloo.
+recomputed from the tensors each run trained on (``tests/support/rl_reference.py``). The 2-process rows launch
+``tests/support/rl_worker.py`` on gloo.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from _common import RESULTS, ROOT, on_path  # noqa: E402
 
-on_path(ROOT / "tests")
+on_path(ROOT / "tests" / "support")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import transformers  # noqa: E402
@@ -53,7 +53,7 @@ def worst_error(run, loss_type, coef) -> float:
 
 
 def two_process_rows() -> list[str]:
-    """The 2-process cases of tests/rl_worker.py (gloo), stock and patched."""
+    """The 2-process cases of tests/support/rl_worker.py (gloo), stock and patched."""
     import pytest  # launch_cases reports a failed launch through pytest.fail
 
     from multiproc import launch_cases, worker_env

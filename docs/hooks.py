@@ -10,7 +10,7 @@ A page holds a marker comment on a line of its own; ``on_page_markdown`` replace
   where the object is defined today (the top-level names are loaded lazily, so they are resolved here, not
   written down by module path).
 
-The functions are importable so that tests can check the generated text (``tests/test_docs.py``).
+The functions are importable so that tests can check the generated text (``tests/project/test_docs.py``).
 """
 
 from __future__ import annotations

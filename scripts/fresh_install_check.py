@@ -43,9 +43,9 @@ CLI_CHECKS = [["--version"], ["env"], ["configs", "list"], ["config", "check", "
 #: README's install brings a new user the day a release lands), and the tests that caught such a release before: a
 #: packed row of one document on every hybrid family (transformers 5.25), TRL's packed rows, the composition matrix
 CANARY_PACKAGES = ["transformers", "accelerate", "peft", "trl", "datasets"]
-CANARY_TESTS = ["tests/test_packing_hybrid.py::test_rows_of_one_document_train_exactly_on_every_hybrid_family",
-                "tests/test_packing_hybrid.py::test_trainer_rows_of_one_document_and_the_last_row_train_exactly",
-                "tests/test_packing_already_packed.py", "tests/test_composition_matrix.py"]
+CANARY_TESTS = ["tests/packing/test_packing_hybrid.py::test_rows_of_one_document_train_exactly_on_every_hybrid_family",
+                "tests/packing/test_packing_hybrid.py::test_trainer_rows_of_one_document_and_the_last_row_train_exactly",
+                "tests/packing/test_packing_already_packed.py", "tests/trainer/test_composition_matrix.py"]
 
 
 def install_lines(page: Path = PAGES[0]) -> list[str]:
@@ -67,7 +67,7 @@ def install_lines(page: Path = PAGES[0]) -> list[str]:
 
 def fenced_blocks(page: Path) -> list[tuple[str, str, str]]:
     """(language, body, the text just before the fence) of every fenced block of a page, bodies dedented (a block
-    inside a list item). ``tests/test_docs.py`` reads the pages with this too."""
+    inside a list item). ``tests/project/test_docs.py`` reads the pages with this too."""
     text = page.read_text(encoding="utf-8")
     out = []
     for m in FENCE.finditer(text):
@@ -78,7 +78,7 @@ def fenced_blocks(page: Path) -> list[tuple[str, str, str]]:
 
 
 def python_snippets(page: Path) -> list[str]:
-    """Every ```python block of a page not marked ``<!-- not-run: reason -->`` (what tests/test_docs.py runs)."""
+    """Every ```python block of a page not marked ``<!-- not-run: reason -->`` (what tests/project/test_docs.py runs)."""
     return [body for lang, body, before in fenced_blocks(page)
             if lang in ("python", "py") and not NOT_RUN.search(before)]
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="hgf_fresh_install_"))
     venv, scratch = work / "venv", work / "user"
     scratch.mkdir()
-    # the snippets name the clone's configs/ and examples/ as a user in the clone would (tests/test_docs.py alike)
+    # the snippets name the clone's configs/ and examples/ as a user in the clone would (tests/project/test_docs.py alike)
     for name in ("configs", "examples"):
         (scratch / name).symlink_to(ROOT / name, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "HF_GRADFIX_"))}

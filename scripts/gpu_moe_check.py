@@ -1,4 +1,4 @@
-"""The MoE router-loss conventions on a CUDA device, against the float64 CPU reference of tests/test_moe.py.
+"""The MoE router-loss conventions on a CUDA device, against the float64 CPU reference of tests/moe/test_moe.py.
 
     python scripts/gpu_moe_check.py                # on the lent GPU machine (~1 min); --device cpu runs it here
     python scripts/gpu_moe_check.py --out DIR      # also writes DIR/gpu-moe-check.md
@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "tests"):
+for p in (ROOT, ROOT / "tests" / "support"):
     sys.path.insert(0, str(p))
+__import__("suite_paths").add()  # the rooms' test modules (tests/support/suite_paths.py)
 
 import torch  # noqa: E402
 

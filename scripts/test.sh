@@ -27,27 +27,29 @@ start=$SECONDS
 phase() { echo "== [test +$((SECONDS - start))s] $* =="; }
 
 # The 4.57 phase: the modules whose behaviour differs between transformers 4.57 and 5.x (TRL needs 5.x: -k "not trl").
-TF457_TESTS=(tests/test_harness_selfcheck.py tests/test_exactness.py tests/test_vlm_images.py tests/test_ddp.py
-    tests/test_entry_points.py tests/test_packing_trainer.py tests/test_packing_collator.py
-    tests/test_packing_attention.py tests/test_packing_guard.py tests/test_packing_validate.py
-    tests/test_packing_stream.py tests/test_optim_trainer.py tests/test_nd_parallel.py
-    tests/test_noise_scale.py tests/test_plan.py tests/test_memory_timeline.py tests/test_ecosystem.py
-    tests/test_trainer_contract.py tests/test_nonfinite.py tests/test_conflicts.py tests/test_lock.py
-    tests/test_pipeline.py tests/test_stock_parity.py tests/test_trainer_matrix.py tests/test_moe.py
-    tests/test_packing_hybrid.py tests/test_lean_head.py)
+TF457_TESTS=(tests/trainer/test_harness_selfcheck.py tests/loss/test_exactness.py tests/loss/test_vlm_images.py
+    tests/parallel/test_ddp.py tests/trainer/test_entry_points.py tests/packing/test_packing_trainer.py
+    tests/packing/test_packing_collator.py tests/packing/test_packing_attention.py tests/packing/test_packing_guard.py
+    tests/packing/test_packing_validate.py tests/packing/test_packing_stream.py tests/optim/test_optim_trainer.py
+    tests/parallel/test_nd_parallel.py tests/diagnostics/test_noise_scale.py tests/plan/test_plan.py
+    tests/diagnostics/test_memory_timeline.py tests/trainer/test_ecosystem.py tests/trainer/test_trainer_contract.py
+    tests/trainer/test_nonfinite.py tests/config/test_conflicts.py tests/project/test_lock.py
+    tests/parallel/test_pipeline.py tests/trainer/test_stock_parity.py tests/trainer/test_trainer_matrix.py
+    tests/moe/test_moe.py tests/packing/test_packing_hybrid.py tests/loss/test_lean_head.py)
 # The 5.x suite runs as two pytest processes: these files after the 4.57 phase (in its stream), the rest beside them
 # from the start, so that both cores stay busy to the end (one 5.x process left the second core mostly idle for the
 # last 20 minutes). Chosen from per-file times (HF_GRADFIX_TIMINGS_DIR=DIR writes them; docs/testing.md): the two
 # streams should end together. Every file runs exactly once: the first stream ignores these.
-TF5_SECOND_STREAM=(tests/test_deepspeed.py tests/test_context_parallel.py tests/test_verify.py tests/test_rl.py
-    tests/test_rl_async.py tests/test_ep.py tests/test_optim_distributed.py tests/test_compile.py
-    tests/test_plan_lean_head.py)
+TF5_SECOND_STREAM=(tests/parallel/test_deepspeed.py tests/parallel/test_context_parallel.py
+    tests/verify/test_verify.py tests/rl/test_rl.py tests/rl/test_rl_async.py tests/parallel/test_ep.py
+    tests/optim/test_optim_distributed.py tests/trainer/test_compile.py tests/plan/test_plan_lean_head.py)
 # --quick: pure math, configuration, the packer, the optimizers against their references, the loss fix against the
 # ground truth (harness self-check, TokenWindow), the lock and the layout; no process launches (the distributed
 # marker) and no docs build. Measured in docs/testing.md.
-QUICK_TESTS=(tests/test_loss_math.py tests/test_config.py tests/test_packing_binpack.py tests/test_packing_sampler.py
-    tests/test_packing_collator.py tests/test_optim_unit.py tests/test_parallel_dims.py tests/test_harness_selfcheck.py
-    tests/test_token_window.py tests/test_lock.py tests/test_layout.py)
+QUICK_TESTS=(tests/loss/test_loss_math.py tests/config/test_config.py tests/packing/test_packing_binpack.py
+    tests/packing/test_packing_sampler.py tests/packing/test_packing_collator.py tests/optim/test_optim_unit.py
+    tests/parallel/test_parallel_dims.py tests/trainer/test_harness_selfcheck.py tests/loss/test_token_window.py
+    tests/project/test_lock.py tests/project/test_layout.py)
 
 case "$mode" in
 quick)

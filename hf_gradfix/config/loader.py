@@ -976,7 +976,7 @@ def _check_accelerate(acc: Mapping[str, Any]) -> list[tuple[Path, str]]:
 
 
 #: accelerate's engine sections and the distributed_type that reads each (accelerate launch decides the engine from
-#: distributed_type alone: tests/test_deepspeed_config.py checks this against its own launch parser)
+#: distributed_type alone: tests/parallel/test_deepspeed_config.py checks this against its own launch parser)
 _ENGINE_SECTIONS = (("deepspeed_config", "DEEPSPEED", "DeepSpeed"), ("fsdp_config", "FSDP", "FSDP"))
 
 

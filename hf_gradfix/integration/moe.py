@@ -247,7 +247,7 @@ def chain_correction(trainer: Trainer, state: GradFixState, micro_batches: int):
 
     Read from what the trainer declares: TRL's trainers set ``aux_loss_enabled`` and ``router_aux_loss_coef`` and add
     ``router_aux_loss_coef * aux_loss / gradient_accumulation_steps`` per micro-batch (the ``micro`` convention,
-    measured exact in tests/test_trainer_matrix.py), except on the paths the probe measured adding nothing (label
+    measured exact in tests/trainer/test_trainer_matrix.py), except on the paths the probe measured adding nothing (label
     smoothing): there the whole convention's term is added; any other trainer keeps its own term, with one warning."""
     conv = _convention(state)
     adds = _chain_adds_router_loss(state)

@@ -8,7 +8,7 @@ expert mesh ``(pp, dp_replicate, efsdp, ep)`` over the same ranks, ``efsdp = fsd
 expert modules over ``efsdp`` (HSDP with ``dp_replicate``).
 
 Why the gradient is the window's objective (measured on 2 and 4 gloo processes against a float64 one-process reference,
-tests/test_ep.py and the 4-process launch of tests/test_nd_parallel.py): a token of data rank r reaches its expert
+tests/parallel/test_ep.py and the 4-process launch of tests/parallel/test_nd_parallel.py): a token of data rank r reaches its expert
 through the all-to-all, so rank r's loss term back-propagates into the expert owner's gradient. After the window the
 expert gradient on its owner is the sum over every data rank of d(loss_r)/dW (each token once), and the efsdp reduction
 adds the other copies; transformers then divides by ``dp_size = dp_replicate * fsdp`` (``set_gradient_divide_factor`` on
@@ -22,7 +22,7 @@ What is checked here, on the model, before training (:func:`check_model`): the d
 times too large or too small), the implementation (``all_to_all`` / ``auto``: the ones that move tokens in
 training), and ``pp == 1``. Under tp the ranks of a tp group share one batch: transformers' ``AllToAllEP`` splits its
 tokens over them before the dispatch (each token routed once) and the divide factor is still ``dp_size`` (measured
-exact at tp 2 x dp_shard 2 x ep 2, tests/test_nd_parallel.py).
+exact at tp 2 x dp_shard 2 x ep 2, tests/parallel/test_nd_parallel.py).
 """
 
 from __future__ import annotations

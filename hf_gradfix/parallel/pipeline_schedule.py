@@ -27,7 +27,7 @@ schedule's micro-batches (the accumulation window's) and ``p`` stages:
   torch warms up with ``(v - 1) r + (p - 1 - s)`` forwards (``_get_warmup_ops`` with factor 1) and the
   deferred W keep every stage at the first stage's level: ``min((v - 1) r + p, m v)`` chunk activations on
   every stage (``min(m, p)`` micro-batches for ``v = 1``: the paper's H1 bound, 1F1B's first stage), found by
-  replaying torch's own op order (tests/test_plan_pipeline.py).
+  replaying torch's own op order (tests/plan/test_plan_pipeline.py).
 
 Bubble fraction (idle time / step time, equal forward and backward times per stage, Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 2.2: bubble time

@@ -437,7 +437,7 @@ class Plan:
             if k in self.components:
                 lines.append(f"{k:<17}{self.components[k] / div:>10.3f}  {self.explain[k]}")
         # measured over the configurations the tests trace: 1.10-1.39 x the traced peak, but a component is an estimate
-        # (activations within +-10 % of the trace), so the sum is not called a bound (tests/test_plan_lean_head.py)
+        # (activations within +-10 % of the trace), so the sum is not called a bound (tests/plan/test_plan_lean_head.py)
         lines.append(f"{'peak':<17}{self.peak / div:>10.3f}  sum of the above, each at its own maximum (an estimate, "
                      "not a bound; --simulate traces the step's peak)")
         lines.append(

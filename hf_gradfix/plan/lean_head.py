@@ -17,7 +17,7 @@ path:
   compute-dtype logits are freed by then), plus the weight cast to the compute dtype and its gradient when the
   weight is stored wider (autocast over fp32 weights).
 
-Checked against the process's measured peak (tests/test_plan_lean_head.py).
+Checked against the process's measured peak (tests/plan/test_plan_lean_head.py).
 
 >>> b = lean_head_bytes(8192, 4096, 128256, compute_bytes=4, weight_bytes=4)
 >>> b["path"], b["rows"], b["kept"] == 4 * (8192 * 4096 + 128256 * 4096)

@@ -126,7 +126,7 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
     if settings.rl is not None:  # a TRL GRPO / RLOO step: generation, no-grad log-prob forwards, training
         if not fake:
             raise PlanError("simulate(fake=False) with Settings.rl: the RL step is traced under fake tensors only; "
-                            "the tests run the real step themselves (tests/test_plan_rl_timeline.py)")
+                            "the tests run the real step themselves (tests/plan/test_plan_rl_timeline.py)")
         from .rl_simulate import simulate_rl
 
         return simulate_rl(config, mesh, settings, progress=progress)

@@ -2,7 +2,7 @@
 
 torch.compile (``TrainingArguments(torch_compile=True)``, accelerate's dynamo config, or a model the user compiled)
 traces and compiles the model inside the first training step, silently: for a 2-layer test model on 2 CPU cores
-(torch 2.13) 40 s with inductor, 6 s with aot_eager (tests/test_compile.py); minutes for a real model.
+(torch 2.13) 40 s with inductor, 6 s with aot_eager (tests/trainer/test_compile.py); minutes for a real model.
 :func:`compile_notice` names it before that step.
 
 DeepSpeed on CPU (``DS_ACCELERATOR=cpu``) JIT-builds its shared-memory all-reduce op (``deepspeed_shm_comm``, g++ via

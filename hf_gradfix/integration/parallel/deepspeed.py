@@ -68,7 +68,7 @@ GA_MISMATCH = "Gradient accumulation steps mismatch: GradientAccumulationPlugin 
 GA_MISMATCH_NOTE = (
     " [hf_gradfix: expected with transformers' Trainer, not an error: the Trainer runs accelerate with 1 and counts "
     "the window itself, and hands its gradient_accumulation_steps to DeepSpeed, whose engine then marks each "
-    "window's end; the loss is exact (tests/test_deepspeed.py)]"
+    "window's end; the loss is exact (tests/parallel/test_deepspeed.py)]"
 )
 
 

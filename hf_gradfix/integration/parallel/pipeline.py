@@ -341,7 +341,7 @@ NO_INPUT_EMBEDDINGS_NOTE = (
     " [hf_gradfix: expected under parallel.pp, not a problem: this pipeline stage holds no embedding layer (the "
     "first stage does, and makes its output require gradients there); this stage's input is the previous stage's "
     "activation, which carries the gradient back, so its checkpointed layers and adapters train exactly "
-    "(tests/test_pipeline.py compares every stage's gradients with one process)]"
+    "(tests/parallel/test_pipeline.py compares every stage's gradients with one process)]"
 )
 
 
