@@ -455,6 +455,11 @@ def test_guard_in_the_trainer_runs_under_the_trainers_mixed_precision():
     finally:
         AttentionInterface._global_mapping.pop(name, None)
         AttentionMaskInterface._global_mapping.pop(name, None)
+        # accelerate keeps this Trainer's bf16 mixed precision in its process-wide AcceleratorState: a later
+        # Accelerator() in this process (TRL's padded forward in tests/rl/test_rl_packing.py) would run under it
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_results_file_renders_every_table(tmp_path):
