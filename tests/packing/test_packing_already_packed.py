@@ -291,6 +291,9 @@ def test_verify_judges_a_trl_packed_run_by_the_documents_its_data_declares(capsy
     'packing off', the issue's report."""
     from hf_gradfix.verify import documents as verify_documents
 
+    # the script's `--bug merged` replaces the collator's reader in this process (verify runs it in-process):
+    # registered here so that pytest puts the real one back after the test, for the tests that run after it
+    monkeypatch.setattr(collator_module, "document_lengths", collator_module.document_lengths)
     code, rep = _verify(capsys, tmp_path, "--plugin")
     assert code == 0 and rep["exact"] is True and rep["packing"] is True, rep
     assert all(s["verdict"] == "exact" for s in rep["steps"])
