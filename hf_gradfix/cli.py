@@ -1,10 +1,5 @@
-"""The hf-gradfix command: launch, config check, verify and plan.
-
-accelerate rejects any unknown top-level key of its YAML ("had unknown keys (['hf_gradfix'])") and its ranks
-cannot see which file was used.  hf-gradfix launch takes exactly the arguments of accelerate launch, reads the
-file through the plugin's one validating loader (hf_gradfix.config.read_config_file), hands accelerate's keys to
-accelerate's own launcher through a temporary file and makes the hf_gradfix: section visible to every rank through
-$HF_GRADFIX_CONFIG, which hf_gradfix.patch() and GradFixCallback() read on each rank.
+"""The hf-gradfix command: launch, config check, verify and plan (why launch wraps accelerate launch: in
+:mod:`hf_gradfix.commands.launch`).
 
     hf-gradfix launch --config_file configs/accelerate/cpu_multiprocess.yaml train.py --my-arg 1
     hf-gradfix config check configs/accelerate/fsdp2_tp.yaml --micro-batch 4 --grad-accum 8 --seq-len 4096
