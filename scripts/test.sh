@@ -7,6 +7,8 @@
 #   bash scripts/test.sh --quick      # a subset for iteration, under 5 minutes once the venvs exist (5.x only)
 #   bash scripts/test.sh --latest     # the newest releases, no lock, in .venv-latest*: prints how they drift from
 #                                     # the lock and which tests fail on them (how the lock gets bumped; not in CI)
+#   bash scripts/test.sh --under-load 4   # any of the above beside 4 busy processes (scripts/under_load.sh starts
+#                                     # and ends them): the suite as a shared, loaded machine runs it (docs/testing.md)
 # Any other argument goes to pytest (e.g. -k packing, -x).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,13 +18,28 @@ source scripts/envs.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mode=locked
 pytest_args=()
-for arg in "$@"; do
-    case "$arg" in
+under_load=""
+under_load_given=0
+while [ $# -gt 0 ]; do
+    case "$1" in
         --quick) mode=quick ;;
         --latest) mode=latest ;;
-        *) pytest_args+=("$arg") ;;
+        --under-load) under_load_given=1 under_load="${2:-}"; shift $(( $# > 1 ? 1 : 0 )) ;;
+        --under-load=*) under_load_given=1 under_load="${1#*=}" ;;
+        *) pytest_args+=("$1") ;;
     esac
+    shift
 done
+if [ "$under_load_given" = 1 ]; then
+    if ! [[ "$under_load" =~ ^[0-9]+$ ]]; then
+        echo "scripts/test.sh: --under-load '$under_load': expects a number of busy processes; e.g. --under-load 4" >&2
+        exit 2
+    fi
+    # the same test command, beside N busy processes that scripts/under_load.sh starts and ends (even on failure)
+    again=()
+    [ "$mode" = locked ] || again+=("--$mode")
+    exec bash scripts/under_load.sh "$under_load" bash scripts/test.sh "${again[@]}" "${pytest_args[@]}"
+fi
 start=$SECONDS
 phase() { echo "== [test +$((SECONDS - start))s] $* =="; }
 

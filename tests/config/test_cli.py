@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import hang_bound
 import harness as H
 from multiproc import run_launch
 from hf_gradfix.cli import main, resolve_config
@@ -114,15 +115,15 @@ def test_launch_hands_accelerate_its_keys_and_every_rank_the_section(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HF_GRADFIX_CONFIG", None)
     cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(path), str(script), str(tmp_path)]
-    proc = run_launch(cmd, env=env, timeout=600)
+    proc = run_launch(cmd, env=env, step="hf-gradfix launch of a 2-rank probe")
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, s in enumerate(seen):
         assert (s["rank"], s["world"], s["use_cpu"]) == (r, 2, "true")
         assert s["config"]["packing"]["token_budget"] == 512 and s["config"]["optimizer"]["rank"] == 8
     # the same file given straight to accelerate fails on the unknown top-level key: why the launcher exists
-    plain = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), str(script), str(tmp_path)],
-                           capture_output=True, text=True, env=env, timeout=600)
+    plain = hang_bound.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), str(script), str(tmp_path)],
+                           capture_output=True, text=True, env=env, step="accelerate launch of a 1-process probe")
     assert plain.returncode != 0 and "unknown keys" in plain.stderr
 
 
@@ -159,11 +160,11 @@ def test_version_and_env_for_a_bug_report(tmp_path):
     import hf_gradfix
 
     env = {**os.environ, "PYTHONPATH": str(H.REPO_ROOT)}
-    version = subprocess.run([sys.executable, "-m", "hf_gradfix", "--version"], capture_output=True, text=True,
-                             env=env, cwd=tmp_path, timeout=600)
+    version = hang_bound.run([sys.executable, "-m", "hf_gradfix", "--version"], capture_output=True, text=True,
+                             env=env, cwd=tmp_path, step="hf-gradfix CLI command")
     assert version.returncode == 0 and version.stdout.strip() == f"hf-gradfix {hf_gradfix.__version__}", version
-    report = subprocess.run([sys.executable, "-m", "hf_gradfix", "env"], capture_output=True, text=True, env=env,
-                            cwd=tmp_path, timeout=600)
+    report = hang_bound.run([sys.executable, "-m", "hf_gradfix", "env"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, step="hf-gradfix CLI command")
     assert report.returncode == 0, report.stderr
     for name in ("torch", "transformers", "accelerate"):
         assert f"- {name}: {metadata.version(name)}\n" in report.stdout, report.stdout
@@ -315,8 +316,8 @@ def test_shipped_configs_by_name_from_outside_the_clone(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(H.REPO_ROOT)}
 
     def run(*argv):
-        return subprocess.run([sys.executable, "-m", "hf_gradfix", *argv], capture_output=True, text=True, env=env,
-                              cwd=tmp_path, timeout=600)
+        return hang_bound.run([sys.executable, "-m", "hf_gradfix", *argv], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, step="hf-gradfix CLI command")
 
     shipped = sorted(p.relative_to(H.REPO_ROOT / "hf_gradfix" / "configs").with_suffix("").as_posix()
                      for p in (H.REPO_ROOT / "hf_gradfix" / "configs").rglob("*") if p.suffix in (".yaml", ".json"))
@@ -349,9 +350,9 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     what the shell tools return). The reader here (`true`) leaves before the interpreter has started, so the first
     write always meets a closed pipe (with `head -1` it depends on the pipe buffer's timing)."""
     env = {**os.environ, "PYTHONPATH": str(H.REPO_ROOT)}
-    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m hf_gradfix configs list | true; "
+    proc = hang_bound.run(["bash", "-c", f"{sys.executable} -m hf_gradfix configs list | true; "
                            'echo "rc=${PIPESTATUS[0]}" >&2'], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=600)
+                          step="hf-gradfix CLI command")
     assert proc.stderr.strip().splitlines() == ["rc=141"], proc.stderr
 
 
@@ -359,8 +360,8 @@ def test_the_wheel_carries_the_shipped_configs(tmp_path):
     """package data: a wheel built from the tree holds every shipped configuration (what pip install gets)."""
     import zipfile
 
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                           str(tmp_path), str(H.REPO_ROOT)], capture_output=True, text=True, timeout=600)
+    proc = hang_bound.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                           str(tmp_path), str(H.REPO_ROOT)], capture_output=True, text=True, step="pip wheel of the repository")
     if proc.returncode != 0:
         pytest.skip(f"no wheel build here: {proc.stderr[-300:]}")
     wheel = next(tmp_path.glob("*.whl"))

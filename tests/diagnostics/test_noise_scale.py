@@ -343,7 +343,7 @@ def test_ddp_small_batches_are_local_and_big_batch_global(tmp_path):
     global window, and every rank ends with the same estimates: equal to a single-process estimator fed with
     explicitly computed micro-batch and window gradients."""
     proc = run_launch(torchrun(__file__, "--gns-ddp-worker", tmp_path), cwd=str(H.REPO_ROOT), env=worker_env(),
-                      timeout=600)
+                      step="gns DDP worker launch")
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["history"] == ranks[1]["history"] and len(ranks[0]["history"]) >= 2

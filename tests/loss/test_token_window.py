@@ -175,7 +175,7 @@ def test_window_must_be_iterated_to_the_end():
 
 def _launch_ddp(out: Path):
     proc = run_launch(torchrun(H.TESTS_DIR / "token_window_worker.py", "--out", out), cwd=str(H.REPO_ROOT),
-                      env=worker_env(), timeout=600)
+                      env=worker_env(), step="token_window_worker.py launch")
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-12000:], file=sys.stderr)
     assert proc.returncode == 0, "token_window_worker failed (output printed)"

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import hang_bound
+
 HERE = Path(__file__).resolve().parents[1] / "support"
 STANDINS = HERE / "kernel_standins"
 
@@ -26,9 +28,9 @@ def test_kernel_handoff_checks_pass_in_their_own_process():
                                      str(HERE.parents[1]), env.get("PYTHONPATH", "")])
     env.pop("HF_GRADFIX_STANDIN_IGNORE_SEQ_IDX", None)
     env.pop("HF_GRADFIX_STANDIN_MISREAD_SEQ_IDX", None)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+    run = hang_bound.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                           str(STANDINS / "handoff_checks.py")], cwd=HERE.parents[1], env=env, capture_output=True,
-                         text=True, timeout=900)
+                         text=True, step="kernel hand-off checks (own pytest)")
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, tail
     if " passed" not in run.stdout:  # every check skipped by its own measurement (say, 4.57 binds no kernel on CPU)

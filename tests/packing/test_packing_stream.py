@@ -198,7 +198,7 @@ def test_streamed_packed_training_under_ddp_is_exact(tmp_path):
 
     import ddp_packing_worker as W
 
-    proc = run_launch(torchrun(H.TESTS_DIR / "ddp_packing_worker.py", tmp_path, "stream"), env=worker_env(), timeout=600)
+    proc = run_launch(torchrun(H.TESTS_DIR / "ddp_packing_worker.py", tmp_path, "stream"), env=worker_env(), step="ddp_packing_worker.py launch")
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     rows = list(StreamingPacker(W.stream(), W.BUDGET, buffer_size=W.STREAM_BUFFER, num_replicas=2, rank="all"))
@@ -375,7 +375,7 @@ def test_stream_ending_inside_a_window_under_ddp_is_stepped_on_both_ranks(tmp_pa
 
     import ddp_packing_worker as W
 
-    proc = run_launch(torchrun(H.TESTS_DIR / "ddp_packing_worker.py", tmp_path, "stream_end"), env=worker_env(), timeout=600)
+    proc = run_launch(torchrun(H.TESTS_DIR / "ddp_packing_worker.py", tmp_path, "stream_end"), env=worker_env(), step="ddp_packing_worker.py launch")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "carry no 'labels'" not in proc.stderr
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

@@ -163,7 +163,7 @@ def test_packed_training_under_ddp_is_exact(tmp_path, balance):
     from hf_gradfix.packing.balance import attention_cost_coeff
 
     cmd = torchrun(H.TESTS_DIR / "ddp_packing_worker.py", tmp_path, *(["compute"] if balance == "compute" else []))
-    proc = run_launch(cmd, env=worker_env(), timeout=600)
+    proc = run_launch(cmd, env=worker_env(), step="ddp_packing_worker.py launch")
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     samples = W.samples()

@@ -44,7 +44,7 @@ def _launch(n: int, scenarios: list[str]) -> dict:
     except nd.NDParallelError as err:
         pytest.skip(str(err))
     # n == 2: what users run, the shipped CPU CP file through the launcher (its section reaches every rank)
-    runs, _ = launch_cases("cp_worker.py", scenarios, nproc=n, flag="--scenarios", timeout=900,
+    runs, _ = launch_cases("cp_worker.py", scenarios, nproc=n, flag="--scenarios",
                            via_config=CPU_CP_CONFIG if n == 2 else None, keep_env="HGF_KEEP_ND_RUNS")
     return runs
 

@@ -50,7 +50,7 @@ def ds_runs():
     # should DeepSpeed build an op after all, it is cached inside the checkout's ignored folder
     env = worker_env(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.environ.get(
         "TORCH_EXTENSIONS_DIR", str(H.REPO_ROOT / ".cache" / "torch_extensions")))
-    runs, proc = launch_cases("deepspeed_worker.py", CASES, nproc=2, env=env, timeout=900, keep_env="HGF_KEEP_DS_RUNS")
+    runs, proc = launch_cases("deepspeed_worker.py", CASES, nproc=2, env=env, keep_env="HGF_KEEP_DS_RUNS")
     runs["_log"] = proc.stdout + proc.stderr
     return runs
 

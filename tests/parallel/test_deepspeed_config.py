@@ -153,7 +153,7 @@ def test_hf_gradfix_launch_runs_zero3_on_cpu(tmp_path):
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HGF_TESTS=str(H.TESTS_DIR),
                PYTHONPATH=os.pathsep.join([str(H.REPO_ROOT), str(H.TESTS_DIR)]))
     proc = run_launch([sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(cfg), str(script), str(tmp_path)],
-                      env=env, timeout=600, cwd=str(tmp_path))
+                      env=env, step="hf-gradfix launch of ZeRO-3", cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result == dict(deepspeed=True, engine="DeepSpeedEngine", stage=3, world=2, use_cpu_env=None, on_nonfinite="skip")

@@ -41,7 +41,7 @@ CASES = ["patched", "config_ep", "patched_global", "stock", "unscaled", "unscale
 
 @pytest.fixture(scope="module")
 def ep_runs():
-    runs, _ = launch_cases("ep_worker.py", CASES, nproc=2, keep_env="HGF_KEEP_EP_RUNS", timeout=900)
+    runs, _ = launch_cases("ep_worker.py", CASES, nproc=2, keep_env="HGF_KEEP_EP_RUNS")
     return runs
 
 

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import hang_bound
 import harness as H
 from multiproc import launch_cases
 import nd_worker as W
@@ -426,7 +427,7 @@ def test_transformers_457_refuses_tensor_parallel_with_versions_named():
         """
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([str(TF457), "-c", code, str(H.REPO_ROOT)], capture_output=True, text=True, timeout=600, env=env)
+    proc = hang_bound.run([str(TF457), "-c", code, str(H.REPO_ROOT)], capture_output=True, text=True, step="transformers 4.57 venv refuses tp", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REFUSED:" in proc.stdout and "transformers 4.57" in proc.stdout and ">=5.23,<6" in proc.stdout, proc.stdout
     assert "DistributedConfig" in proc.stdout and "DDP: ddp" in proc.stdout

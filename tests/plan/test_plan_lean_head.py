@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import hang_bound
 import torch
 from transformers import LlamaConfig
 
@@ -28,8 +30,8 @@ TOL = 0.10
 def _measure(tokens: int, hidden: int, vocab: int, mode: str) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "plan_lean_head_probe.py"), str(tokens), str(hidden), str(vocab),
-                           mode], capture_output=True, text=True, env=env, timeout=300)
+    done = hang_bound.run([sys.executable, str(HERE / "plan_lean_head_probe.py"), str(tokens), str(hidden), str(vocab),
+                           mode], capture_output=True, text=True, env=env, step="plan lean head probe")
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

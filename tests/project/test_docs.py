@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import hang_bound
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,8 +65,8 @@ def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "NO_MKDOCS_2_WARNING": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = hang_bound.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, step="mkdocs build --strict")
     if proc.returncode != 0:
         problems = [ln for ln in proc.stderr.splitlines() if ln.startswith(("WARNING", "ERROR", "Aborted"))]
         pytest.fail("mkdocs build --strict failed:\n" + "\n".join(problems or proc.stderr.splitlines()[-30:]))

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+import hang_bound
 import harness as H
 
 sys.path.insert(0, str(H.REPO_ROOT / "benchmarks"))
@@ -36,8 +37,8 @@ def test_script_without_cuda_prints_one_line_exits_0_and_writes_nothing():
     results = H.REPO_ROOT / "benchmarks" / "results" / "gpu-check.md"
     before = (venv.exists(), results.stat().st_mtime if results.exists() else None)
     env = {**os.environ, "PYTHON": sys.executable, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    proc = subprocess.run(["bash", str(H.REPO_ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = hang_bound.run(["bash", str(H.REPO_ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, step="gpu_check.py on the CPU")
     assert proc.returncode == 0, proc.stderr
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: skipped: no CUDA device"), lines
@@ -79,8 +80,8 @@ def _fake_wheel(folder, name="hgf_probe", version="0.1"):
 
 def _script(name, *args, **env):
     full = {**os.environ, "PYTHON": sys.executable, **{k: str(v) for k, v in env.items()}}
-    return subprocess.run(["bash", str(H.REPO_ROOT / "scripts" / name), *args], env=full, capture_output=True,
-                          text=True, timeout=600)
+    return hang_bound.run(["bash", str(H.REPO_ROOT / "scripts" / name), *args], env=full, capture_output=True,
+                          text=True, step="gpu_check.py on the CPU")
 
 
 def test_wheels_size_check_counts_the_folder_and_the_repository(tmp_path):

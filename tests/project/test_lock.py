@@ -11,6 +11,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
+import hang_bound
 import transformers
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -90,8 +92,8 @@ def test_setup_env_passes_the_lock_as_constraints_and_refuses_a_missing_one(tmp_
     assert 'HF_GRADFIX_LOCK="$TF5_LOCK"' in test_sh and 'HF_GRADFIX_LOCK="$TF457_LOCK"' in test_sh
     env = dict(os.environ, HF_GRADFIX_LOCK=str(tmp_path / "missing.txt"))
     # an existing venv (this one) so that nothing is created; the missing lock is refused before pip runs
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), str(Path(sys.prefix)), "dev"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = hang_bound.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), str(Path(sys.prefix)), "dev"],
+                          capture_output=True, text=True, env=env, step="setup_env.sh with a fake wheel")
     assert proc.returncode == 2
     assert f"HF_GRADFIX_LOCK={tmp_path / 'missing.txt'}: no such file" in proc.stderr
 

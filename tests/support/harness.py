@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -1024,7 +1023,6 @@ def run_ddp(
     nproc: int = 2,
     patch: bool = True,
     extra: Sequence[str] = (),
-    timeout: float = 300,
     out_dir: str | os.PathLike | None = None,
     python: str | None = None,
 ) -> dict:
@@ -1051,11 +1049,7 @@ def run_ddp(
     cmd.extend(extra)
 
     env = worker_env()
-    try:
-        proc = run_launch(cmd, cwd=str(REPO_ROOT), env=env, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"DDP scenario {scenario!r} timed out after {timeout}s\nstdout:\n{e.stdout}\n"
-                           f"stderr:\n{e.stderr}") from e
+    proc = run_launch(cmd, step="ddp_worker.py launch", cwd=str(REPO_ROOT), env=env)  # a hang says HANG: ...
     if (out / "PLUGIN_MISSING").exists():
         raise PluginMissing((out / "PLUGIN_MISSING").read_text())
     if proc.returncode != 0:
@@ -1069,8 +1063,7 @@ def run_ddp(
     return result
 
 
-def run_ddp_many(jobs: Sequence[tuple[str, Sequence[str]]], nproc: int = 2, patch: bool = True,
-                 timeout: float = 600) -> list[dict]:
+def run_ddp_many(jobs: Sequence[tuple[str, Sequence[str]]], nproc: int = 2, patch: bool = True) -> list[dict]:
     """Several :func:`run_ddp` jobs ``(scenario, extra flags)`` in ONE launch of ``nproc`` processes (the worker's
     ``--jobs``): the imports and the rendezvous are paid once. Returns one :func:`run_ddp` result per job, in order;
     each result's ``stderr`` is that job's ``hf_gradfix`` log (both ranks), not the launch's."""
@@ -1084,10 +1077,7 @@ def run_ddp_many(jobs: Sequence[tuple[str, Sequence[str]]], nproc: int = 2, patc
 
     cmd = torchrun(TESTS_DIR / "ddp_worker.py", "--jobs", str(base / "jobs.json"), nproc=nproc)
 
-    try:
-        proc = run_launch(cmd, cwd=str(REPO_ROOT), env=worker_env(), timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"DDP jobs timed out after {timeout}s\nstderr:\n{e.stderr}") from e
+    proc = run_launch(cmd, step="ddp_worker.py --jobs launch", cwd=str(REPO_ROOT), env=worker_env())
     try:
         if proc.returncode != 0:
             print(proc.stderr[-20000:], file=sys.stderr)

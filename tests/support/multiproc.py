@@ -60,10 +60,11 @@ _KILLED_RANK = re.compile(r"failed \(exitcode: -(\d+)\) local_rank: (\d+)")
 _PORT_FLAGS = ("--master_port", "--main_process_port")
 
 
-def run_launch(cmd: list[str], *, env: dict | None = None, cwd: str | os.PathLike | None = None, timeout: float = 600,
+def run_launch(cmd: list[str], *, step: str, env: dict | None = None, cwd: str | os.PathLike | None = None,
                before_relaunch: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd)`` for a multi-process launch (``torch.distributed.run`` or ``hf-gradfix launch``),
-    output captured, relaunched once, on a fresh port, when a rank was killed by a signal.
+    output captured, relaunched once, on a fresh port, when a rank was killed by a signal. ``step``: its name in
+    ``hang_bound.STEPS`` (the launch's hang bound; a hang kills the launch with its ranks and says ``HANG: ...``).
 
     A rank killed by a signal (SIGABRT inside gloo at exit, "terminate called without an active exception": about
     once in 100 launches on a loaded 2-core machine, in CP, ZeRO-3, DDP and Trainer launches alike, until workers
@@ -71,7 +72,9 @@ def run_launch(cmd: list[str], *, env: dict | None = None, cwd: str | os.PathLik
     test: one relaunch, said aloud with the first launch's stderr tail. A Python exception (an assertion, a refusal,
     a wrong number) is never relaunched. ``before_relaunch`` clears what the first launch wrote.
     """
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    import hang_bound
+
+    proc = hang_bound.run(cmd, step=step, cwd=cwd, env=env, capture_output=True, text=True)
     killed = _KILLED_RANK.search(proc.stderr)
     if proc.returncode == 0 or not killed:
         return proc
@@ -86,7 +89,7 @@ def run_launch(cmd: list[str], *, env: dict | None = None, cwd: str | os.PathLik
     for flag in _PORT_FLAGS:
         if flag in cmd:
             cmd[cmd.index(flag) + 1] = str(free_port())
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return hang_bound.run(cmd, step=step, cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def finish_distributed() -> None:
@@ -121,14 +124,15 @@ def launch_cases(
     flag: str = "--cases",
     via_config: str | os.PathLike | None = None,
     env: dict | None = None,
-    timeout: float = 900,  # a hang bound only (a loaded CI machine stretched launches 3-4x)
     keep_env: str = "HGF_KEEP_RUNS",
+    step: str | None = None,
 ) -> tuple[dict[str, list[dict]], subprocess.CompletedProcess]:
     """Run ``tests/<worker> --out DIR <flag> a,b,...`` on ``nproc`` gloo processes and load every rank's record.
 
     ``via_config``: launch through ``hf-gradfix launch --config_file`` (what users run; the file's ``hf_gradfix:``
     section reaches every rank), else ``torch.distributed.run``. A failed launch fails the test with the first
     rank traceback and the tail of stderr. Set the environment variable ``keep_env`` to 1 to keep the records.
+    ``step``: the launch's name in ``hang_bound.STEPS`` (default ``"<worker> launch"``; its hang bound).
     """
     import pytest
     import torch
@@ -145,8 +149,8 @@ def launch_cases(
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
 
-    proc = run_launch(cmd, cwd=str(REPO_ROOT), env=env if env is not None else worker_env(), timeout=timeout,
-                      before_relaunch=fresh_out)
+    proc = run_launch(cmd, step=step or f"{worker} launch", cwd=str(REPO_ROOT),
+                      env=env if env is not None else worker_env(), before_relaunch=fresh_out)
     if proc.returncode != 0:
         failed = sorted(str(p) for p in out.glob("*/FAILED_rank*"))
         detail = "\n".join(Path(p).read_text()[-4000:] for p in failed[:1])

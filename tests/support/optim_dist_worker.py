@@ -258,21 +258,17 @@ def run_case(case: str, rank: int, world: int, mesh) -> dict:
     )
 
 
-def launch(out: str | os.PathLike, cases=None, timeout: float = 240) -> dict[str, list[dict]]:
+def launch(out: str | os.PathLike, cases=None) -> dict[str, list[dict]]:
     """Run this worker on ``WORLD`` processes (``torch.distributed.run``, gloo, 127.0.0.1) and load the records.
 
     Returns ``{case: [rank 0's record, rank 1's record, ...]}``.  Raises ``RuntimeError`` with the workers' output
-    if they fail or time out.
+    if they fail; a hang fails with ``HANG: ...`` (``hang_bound``).
     """
-    import subprocess
-
     cases = list(cases or CASES)
     out = Path(out)
     cmd = multiproc.torchrun(Path(__file__).resolve(), "--out", str(out), "--cases", ",".join(cases), nproc=WORLD)
-    try:
-        proc = multiproc.run_launch(cmd, cwd=str(_TESTS.parents[1]), env=multiproc.worker_env(), timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"optimizer workers timed out after {timeout}s\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}") from e
+    proc = multiproc.run_launch(cmd, step="optim_dist_worker.py launch", cwd=str(_TESTS.parents[1]),
+                                env=multiproc.worker_env())
     if proc.returncode != 0:
         raise RuntimeError(
             f"optimizer workers failed (rc {proc.returncode})\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-12000:]}"
@@ -290,8 +286,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    # a short timeout: a rank stuck in a collective the other never joins fails the test instead of hanging it
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    # a rank stuck in a collective the other never joins fails the launch instead of hanging it (a hang bound)
+    import hang_bound
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=hang_bound.bound("optim_dist_worker.py gloo collective")))
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == WORLD, f"this worker expects {WORLD} processes, got {world}"
     mesh = None

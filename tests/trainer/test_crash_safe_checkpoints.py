@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import hang_bound
 import harness as H
 from crash_save_worker import PHASES
 
@@ -31,8 +32,8 @@ def crashed():
     out = Path(tempfile.mkdtemp(prefix="hgf_crash_"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(H.REPO_ROOT), str(H.REPO_ROOT / "tests" / "support")])}
-    proc = subprocess.run([sys.executable, str(H.REPO_ROOT / "tests" / "support" / "crash_save_worker.py"), str(out), ",".join(PHASES)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = hang_bound.run([sys.executable, str(H.REPO_ROOT / "tests" / "support" / "crash_save_worker.py"), str(out), ",".join(PHASES)],
+                          env=env, capture_output=True, text=True, step="crash-safe checkpoint worker")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads((out / "status.json").read_text()), proc.stderr
 

@@ -196,7 +196,7 @@ def test_b2_nokwargs_classic_bug_detected(tmp_path, stock_trainer):
 @pytest.mark.distributed
 def test_c_ddp_llama_stock_exact(stock_trainer):
     t0 = time.time()
-    res = h.run_ddp("llama", nproc=2, patch=False, timeout=600)
+    res = h.run_ddp("llama", nproc=2, patch=False)
     wall = time.time() - t0
     assert res["meta"]["args"]["patch"] is False
     samples = res["samples"]
@@ -245,7 +245,7 @@ def test_a_launch_is_relaunched_once_for_a_rank_killed_by_a_signal_never_for_an_
     script.write_text(_SIGNAL_PROBE)
 
     def launch(mode):
-        return run_launch(torchrun(script, tmp_path, mode, nproc=1), env=worker_env(), timeout=300)
+        return run_launch(torchrun(script, tmp_path, mode, nproc=1), env=worker_env(), step="signal probe launch, 1 rank")
 
     with pytest.warns(UserWarning, match=r"probe.py: rank 0 died by signal 6; relaunched once"):
         assert launch("abort").returncode == 0

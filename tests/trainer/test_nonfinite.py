@@ -227,7 +227,7 @@ def test_two_ranks_agree_to_skip_when_one_rank_sees_a_nan(tmp_path):
     """Only rank 1 sees the NaN loss: both ranks skip the same step and stay bit-equal to before it."""
     import json
 
-    proc = run_launch(torchrun(H.TESTS_DIR / "nonfinite_worker.py", tmp_path), env=worker_env(), timeout=600)
+    proc = run_launch(torchrun(H.TESTS_DIR / "nonfinite_worker.py", tmp_path), env=worker_env(), step="nonfinite_worker.py launch")
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     for r in (r0, r1):

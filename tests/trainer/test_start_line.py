@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import hang_bound
+
 HERE = Path(__file__).parents[1] / "support"
 PREFIX = "[hf_gradfix] INFO: hf_gradfix (patch(); settings from: defaults)"
 
@@ -20,8 +22,8 @@ def _env() -> dict:
 
 
 def _stderr_of(mode: str) -> str:
-    done = subprocess.run([sys.executable, str(HERE / "start_line_run.py"), mode], capture_output=True, text=True,
-                          env=_env(), timeout=300)
+    done = hang_bound.run([sys.executable, str(HERE / "start_line_run.py"), mode], capture_output=True, text=True,
+                          env=_env(), step="start line run (captured)")
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
 
@@ -64,7 +66,7 @@ def _terminal_output_of(mode: str) -> str:
             break
         chunks.append(data)
     os.close(master)
-    assert proc.wait(timeout=300) == 0, b"".join(chunks)[-3000:]
+    assert hang_bound.wait(proc, step="start line run on a terminal") == 0, b"".join(chunks)[-3000:]
     return b"".join(chunks).decode(errors="replace")
 
 

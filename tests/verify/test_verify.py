@@ -21,6 +21,7 @@ import torch
 import transformers
 import yaml
 
+import hang_bound
 import harness as H
 from hf_gradfix.cli import main
 from hf_gradfix.verify import (FLOOR_FACTOR, _ListDataset, _PadCollator, synthetic_samples, tiny_model, verdict_of, verify,
@@ -462,7 +463,7 @@ def test_two_ranks_through_hf_gradfix_launch(tmp_path, inject, code, expect):
     cmd += ["--inject", inject] if inject else ["--packing"]  # packing: the run whose notes every rank used to repeat
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HF_GRADFIX_ALL_RANKS", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = hang_bound.run(cmd, capture_output=True, text=True, step="verify launch under hf-gradfix launch", env=env)
     assert (proc.returncode != 0) == bool(code), proc.stderr[-2000:]
     assert "2 rank(s)" in proc.stdout and expect in proc.stdout, proc.stdout + proc.stderr[-2000:]
     # One voice: rank 0 prints the report, the plugin's log lines and Python warnings once; a line per phase.
@@ -483,7 +484,7 @@ def test_user_script_on_two_ranks_through_hf_gradfix_launch(tmp_path):
     """A compute_loss_func averaging per micro-batch on 2 ranks: transformers also multiplies it by the ranks."""
     cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(_cpu_yaml(tmp_path)), "-m", "hf_gradfix",
            "verify", "--steps", "1", "--json", "--", USER, "--bug", "loss_func_mean", "--output_dir", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    proc = hang_bound.run(cmd, capture_output=True, text=True, step="verify launch under hf-gradfix launch", cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     assert proc.returncode != 0, proc.stderr[-2000:]
     rep = json.loads(proc.stdout)
@@ -616,9 +617,9 @@ def test_progress_heartbeat_speaks_after_a_silent_interval_and_only_then():
     lines.clear()
     with Progress("demo", interval=0.05, tick=0.01, emit=lines.append) as real:
         real.phase("fake slow phase ...")
-        deadline = time.monotonic() + 600  # a hang bound, not a timing assertion
+        until = hang_bound.deadline("heartbeat thread speaks twice")
         while sum("still fake slow phase" in x for x in lines) < 2:
-            assert time.monotonic() < deadline, lines
+            until.check(lines)
             time.sleep(0.01)
     after = len(lines)
     time.sleep(0.1)
@@ -702,7 +703,7 @@ def _launch_verify(tmp_path, config, *script_args, steps=2):
     cmd = [sys.executable, "-m", "hf_gradfix", "launch", "--config_file", str(config), "--main_process_port",
            str(multiproc.free_port()), "-m", "hf_gradfix", "verify", "--steps", str(steps), "--json", "--", SHARDED,
            *script_args, "--output_dir", str(tmp_path / "run")]
-    proc = multiproc.run_launch(cmd, env=multiproc.worker_env(), cwd=tmp_path, timeout=900)
+    proc = multiproc.run_launch(cmd, env=multiproc.worker_env(), cwd=tmp_path, step="verify launch under hf-gradfix launch")
     try:
         report = json.loads(proc.stdout)
     except ValueError:

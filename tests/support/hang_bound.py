@@ -1,0 +1,226 @@
+"""Every time bound of the tests, in one place: each is a *hang bound*, never a speed bound.
+
+A test waits on a subprocess, a launch of ranks, a collective or a polling loop; a bound on that wait exists only so
+that a hang ends the test instead of the CI run. So each bound is at least ``FACTOR`` (10) times the step's measured
+time alone on the slower 2-core host and never under ``FLOOR_S`` (600 s): a shared, loaded machine (a user's, CI's,
+``bash scripts/test.sh --under-load N``) stretches a step 3-4x and must not fail it. Each step is named in
+:data:`STEPS` with its measured time; a bound that fires says so in one line::
+
+    HANG: step 'plan lean head probe' exceeded its hang bound of 600 s (measured ~3 s alone on the slower 2-core host)
+
+and kills the step's whole process group (a launch's ranks with it). docs/testing.md lists the same table
+(``tests/project/test_time_bounds.py`` checks that it does, and that no other time bound is left in tests/).
+
+Use::
+
+    import hang_bound
+    proc = hang_bound.run([sys.executable, "probe.py"], step="plan lean head probe", capture_output=True, text=True)
+    out, err = hang_bound.communicate(popen, step="hf-gradfix launch interrupted by Ctrl-C")
+    hang_bound.wait(popen, step="start line on a terminal")
+    until = hang_bound.deadline("heartbeat thread speaks twice"); while not done: until.check(detail)
+
+:data:`NOT_HANG_BOUNDS`: the few time limits in tests/ that are what a test proves (a product requirement: "the
+refusal comes before any work", "a 1M-length pack in 5 s"), not a wait on a step; each with what it proves. They are
+measured in CPU time of the test's own process where they can be (a busy machine does not stretch it), and they are
+the only clock comparisons the checking test accepts outside this module.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+#: no hang bound is shorter than this (seconds)
+FLOOR_S = 600.0
+#: a hang bound is at least this many times the step's measured time alone on the slower 2-core host
+FACTOR = 10
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step a test waits on: ``measured_s``, its time alone on the slower 2-core host (seconds; ``how``: how it
+    was measured, ``used_by``: where)."""
+
+    measured_s: float
+    used_by: str
+    how: str = "one run of the test alone, 2 cores"
+
+    @property
+    def bound_s(self) -> float:
+        return max(FLOOR_S, FACTOR * self.measured_s)
+
+
+_M = "one run of the test alone, 2 cores"
+_E = "estimated: the launch's time in docs/testing.md's slowest setups"
+
+#: every step a test waits on with a bound: name -> Step (docs/testing.md lists the same table)
+STEPS: dict[str, Step] = {
+    # ---- one process: the CLI, probes, scripts
+    "hf-gradfix CLI command": Step(8, "tests/config/test_bad_inputs.py, tests/config/test_cli.py (--version, env, "
+                                      "configs, a reader that leaves early)"),
+    "accelerate launch of a 1-process probe": Step(15, "tests/config/test_cli.py::test_launch_hands_accelerate_its_keys_and_every_rank_the_section"),
+    "hf-gradfix launch of a 2-rank probe": Step(20, "tests/config/test_cli.py::test_launch_hands_accelerate_its_keys_and_every_rank_the_section"),
+    "pip wheel of the repository": Step(25, "tests/config/test_cli.py::test_the_wheel_carries_the_shipped_configs"),
+    "CLI on a model directory with remote code": Step(20, "tests/config/test_bad_inputs.py::test_a_model_directory_with_code_never_runs_it"),
+    "hf-gradfix launch interrupted by Ctrl-C": Step(12, "tests/config/test_bad_inputs.py::test_ctrl_c_under_launch_is_one_line_and_exit_130"),
+    "fresh_install_check.py --dry-run": Step(3, "tests/config/test_bad_inputs.py::test_fresh_install_check_reads_the_readme_install_lines_and_every_snippet"),
+    "start line run (captured)": Step(20, "tests/trainer/test_start_line.py (an SFT / Trainer run of 2 steps)"),
+    "start line run on a terminal": Step(20, "tests/trainer/test_start_line.py (the same on a pseudo-terminal)"),
+    "crash-safe checkpoint worker": Step(50, "tests/trainer/test_crash_safe_checkpoints.py::crashed (forks, kills during saves)"),
+    "plan --timeline subprocess": Step(25, "tests/plan/test_plan_cli.py::test_timeline_with_the_default_dtype_traces_and_prints_one_unit"),
+    "plan lean head probe": Step(6, "tests/plan/test_plan_lean_head.py (one forward + backward of the head; "
+                                    "the 4096 x 32000 shape runs in benchmarks/bench_lean_head.py --formula)"),
+    "transformers 4.57 venv refuses tp": Step(15, "tests/parallel/test_nd_parallel.py::test_transformers_457_refuses_tensor_parallel_with_versions_named"),
+    "kernel hand-off checks (own pytest)": Step(40, "tests/packing/test_packing_hybrid_kernels.py"),
+    "gpu_check.py on the CPU": Step(40, "tests/project/test_gpu_check.py (the driver and its set-up script)"),
+    "setup_env.sh with a fake wheel": Step(20, "tests/project/test_lock.py::test_setup_env_passes_the_lock_as_constraints_and_refuses_a_missing_one"),
+    "mkdocs build --strict": Step(20, "tests/project/test_docs.py::site"),
+    "verify script": Step(40, "tests/verify/test_verify.py (hf-gradfix verify -- python script.py)"),
+    # ---- launches of ranks (torch.distributed.run / hf-gradfix launch), gloo on 127.0.0.1
+    "signal probe launch, 1 rank": Step(10, "tests/trainer/test_harness_selfcheck.py::test_a_rank_killed_by_a_signal_is_relaunched_once"),
+    "ddp_worker.py launch": Step(45, "tests/trainer/test_harness_selfcheck.py::test_c_ddp_llama_stock_exact, "
+                                     "benchmarks/exactness_report.py (harness.run_ddp)"),
+    "ddp_worker.py --jobs launch": Step(60, "tests/parallel/test_ddp.py (harness.run_ddp_many: every DDP job in one launch)"),
+    "nonfinite_worker.py launch": Step(30, "tests/trainer/test_nonfinite.py::test_two_ranks_agree_to_skip_when_one_rank_sees_a_nan"),
+    "ddp_packing_worker.py launch": Step(35, "tests/packing/test_packing_stream.py, tests/packing/test_packing_trainer.py"),
+    "token_window_worker.py launch": Step(20, "tests/loss/test_token_window.py"),
+    "gns DDP worker launch": Step(30, "tests/diagnostics/test_noise_scale.py::test_ddp_small_batches_are_local_and_big_batch_global"),
+    "hf-gradfix launch of ZeRO-3": Step(60, "tests/parallel/test_deepspeed_config.py::test_hf_gradfix_launch_runs_zero3_on_cpu"),
+    "verify launch under hf-gradfix launch": Step(60, "tests/verify/test_verify.py::_launch_verify"),
+    "optim_dist_worker.py launch": Step(40, "tests/optim/test_optim_distributed.py"),
+    "optim_dist_worker.py gloo collective": Step(40, "tests/support/optim_dist_worker.py (dist.init_process_group's "
+                                                     "timeout: a rank waiting on a collective the other never joins)",
+                                                 how="the whole launch's time: no collective waits longer"),
+    "cp_worker.py launch": Step(89, "tests/parallel/test_context_parallel.py (2 and 4 ranks)", how=_E),
+    "ep_worker.py launch": Step(55, "tests/parallel/test_ep.py", how=_E),
+    "deepspeed_worker.py launch": Step(108, "tests/parallel/test_deepspeed.py", how=_E),
+    "nd_worker.py launch": Step(106, "tests/parallel/test_nd_parallel.py (4 ranks)", how=_E),
+    "pp_worker.py launch": Step(65, "tests/parallel/test_pipeline.py (2 ranks; pp x dp_replicate on 4)", how=_E),
+    "rl_worker.py launch": Step(60, "tests/rl/test_rl.py, benchmarks/rl_report.py"),
+    "rl_async_runs.py launch": Step(60, "tests/rl/test_rl_async.py"),
+    # ---- polling loops
+    "heartbeat thread speaks twice": Step(0.2, "tests/verify/test_verify.py::test_the_heartbeat_speaks_in_a_slow_phase_and_stops_with_it",
+                                          how="0.05 s interval: two lines in ~0.1-0.2 s"),
+}
+
+#: the time limits in tests/ that are what a test proves, not a hang bound: "path::function" -> what it proves.
+#: tests/project/test_time_bounds.py accepts a clock comparison only in these functions.
+NOT_HANG_BOUNDS: dict[str, str] = {
+    "tests/config/test_bad_inputs.py::_bounded": (
+        "a hostile configuration file (a billion-laughs YAML, a huge token budget) is refused with bounded work: "
+        "CPU seconds of the test's own process (time.process_time), not the wall clock"),
+    "tests/plan/test_plan_cli.py::test_missing_matplotlib_is_found_before_any_work": (
+        "the missing matplotlib is found before any work (the model is never loaded: a monkeypatched loader "
+        "raises); the 5 CPU seconds only back that up"),
+    "tests/packing/test_packing_binpack.py::test_fill_on_lognormal_100k": (
+        "the packer's speed target (100k lengths in < 5 s): CPU seconds of the process"),
+    "tests/packing/test_packing_binpack.py::test_speed_1m": (
+        "the packer's speed targets (1M lengths: numpy <= 5 s, numba <= 1 s, best of 3): CPU seconds of the process"),
+    "tests/project/test_gpu_check.py::test_a_section_past_its_budget_keeps_its_finished_rows": (
+        "a section past its 0.5 s budget is cut (the 100 x 0.05 s section would take 5 s): the whole run ends in "
+        "30 s, 60x the budget"),
+}
+
+
+def bound(step: str) -> float:
+    """The hang bound of ``step`` (seconds): ``max(FLOOR_S, FACTOR x measured)``. A step not in :data:`STEPS` is an
+    error (every bound is named and measured)."""
+    if step not in STEPS:
+        raise KeyError(f"hang_bound: step {step!r} is not in STEPS (tests/support/hang_bound.py); add it with its "
+                       "measured time alone on the slower 2-core host")
+    return STEPS[step].bound_s
+
+
+def message(step: str) -> str:
+    """The one line a fired bound says."""
+    s = STEPS[step]
+    return (f"HANG: step {step!r} exceeded its hang bound of {s.bound_s:g} s "
+            f"(measured ~{s.measured_s:g} s alone on the slower 2-core host)")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and, where it leads its own process group (``run`` starts it so), the whole group."""
+    if proc.poll() is not None:
+        return
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(text) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return text[-4000:]
+
+
+def _fire(step: str, proc: subprocess.Popen, out=None, err=None) -> AssertionError:
+    _kill(proc)
+    try:
+        more_out, more_err = proc.communicate(timeout=30)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        more_out = more_err = None
+    out, err = out or more_out, err or more_err
+    if out or err:  # the step's output, for the record (pytest shows the captured stderr under the failure)
+        print(f"{message(step)}\nstdout tail:\n{_tail(out)}\nstderr tail:\n{_tail(err)}", file=sys.stderr)
+    return AssertionError(message(step))
+
+
+def communicate(proc: subprocess.Popen, *, step: str, input=None):
+    """``proc.communicate(input)`` under ``step``'s hang bound; on expiry the process (group) is killed and an
+    ``AssertionError`` says ``HANG: ...`` in one line."""
+    try:
+        return proc.communicate(input, timeout=bound(step))
+    except subprocess.TimeoutExpired as e:
+        raise _fire(step, proc, e.stdout, e.stderr) from None
+
+
+def wait(proc: subprocess.Popen, *, step: str) -> int:
+    """``proc.wait()`` under ``step``'s hang bound (see :func:`communicate`)."""
+    try:
+        return proc.wait(timeout=bound(step))
+    except subprocess.TimeoutExpired:
+        raise _fire(step, proc) from None
+
+
+def run(cmd, *, step: str, input=None, capture_output: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, ...)`` under ``step``'s hang bound. The command starts its own process group
+    (``start_new_session``) so that a hang, or the test's own interruption, kills it with everything it started
+    (a launch's ranks)."""
+    if capture_output:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+    if input is not None:
+        kwargs.setdefault("stdin", subprocess.PIPE)
+    kwargs.setdefault("start_new_session", True)
+    with subprocess.Popen(cmd, **kwargs) as proc:
+        try:
+            out, err = communicate(proc, step=step, input=input)
+        except BaseException:  # the bound fired, or the test was interrupted (Ctrl-C): nothing left running
+            _kill(proc)
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+class Deadline:
+    """A polling loop's hang bound: ``check()`` raises the ``HANG: ...`` line once ``step``'s bound has passed."""
+
+    def __init__(self, step: str) -> None:
+        self.step, self.until = step, time.monotonic() + bound(step)
+
+    def check(self, detail: object = "") -> None:
+        if time.monotonic() >= self.until:
+            raise AssertionError(message(self.step) + (f"; {detail}" if detail != "" else ""))
+
+
+def deadline(step: str) -> Deadline:
+    return Deadline(step)
