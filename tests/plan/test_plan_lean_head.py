@@ -4,7 +4,8 @@ Ground truth: the process's resident high-water mark during one forward + backwa
 tensors (``tests/support/plan_lean_head_probe.py``, one process per measurement; glibc's mmap threshold fixed at 64 KiB so
 that every large buffer is mapped at allocation and returned at its free, so the high-water mark is the live peak).
 The formula plus the gradients the probe's tensors receive must be within 10 % of it; the control: the other path's
-formula for the same shapes misses by more than that. The planner's totals use it (``--loss-head lean``).
+formula for the same shapes misses by more than that. The planner's totals use it (``--loss-head lean``). The shapes
+run in seconds on a CPU (``TEST_SHAPES``); the large 4,096 x 32,000 head in ``benchmarks/bench_lean_head.py --formula``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from transformers import LlamaConfig
 
 from hf_gradfix.plan.lean_head import FALLBACK_ROWS, lean_head_bytes, torch_chunk_rows
+from plan_lean_head_probe import TEST_SHAPES, formula_errors
 
 HERE = Path(__file__).parents[1] / "support"
 TOL = 0.10
@@ -37,30 +39,18 @@ def _measure(tokens: int, hidden: int, vocab: int, mode: str) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("tokens,hidden,vocab,mode", [(4096, 256, 32000, "fp32"), (4096, 256, 32000, "bf16-autocast")])
+@pytest.mark.parametrize("tokens,hidden,vocab,mode", TEST_SHAPES)
 def test_formula_is_the_measured_peak_of_the_head(tokens, hidden, vocab, mode):
     from hf_gradfix.loss.lean_head import has_torch_linear_cross_entropy
 
     if mode == "fp32" and not has_torch_linear_cross_entropy():
         pytest.skip("torch's op path needs torch >= 2.13")
-    compute = 4 if mode == "fp32" else 2
     got = _measure(tokens, hidden, vocab, mode)
-    this = lean_head_bytes(tokens, hidden, vocab, compute_bytes=compute, weight_bytes=4)
-    if this["path"] == "torch":  # control: the chunks path's count for the same shapes
-        other = {"kept": 0.0, "transient": float(min(tokens, FALLBACK_ROWS) * vocab * 12)}
-    else:  # control: torch's op's count (its precomputed gradients and scratch) in the compute dtype
-        rows = torch_chunk_rows(tokens, hidden, vocab)
-        other = {"kept": float(compute * (tokens * hidden + vocab * hidden)),
-                 "transient": float(compute * (vocab * hidden + rows * vocab + rows))}
-    # torch's op keeps its precomputed gradients and hands them back as the gradients; the chunks keep their input
-    # (the probe's own hidden states, allocated before the measurement) and the backward allocates the gradients
-    def err(b, torch_path):
-        held = b["kept"] if torch_path else got["grads"]
-        return abs(held + b["transient"] - got["peak"]) / got["peak"]
-
-    assert err(this, this["path"] == "torch") <= TOL, (this, got)
+    e = formula_errors(tokens, hidden, vocab, mode, got)
+    assert e["path"] == ("torch" if mode == "fp32" else "chunks"), e  # each mode measures its own path
+    assert e["err"] <= TOL, (e, got)
     # control: the count of the other path does not pass
-    assert err(other, this["path"] != "torch") > TOL, (other, got)
+    assert e["control_err"] > TOL, (e, got)
 
 
 def test_chunk_rows_are_torchs_own():
