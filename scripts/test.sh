@@ -61,12 +61,12 @@ TF5_SECOND_STREAM=(tests/parallel/test_deepspeed.py tests/parallel/test_context_
     tests/verify/test_verify.py tests/rl/test_rl.py tests/rl/test_rl_async.py tests/parallel/test_ep.py
     tests/optim/test_optim_distributed.py tests/trainer/test_compile.py tests/plan/test_plan_lean_head.py)
 # --quick: pure math, configuration, the packer, the optimizers against their references, the loss fix against the
-# ground truth (harness self-check, TokenWindow), the lock and the layout; no process launches (the distributed
-# marker) and no docs build. Measured in docs/testing.md.
+# ground truth (harness self-check, TokenWindow), the lock, the layout and the time bounds; no process launches (the
+# distributed marker) and no docs build. Measured in docs/testing.md.
 QUICK_TESTS=(tests/loss/test_loss_math.py tests/config/test_config.py tests/packing/test_packing_binpack.py
     tests/packing/test_packing_sampler.py tests/packing/test_packing_collator.py tests/optim/test_optim_unit.py
     tests/parallel/test_parallel_dims.py tests/trainer/test_harness_selfcheck.py tests/loss/test_token_window.py
-    tests/project/test_lock.py tests/project/test_layout.py)
+    tests/project/test_lock.py tests/project/test_layout.py tests/project/test_time_bounds.py)
 
 case "$mode" in
 quick)

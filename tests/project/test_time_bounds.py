@@ -13,6 +13,7 @@ them) outside the listed functions is a finding. The control: the same check on 
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import shutil
@@ -34,6 +35,11 @@ WAITS = {"wait", "join", "acquire", "result", "settimeout", "alarm", "setitimer"
 #: a file without any of these has no time bound (parsing only the others keeps the check under a second)
 MAY_BOUND = re.compile(r"timeout|perf_counter|monotonic|process_time|time\.time|time_ns|select\.select|"
                        r"\.(?:wait|join|acquire|result|settimeout|alarm|setitimer)\(\s*[0-9]")
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(text: str) -> ast.AST:
+    return ast.parse(text)
 
 
 def _is_clock(node: ast.AST) -> bool:
@@ -83,7 +89,7 @@ def scan_source(text: str, rel: str) -> list[str]:
     findings = []
     if not MAY_BOUND.search(text):
         return findings
-    tree = ast.parse(text)
+    tree = _parse(text)
     for name, fn in _functions(tree):
         nodes = list(_own_nodes(fn))
         if name != "<module>":
@@ -142,9 +148,9 @@ def _step_uses(root: Path) -> set[str]:
             if path.relative_to(root).as_posix() in (HELPER, "tests/project/test_time_bounds.py"):
                 continue
             text = path.read_text()
-            if not re.search(r"step=|deadline\(|bound\(|launch_cases\(", text):
+            if not re.search(r"\bstep=\"|deadline\(|bound\(|launch_cases\(", text):
                 continue
-            for node in ast.walk(ast.parse(text)):
+            for node in ast.walk(_parse(text)):
                 if not isinstance(node, ast.Call):
                     continue
                 f = node.func
@@ -170,6 +176,8 @@ def test_every_bound_is_a_hang_bound_and_every_step_is_named_and_used():
     for name, step in hang_bound.STEPS.items():
         assert step.bound_s >= 600 and step.bound_s >= 10 * step.measured_s, (name, step)
         assert hang_bound.bound(name) == step.bound_s
+        for m in re.finditer(r"((?:tests|benchmarks)/[\w/]+\.py)(?:::(\w+))?", step.used_by):  # where, as it is now
+            assert (ROOT / m[1]).exists() and (m[2] is None or f"def {m[2]}(" in (ROOT / m[1]).read_text()), (name, m[0])
     used = _step_uses(ROOT)
     assert used <= set(hang_bound.STEPS), f"steps waited on but not in hang_bound.STEPS: {sorted(used - set(hang_bound.STEPS))}"
     assert set(hang_bound.STEPS) <= used, f"steps in hang_bound.STEPS that nothing waits on: {sorted(set(hang_bound.STEPS) - used)}"
@@ -178,7 +186,7 @@ def test_every_bound_is_a_hang_bound_and_every_step_is_named_and_used():
 def test_each_exception_is_a_real_clock_comparison_with_its_reason():
     """The listed exceptions exist (the function is there and does compare a clock reading; a stale entry would
     quietly widen what the check accepts) and say what they prove."""
-    for key, why in hang_bound.NOT_HANG_BOUNDS.items():
+    for key, why in list(hang_bound.NOT_HANG_BOUNDS.items()):
         rel, fn = key.split("::")
         text = (ROOT / rel).read_text()
         assert f"def {fn}(" in text, key

@@ -65,7 +65,7 @@ STEPS: dict[str, Step] = {
     "accelerate launch of a 1-process probe": Step(15, "tests/config/test_cli.py::test_launch_hands_accelerate_its_keys_and_every_rank_the_section"),
     "hf-gradfix launch of a 2-rank probe": Step(20, "tests/config/test_cli.py::test_launch_hands_accelerate_its_keys_and_every_rank_the_section"),
     "pip wheel of the repository": Step(25, "tests/config/test_cli.py::test_the_wheel_carries_the_shipped_configs"),
-    "CLI on a model directory with remote code": Step(20, "tests/config/test_bad_inputs.py::test_a_model_directory_with_code_never_runs_it"),
+    "CLI on a model directory with remote code": Step(20, "tests/config/test_bad_inputs.py::test_remote_code_never_runs_whatever_is_on_stdin"),
     "hf-gradfix launch interrupted by Ctrl-C": Step(12, "tests/config/test_bad_inputs.py::test_ctrl_c_under_launch_is_one_line_and_exit_130"),
     "fresh_install_check.py --dry-run": Step(3, "tests/config/test_bad_inputs.py::test_fresh_install_check_reads_the_readme_install_lines_and_every_snippet"),
     "start line run (captured)": Step(20, "tests/trainer/test_start_line.py (an SFT / Trainer run of 2 steps)"),
@@ -79,9 +79,8 @@ STEPS: dict[str, Step] = {
     "gpu_check.py on the CPU": Step(40, "tests/project/test_gpu_check.py (the driver and its set-up script)"),
     "setup_env.sh with a fake wheel": Step(20, "tests/project/test_lock.py::test_setup_env_passes_the_lock_as_constraints_and_refuses_a_missing_one"),
     "mkdocs build --strict": Step(20, "tests/project/test_docs.py::site"),
-    "verify script": Step(40, "tests/verify/test_verify.py (hf-gradfix verify -- python script.py)"),
     # ---- launches of ranks (torch.distributed.run / hf-gradfix launch), gloo on 127.0.0.1
-    "signal probe launch, 1 rank": Step(10, "tests/trainer/test_harness_selfcheck.py::test_a_rank_killed_by_a_signal_is_relaunched_once"),
+    "signal probe launch, 1 rank": Step(10, "tests/trainer/test_harness_selfcheck.py::test_a_launch_is_relaunched_once_for_a_rank_killed_by_a_signal_never_for_an_exception"),
     "ddp_worker.py launch": Step(45, "tests/trainer/test_harness_selfcheck.py::test_c_ddp_llama_stock_exact, "
                                      "benchmarks/exactness_report.py (harness.run_ddp)"),
     "ddp_worker.py --jobs launch": Step(60, "tests/parallel/test_ddp.py (harness.run_ddp_many: every DDP job in one launch)"),
@@ -103,7 +102,7 @@ STEPS: dict[str, Step] = {
     "rl_worker.py launch": Step(60, "tests/rl/test_rl.py, benchmarks/rl_report.py"),
     "rl_async_runs.py launch": Step(60, "tests/rl/test_rl_async.py"),
     # ---- polling loops
-    "heartbeat thread speaks twice": Step(0.2, "tests/verify/test_verify.py::test_the_heartbeat_speaks_in_a_slow_phase_and_stops_with_it",
+    "heartbeat thread speaks twice": Step(0.2, "tests/verify/test_verify.py::test_progress_heartbeat_speaks_after_a_silent_interval_and_only_then",
                                           how="0.05 s interval: two lines in ~0.1-0.2 s"),
 }
 
