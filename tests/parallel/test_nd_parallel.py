@@ -18,7 +18,6 @@ and the clear error on transformers 4.57 (no ``DistributedConfig``) in the ``.ve
 from __future__ import annotations
 
 import os
-import subprocess
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace

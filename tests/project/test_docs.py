@@ -23,7 +23,6 @@ import io
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest

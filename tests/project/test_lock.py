@@ -93,7 +93,7 @@ def test_setup_env_passes_the_lock_as_constraints_and_refuses_a_missing_one(tmp_
     env = dict(os.environ, HF_GRADFIX_LOCK=str(tmp_path / "missing.txt"))
     # an existing venv (this one) so that nothing is created; the missing lock is refused before pip runs
     proc = hang_bound.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), str(Path(sys.prefix)), "dev"],
-                          capture_output=True, text=True, env=env, step="setup_env.sh with a fake wheel")
+                          capture_output=True, text=True, env=env, step="setup_env.sh refuses a missing lock")
     assert proc.returncode == 2
     assert f"HF_GRADFIX_LOCK={tmp_path / 'missing.txt'}: no such file" in proc.stderr
 

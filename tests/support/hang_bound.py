@@ -77,7 +77,7 @@ STEPS: dict[str, Step] = {
     "transformers 4.57 venv refuses tp": Step(15, "tests/parallel/test_nd_parallel.py::test_transformers_457_refuses_tensor_parallel_with_versions_named"),
     "kernel hand-off checks (own pytest)": Step(40, "tests/packing/test_packing_hybrid_kernels.py"),
     "gpu_check.py on the CPU": Step(40, "tests/project/test_gpu_check.py (the driver and its set-up script)"),
-    "setup_env.sh with a fake wheel": Step(20, "tests/project/test_lock.py::test_setup_env_passes_the_lock_as_constraints_and_refuses_a_missing_one"),
+    "setup_env.sh refuses a missing lock": Step(20, "tests/project/test_lock.py::test_setup_env_passes_the_lock_as_constraints_and_refuses_a_missing_one"),
     "mkdocs build --strict": Step(20, "tests/project/test_docs.py::site"),
     # ---- launches of ranks (torch.distributed.run / hf-gradfix launch), gloo on 127.0.0.1
     "signal probe launch, 1 rank": Step(10, "tests/trainer/test_harness_selfcheck.py::test_a_launch_is_relaunched_once_for_a_rank_killed_by_a_signal_never_for_an_exception"),
