@@ -239,7 +239,7 @@ def test_a_fired_bound_says_hang_in_one_line_and_kills_the_whole_group(tmp_path,
     sleeps) ends at the bound with the one line naming the step, the bound and the measured time, and nothing it
     started is left running; a step inside its bound returns as subprocess.run does."""
     monkeypatch.setattr(hang_bound, "FLOOR_S", 0.5)
-    monkeypatch.setitem(hang_bound.STEPS, "test sleeper", hang_bound.Step(0.02, "this test"))
+    monkeypatch.setitem(hang_bound.STEPS, "test sleeper", hang_bound.Step(0.02, "this test", how="this test"))
     pid_file = tmp_path / "child.pid"
     with pytest.raises(AssertionError) as info:
         hang_bound.run(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; echo waiting; wait"], step="test sleeper",
