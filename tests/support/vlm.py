@@ -18,7 +18,8 @@ Families (``FAMILIES``):
 
 Every model: text vocab 128 (the family's special tokens included), hidden 32, 2 layers, every dropout 0, eager
 attention, fp32; vision tower hidden 32, 1 layer. Video (Qwen2.5-VL): the video processors need torchvision, which
-the locked venv does not have, so no video sample is produced (``VIDEO_SUPPORTED`` says so, measured at import).
+the locked venv does not have, so :func:`add_video` splices a hand-built video (tokens, patch rows, grid) into a
+processed sample, in the processor's layout.
 
 API::
 
@@ -391,6 +392,36 @@ def process_one(family: str, sample: dict, processor, assistant_only: bool = Tru
     if "idx" in sample:
         feat["idx"] = int(sample["idx"])
     return feat
+
+
+VIDEO_GRID = (2, 2, 4)  # (frames / temporal patch, h, w) patches: 16 patch rows, 4 video tokens after the 2x2 merge
+
+
+def add_video(family: str, feature: dict, processor, seed: int = 0, grid: Sequence[int] = VIDEO_GRID) -> dict:
+    """Qwen2.5-VL: ``feature`` (a :func:`process_one` output) with a video in its first user turn, built by hand the
+    way ``Qwen2VLVideoProcessor`` lays it out (that processor needs torchvision, absent here): ``<|vision_start|>``,
+    ``prod(grid) / merge**2`` ``<|video_pad|>`` tokens (``mm_token_type_ids`` 2, label -100), ``<|vision_end|>``;
+    ``pixel_values_videos`` = ``prod(grid)`` flattened patch rows (seeded normal values, as normalized frames),
+    ``video_grid_thw`` = ``[grid]``. Other families have no video input: refused."""
+    if family != "qwen2_5_vl":
+        raise ValueError(f"add_video family={family!r}: only qwen2_5_vl takes video here")
+    tok = processor.tokenizer
+    start, pad, end = (tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|video_pad|>", "<|vision_end|>"))
+    n_tokens = int(torch.tensor(grid).prod()) // QWEN_MERGE**2
+    ids = feature["input_ids"].tolist()
+    at = ids.index(tok.convert_tokens_to_ids("user")) + 1
+    insert = torch.tensor([start] + [pad] * n_tokens + [end])
+    out = dict(feature)
+    for key, fill in (("input_ids", None), ("attention_mask", 1), ("labels", IGNORE_INDEX), ("mm_token_type_ids", 0)):
+        add = insert if fill is None else torch.full_like(insert, fill)
+        if key == "mm_token_type_ids":
+            add = torch.where(insert == pad, 2, 0)
+        out[key] = torch.cat([feature[key][:at], add.to(feature[key].dtype), feature[key][at:]])
+    g = torch.Generator().manual_seed(seed)
+    patch_dim = 3 * 2 * QWEN_PATCH * QWEN_PATCH  # channels x temporal patch x patch^2
+    out["pixel_values_videos"] = torch.randn(int(torch.tensor(grid).prod()), patch_dim, generator=g)
+    out["video_grid_thw"] = torch.tensor([list(grid)])
+    return out
 
 
 def processed_samples(family: str, samples: Sequence[dict], processor=None, assistant_only: bool = True) -> list[dict]:

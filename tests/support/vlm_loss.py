@@ -73,61 +73,96 @@ def trl_collator(path: str, processor):
     return DataCollatorForVisionLanguageModeling(processor=processor, completion_only_loss=True)
 
 
-def features_for(path: str, family: str, samples: Sequence[dict], processor) -> dict[int, dict]:
-    """Each sample alone, as the trainer's collator labels it: ``vlm.process_one`` (Trainer path) or TRL's
-    collator on a one-sample batch (TRL paths; no padding), as a one-row batch."""
-    out = {}
+#: Qwen2.5-VL trainer-path samples that also carry a video (vlm.add_video): sample 1 has no image (video only),
+#: sample 7 has an image and a video
+VIDEO_IDX = (1, 7)
+
+
+def trainer_features(family: str, samples: Sequence[dict], processor) -> list[dict]:
+    """The Trainer path's per-sample features (``vlm.process_one``, assistant-only labels), with a video on
+    :data:`VIDEO_IDX` for Qwen2.5-VL."""
+    out = []
     for s in samples:
-        if path == "trainer":
-            out[s["idx"]] = vlm.collate_processed(family, [vlm.process_one(family, s, processor)])
-        else:
-            ex = {k: (list(v) if isinstance(v, list) else v) for k, v in s.items() if k != "idx"}
-            out[s["idx"]] = dict(trl_collator(path, processor)([ex]))
+        f = vlm.process_one(family, s, processor)
+        if family == "qwen2_5_vl" and s["idx"] in VIDEO_IDX:
+            f = vlm.add_video(family, f, processor, seed=s["idx"])
+        out.append(f)
     return out
 
 
-def ground_truth(model64, window_batches: Sequence[dict]) -> tuple[float, dict[str, torch.Tensor], int]:
-    """float64 loss sum over the window's samples (each its own one-row batch) / their total target count."""
+def features_for(path: str, family: str, samples: Sequence[dict], processor) -> dict[int, dict]:
+    """Each sample alone, as the trainer's collator labels it: ``vlm.process_one`` (Trainer path) or TRL's
+    collator on a one-sample batch (TRL paths; no padding), as a one-row batch."""
+    if path == "trainer":
+        return {f["idx"]: vlm.collate_processed(family, [f]) for f in trainer_features(family, samples, processor)}
+    out = {}
+    for s in samples:
+        ex = {k: (list(v) if isinstance(v, list) else v) for k, v in s.items() if k != "idx"}
+        out[s["idx"]] = dict(trl_collator(path, processor)([ex]))
+    return out
+
+
+def ground_truth(model64, window_batches: Sequence[dict], micro_sizes: Sequence[int]) -> dict:
+    """float64 loss sum over the window's samples (each its own one-row batch) / their total target count, and its
+    gradient (``loss``, ``grads``, ``count``). Also the planted bug from the same per-sample sums (``biased_loss``,
+    ``biased_grads``): each micro-batch's own target mean (``micro_sizes``: the window's micro-batches, in order),
+    averaged over the window's micro-batches, what stock computes when the count is not passed."""
     import torch.nn.functional as F
 
     model64.zero_grad(set_to_none=True)
-    total, count = 0.0, 0
+    sums, counts = [], []
     for batch in window_batches:
         batch = dict(batch)
         labels = batch.pop("labels")
         batch = {k: (v.double() if torch.is_floating_point(v) else v) for k, v in batch.items()}
         logits = model64(**batch).logits[:, :-1].double()
         target = labels[:, 1:]
-        total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                        ignore_index=vlm.IGNORE_INDEX, reduction="sum")
-        count += int(target.ne(vlm.IGNORE_INDEX).sum())
-    loss = total / count
-    loss.backward()
-    loss = loss.detach()
-    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-             for n, p in model64.named_parameters() if p.requires_grad}
-    return float(loss), grads, count
+        sums.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                    ignore_index=vlm.IGNORE_INDEX, reduction="sum"))
+        counts.append(int(target.ne(vlm.IGNORE_INDEX).sum()))
+    loss = sum(sums) / sum(counts)
+    means, at = [], 0
+    for size in micro_sizes:
+        means.append(sum(sums[at : at + size]) / max(1, sum(counts[at : at + size])))
+        at += size
+    biased = sum(means) / len(means)
+    names = [n for n, p in model64.named_parameters() if p.requires_grad]
+    params = [p for n, p in model64.named_parameters() if p.requires_grad]
+
+    def grads_of(value, retain):
+        gs = torch.autograd.grad(value, params, retain_graph=retain, allow_unused=True)
+        return {n: (g if g is not None else torch.zeros_like(p)) for n, g, p in zip(names, gs, params)}
+
+    grads = grads_of(loss, True)
+    return dict(loss=float(loss.detach()), grads=grads, count=sum(counts), biased_loss=float(biased.detach()),
+                biased_grads=grads_of(biased, False))
 
 
 def _sub(g: dict, keys: Sequence[str]) -> dict:
     return {k: g[k] for k in keys if k in g}
 
 
-def compare(case: str, ranks: Sequence[dict], processor=None) -> list[dict]:
+def compare(case: str, ranks: Sequence[dict], processor=None, cache: dict | None = None) -> list[dict]:
     """Per recorded window: rel err of the gradient (all trainable parameters; the vision tower + projector alone;
-    the language model + head alone: a tower with a large gradient norm cannot hide a text error), of the logged loss, the window's target count; rank 0's record holds the initial state."""
+    the language model + head alone: a tower with a large gradient norm cannot hide a text error), of the logged
+    loss, the window's target count; rank 0's record holds the initial state."""
     path, family, mode, tower = parse(case)
     processor = processor or vlm.build_processor(family)
     samples = samples_for(path, family)
-    feats = features_for(path, family, samples, processor)
+    cache = {} if cache is None else cache
+    if (path, family) not in cache:
+        cache[path, family] = features_for(path, family, samples, processor)
+    feats = cache[path, family]
     model64 = build_model(family, tower)
     model64.load_state_dict(ranks[0]["initial_state"])
     model64.double()
     vision = set(vlm.tower_and_projector_names(model64))
     rows = []
     for k, step0 in enumerate(ranks[0]["steps"]):
-        window = [i for r in ranks for b in r["steps"][k]["idx_batches"] for i in b]
-        gt_loss, gt, count = ground_truth(model64, [feats[i] for i in window])
+        micro = [b for r in ranks for b in r["steps"][k]["idx_batches"]]
+        window = [i for b in micro for i in b]
+        ref = ground_truth(model64, [feats[i] for i in window], [len(b) for b in micro])
+        gt_loss, gt, count = ref["loss"], ref["grads"], ref["count"]
         g = step0["grads"]
         vkeys = [n for n in gt if n in vision]
         tkeys = [n for n in gt if n not in vision]
@@ -141,8 +176,12 @@ def compare(case: str, ranks: Sequence[dict], processor=None) -> list[dict]:
             vision_params=len(vkeys),
             text_rel_err=H.rel_err(_sub(g, tkeys), _sub(gt, tkeys)),
             loss_rel_err=None if logged is None else abs(logged - gt_loss) / abs(gt_loss),
-            logged_loss=logged, gt_loss=gt_loss, rank_grad_max_diff=rank_diff,
+            logged_loss=logged, gt_loss=gt_loss, mean_of_means_rel_err=H.rel_err(ref["biased_grads"], gt),
+            mean_of_means_loss_rel_err=abs(ref["biased_loss"] - gt_loss) / abs(gt_loss),
+            videos=sum(1 for i in window if path == "trainer" and family == "qwen2_5_vl" and i in VIDEO_IDX),
+            rank_grad_max_diff=rank_diff,
             accepts_loss_kwargs=ranks[0]["meta"].get("model_accepts_loss_kwargs"),
+            seconds=ranks[0]["meta"].get("seconds"),
         ))
     return rows
 

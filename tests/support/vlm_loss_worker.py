@@ -43,6 +43,9 @@ class RecordingVLMCollator:
 def run_case(case: str, out: Path, rank: int) -> None:
     import transformers
 
+    import time
+
+    t0 = time.perf_counter()
     path, family, mode, tower = VL.parse(case)
     if mode == "patched":
         import hf_gradfix
@@ -61,7 +64,7 @@ def run_case(case: str, out: Path, rank: int) -> None:
     if path == "trainer":
         pad = processor.tokenizer.pad_token_id
         collator = RecordingVLMCollator(lambda feats: vlm.collate_processed(family, feats, pad))
-        data = [vlm.process_one(family, s, processor) for s in samples]
+        data = VL.trainer_features(family, samples, processor)
         cls, targs = H._subclass(transformers.Trainer), transformers.TrainingArguments(**args)
         kw = dict(data_collator=collator)
     else:
@@ -88,7 +91,7 @@ def run_case(case: str, out: Path, rank: int) -> None:
     logged = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
     meta = dict(case=case, rank=rank, model_accepts_loss_kwargs=getattr(trainer, "model_accepts_loss_kwargs", None),
                 collator=type(getattr(collator, "inner", collator)).__name__,
-                inner_collator=type(trainer.data_collator.inner).__name__)
+                inner_collator=type(trainer.data_collator.inner).__name__, seconds=time.perf_counter() - t0)
     payload = dict(meta=meta, steps=recorder.steps, logged_losses=logged)
     if rank == 0:
         payload["initial_state"] = initial
