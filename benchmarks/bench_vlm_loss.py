@@ -87,7 +87,9 @@ def main(argv=None) -> None:
         "through the video processor: the video processors need torchvision; the Qwen2.5-VL Trainer cases carry 2 "
         "hand-built videos (`vlm.add_video`, the processor's layout) in their first window. TRL runs use `SFTConfig`'s "
         "defaults (gradient checkpointing on) except `bf16=False` (TRL defaults to bf16 autocast, which a fp32 "
-        "tolerance cannot judge).",
+        "tolerance cannot judge). Stock TRL padding-free (`padding_free=True`) on vision data: refused by TRL "
+        "before training (`test_trl_padding_free_on_vision_data_does_not_run_stock` measures the refusal), so no "
+        "stock padding-free error exists to report.",
         "",
     ]
     with open(args.out, "w") as f:

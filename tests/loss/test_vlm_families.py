@@ -113,3 +113,20 @@ def test_windows_mix_image_counts_and_sizes():
     assert any(len({im.size for im in s["images"]}) >= 2 for s in samples)
     pairs = [counts[i : i + VL.BS] for i in range(0, len(counts), VL.BS)]
     assert [0, 0] in pairs
+
+
+def test_trl_padding_free_on_vision_data_does_not_run_stock(tmp_path):
+    """Stock TRL's padding-free path for vision data, the other stock error the issue asks for beside the padded one:
+    measured, TRL 1.16 refuses it before training (so there is no stock padding-free error to report). If a TRL
+    release lifts the ban (trl#7081), this fails: its error must then be measured in vlm_loss like the padded one."""
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    family = "llava"
+    args = SFTConfig(output_dir=str(tmp_path), padding_free=True, use_cpu=True, report_to="none", bf16=False,
+                     per_device_train_batch_size=2, max_length=None)
+    data = datasets.Dataset.from_list([{k: v for k, v in s.items() if k != "idx"}
+                                       for s in vlm.make_samples(family, 2, counts=(1, 2))])
+    with pytest.raises(ValueError, match="(?i)padding-free.*vision"):
+        SFTTrainer(model=vlm.build_vlm(family), args=args, train_dataset=data,
+                   processing_class=vlm.build_processor(family))
