@@ -225,7 +225,8 @@ def _build(family: str, attn: str) -> nn.Module:
 
     ids = _ids(family)
     if family == "qwen2_5_vl":
-        text = dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3], "rope_type": "default"}, bos_token_id=None,
+        text = dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3], "rope_type": "default"},
+                    bos_token_id=None,
                     pad_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
                       fullatt_block_indexes=[0], window_size=28, patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE,
@@ -500,6 +501,7 @@ if __name__ == "__main__":  # a smoke run: every family forward + backward on on
         loss = forward_backward(m, {k: v for k, v in b.items()})
         tower = tower_and_projector_names(m)
         tg = sum(float(p.grad.norm()) for n, p in m.named_parameters() if n in tower and p.grad is not None)
-        print(fam, "frozen", len(freeze_tower(build_vlm(fam))), "of", len(tower_and_projector_names(m)), "tokens", [len(f["input_ids"]) for f in feats], "targets",
+        print(fam, "frozen", len(freeze_tower(build_vlm(fam))), "of", len(tower_and_projector_names(m)), "tokens",
+              [len(f["input_ids"]) for f in feats], "targets",
               [int(f["labels"][1:].ne(-100).sum()) for f in feats], "loss", round(loss, 4), "tower grad", round(tg, 4),
               {k: tuple(v.shape) for k, v in b.items() if k not in TOKEN_KEYS})
