@@ -340,7 +340,9 @@ class MultimodalPackedCollator:
 
     Token-axis keys are concatenated in the order of ``input_ids`` (padding: ``mm_token_type_ids`` /
     ``token_type_ids`` 0); per-image keys in the same document order. All samples of a batch must share one image
-    layout (text-only samples fit any). Never an ``attention_mask``.
+    layout (text-only samples fit any). Never an ``attention_mask``. ``image_rows="alone"``: every image document gets
+    a row of its own and the bin's text-only documents share one (rows mode, tail-padded), for a family whose
+    image-token mask does not follow restarted positions (see :mod:`hf_gradfix.packing.multimodal_guard`).
 
     >>> c = MultimodalPackedCollator()
     >>> b = c([{"input_ids": [5, 6, 7], "token_type_ids": [0, 1, 0], "pixel_values": torch.zeros(1, 3, 2, 2) + 1},
@@ -359,30 +361,49 @@ class MultimodalPackedCollator:
         label_pad_id: int = IGNORE_INDEX,
         pad_to_multiple_of: int | None = None,
         return_seq_idx: bool = False,
+        image_rows: Literal["shared", "alone"] = "shared",
     ) -> None:
         if rope_fn is not None and not callable(rope_fn):
             raise InvalidArgumentError(f"MultimodalPackedCollator: rope_fn must be callable or None, got {rope_fn!r}")
-        self.text = PackedCollator(mode, max_tokens=max_tokens, pad_token_id=pad_token_id, label_pad_id=label_pad_id,
-                                   pad_to_multiple_of=pad_to_multiple_of, return_seq_idx=return_seq_idx)
+        if image_rows not in ("shared", "alone"):
+            raise InvalidArgumentError(f"MultimodalPackedCollator: image_rows must be 'shared' or 'alone', got {image_rows!r}")
+        common = dict(max_tokens=max_tokens, pad_token_id=pad_token_id, label_pad_id=label_pad_id,
+                      pad_to_multiple_of=pad_to_multiple_of, return_seq_idx=return_seq_idx)
+        self.text = PackedCollator(mode, **common)
+        # image_rows="alone" (a family whose image-token mask does not follow restarted positions, measured by
+        # multimodal_guard): every image document in a row of its own, first in it; the text-only documents of the
+        # bin share one row; the rows tail-padded ("rows" mode: no cu_seq_lens)
+        self.split_text = PackedCollator("rows", **common)
         self.rope_fn = rope_fn
         self.mode = mode
+        self.image_rows = image_rows
         self.label_pad_id = label_pad_id
 
     def __repr__(self) -> str:
-        return f"MultimodalPackedCollator(rope_fn={'yes' if self.rope_fn else None}, {self.text!r})"
+        return (f"MultimodalPackedCollator(rope_fn={'yes' if self.rope_fn else None}, image_rows={self.image_rows!r}, "
+                f"{self.text!r})")
 
     def __call__(self, samples: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
         bins = _split_bins(samples)
         docs = [[_normalize(s, f"sample {j}" if len(bins) == 1 else f"bin {b}, sample {j}", self.label_pad_id)
                  for j, s in enumerate(bin_)] for b, bin_ in enumerate(bins)]
+        mode, text = self.mode, self.text
+        if self.image_rows == "alone" and any(d.n_images for row in docs for d in row):
+            split: list[list[_Doc]] = []
+            for row in docs:
+                plain = [d for d in row if not d.n_images]
+                split.extend([d] for d in row if d.n_images)
+                if plain:
+                    split.append(plain)
+            docs, mode, text = split, "rows", self.split_text
         layouts = {d.layout for row in docs for d in row} - {"text"}
         if len(layouts) > 1:
             raise PackedBatchError(f"a packed batch mixes image layouts {sorted(layouts)}; every sample must come from "
                                    "the same model's processor")
         layout = layouts.pop() if layouts else "text"
-        batch = self.text([[{k: d[k] for k in ("input_ids", "labels") if k in d} for d in row] for row in docs])
+        batch = text([[{k: d[k] for k in ("input_ids", "labels") if k in d} for d in row] for row in docs])
         rows, T = batch["input_ids"].shape
-        if self.mode == "varlen":
+        if mode == "varlen":
             docs = [[d for row in docs for d in row]]
         for key in TOKEN_KEYS[2:]:
             present = [key in d for row in docs for d in row]
