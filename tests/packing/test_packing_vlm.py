@@ -29,12 +29,20 @@ COUNTS = (0, 3, 1, 0, 2)  # text-only first: every image document sits after ano
 _CACHE: dict = {}
 
 
+def processor(family: str):
+    """The family's offline processor, built once (Qwen's takes seconds)."""
+    if ("processor", family) not in _CACHE:
+        _CACHE[("processor", family)] = V.build_processor(family)
+    return _CACHE[("processor", family)]
+
+
 def setup(family: str):
     """(model, processed samples, collator) for ``family``; built once per module."""
     if family not in _CACHE:
         model = V.build_vlm(family)
         model.eval()  # no dropout anyway; eval keeps the comparison free of train-only branches
-        feats = V.processed_samples(family, V.make_samples(family, len(COUNTS), seed=3, counts=COUNTS))
+        feats = V.processed_samples(family, V.make_samples(family, len(COUNTS), seed=3, counts=COUNTS),
+                                    processor(family))
         collator = MultimodalPackedCollator(rope_index_fn(model), pad_token_id=V.pad_id(family))
         _CACHE[family] = (model, feats, collator)
     return _CACHE[family]
@@ -143,3 +151,191 @@ def test_leak_probe_perturbing_one_document_leaves_the_next_unchanged(family):
     moved = P.rel(outs["poked"][k + 1], outs["base"][k + 1])
     moved_plain = P.rel(outs["poked_plain"][k + 1], outs["base_plain"][k + 1])
     assert moved <= 1e-6 and moved_plain > CONTROL_MIN, (family, moved, moved_plain)
+
+
+# ------------------------------------------------------------------ Gemma 3: measured, and the guard's answer
+def test_gemma3_packed_rows_are_measured_and_the_guard_acts():
+    """Gemma 3 (token_type_ids: bidirectional attention over each image; sliding-window layers): MEASURE a packed row
+    with image documents after other documents against each document alone. Where it differs (research 1.2's
+    suspicion; transformers 5.24 measures up to ~1 relative), the guard must not pack image documents with others: its
+    plan gives every image document a row of its own, and that layout is exact (logits and gradients). Where it does
+    not differ, the guard packs freely. Also measured: the same model with every layer full-attention packs exactly
+    (the difference lives in the sliding-window layers)."""
+    from hf_gradfix.packing.multimodal_guard import check_vlm_packs_correctly
+
+    model, feats, collator = setup("gemma3")
+    ref_logits, ref_grads = _alone(model, feats, "gemma3")
+    shared, _ = P.packed_run(model, collator(feats))
+    err_shared = P.worst_rel(P.split_row(shared, feats), ref_logits)
+    plan = check_vlm_packs_correctly(model, feats, pad_token_id=V.pad_id("gemma3"))
+    if err_shared <= LOGIT_TOL:
+        assert plan.image_rows == "shared", plan
+        return
+    assert err_shared > 1e-2, err_shared  # a real difference, not rounding
+    assert plan.image_rows == "alone", plan
+    assert "Gemma3ForConditionalGeneration (gemma3)" in plan.reason and "token_type_ids" in plan.reason
+    assert "sliding-window" in plan.reason and "\n" not in plan.reason
+    alone = MultimodalPackedCollator(None, pad_token_id=V.pad_id("gemma3"), image_rows="alone")
+    batch = alone(feats)
+    check_packed_batch(batch)
+    # where each document went: image documents a row each (in order), then the text-only ones sharing a row
+    img = [i for i, f in enumerate(feats) if "pixel_values" in f]
+    txt = [i for i, f in enumerate(feats) if "pixel_values" not in f]
+    assert batch["input_ids"].shape[0] == len(img) + (1 if txt else 0)
+    model.zero_grad(set_to_none=True)
+    labels = batch.pop("labels")
+    out = model(**batch, use_cache=False).logits
+    pieces, total = {}, 0.0
+    for r, members in enumerate([[i] for i in img] + ([txt] if txt else [])):
+        at = 0
+        for i in members:
+            n = feats[i]["input_ids"].numel()
+            pieces[i] = out[r, at:at + n]
+            total = total + P.summed_loss(out[r, at:at + n], labels[r, at:at + n])
+            at += n
+    total.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    err = P.worst_rel([pieces[i].detach() for i in range(len(feats))], ref_logits)
+    assert err <= LOGIT_TOL, err
+    assert P.grad_rel(grads, ref_grads) <= GRAD_TOL
+    # localized: every layer full-attention packs exactly (same weights, only the layer kinds changed)
+    for layer in model.model.language_model.layers:
+        layer.attention_type = "full_attention"
+        layer.self_attn.sliding_window, layer.self_attn.is_sliding = None, False
+    model.config.text_config.layer_types = ["full_attention"] * len(model.model.language_model.layers)
+    try:
+        full_ref, _ = P.docs_alone(model, feats)
+        full, _ = P.packed_run(model, collator(feats))
+        assert P.worst_rel(P.split_row(full, feats), full_ref) <= LOGIT_TOL
+    finally:
+        _CACHE.pop("gemma3")  # the model was changed
+
+
+@pytest.mark.parametrize("family", [f for f in V.FAMILIES if f != "gemma3"])
+def test_guard_packs_families_that_isolate(family):
+    from hf_gradfix.packing.multimodal_guard import check_vlm_packs_correctly
+
+    model, feats, _ = setup(family)
+    plan = check_vlm_packs_correctly(model, feats, pad_token_id=V.pad_id(family))
+    assert plan.image_rows == "shared" and plan.reason is None, plan
+    assert plan.details["leak_probe"] == 0.0 or plan.details["leak_probe"] < 1e-6
+
+
+def test_guard_refuses_a_family_whose_text_positions_do_not_isolate():
+    """A Qwen2.5-VL whose forward drops the text row of the positions (the 3 mRoPE rows only: no packed mask) mixes
+    every packed row, with or without images: refused in one line naming the family, before any step."""
+    from hf_gradfix.packing.guard import PackingCheckError
+    from hf_gradfix.packing.multimodal_guard import check_vlm_packs_correctly
+
+    model, feats, _ = setup("qwen2_5_vl")
+    forward = model.forward
+
+    def three_rows(*args, position_ids=None, **kwargs):
+        if position_ids is not None and position_ids.dim() == 3:
+            position_ids = position_ids[1:]
+        return forward(*args, position_ids=position_ids, **kwargs)
+
+    model.forward = three_rows
+    try:
+        with pytest.raises(PackingCheckError) as info:
+            check_vlm_packs_correctly(model, feats, pad_token_id=V.pad_id("qwen2_5_vl"))
+    finally:
+        del model.forward
+    msg = str(info.value)
+    assert "Qwen2_5_VLForConditionalGeneration (qwen2_5_vl) cannot be trained on packed multimodal rows" in msg
+    assert "\n" not in msg and "packing.enabled: false" in msg
+
+
+def test_a_cut_placeholder_run_is_refused_in_one_line():
+    """An image whose placeholder run was cut (truncation), or an over-budget row: one line naming the key."""
+    _, feats, collator = setup("qwen2_5_vl")
+    s = next(f for f in feats if "image_grid_thw" in f and f["image_grid_thw"].shape[0] >= 2)
+    cut = dict(s, image_grid_thw=s["image_grid_thw"][:1], pixel_values=s["pixel_values"][:int(s["image_grid_thw"][0].prod())])
+    with pytest.raises(PackedBatchError, match="placeholder run"):
+        collator([cut])
+    budget = MultimodalPackedCollator(None, max_tokens=len(s["input_ids"]) - 1)
+    with pytest.raises(PackedBatchError, match="over the token budget"):
+        budget([s])
+
+
+# ------------------------------------------------------------------ through the Trainer and TRL's SFTTrainer
+def _trainer_run(family, path, ga, budget, tmp_path, monkeypatch):
+    import transformers
+
+    import harness as H
+    import hf_gradfix
+    from hf_gradfix.packing import multimodal
+
+    proc = processor(family)
+    raw = V.make_samples(family, 6, seed=5, counts=(0, 2, 1, 0, 3, 1))
+    model = V.build_vlm(family)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    rows: list[list[tuple]] = []
+    call = multimodal.MultimodalPackedCollator.__call__
+
+    def recording(self, samples):  # which documents each micro-batch held (by their token ids); the loader's
+        if self.text.max_tokens is None:  # collator has the budget (the guard's probe collators do not)
+            return call(self, samples)
+        bins = samples if samples and not isinstance(samples[0], dict) else [samples]
+        rows.append([tuple(torch.as_tensor(s["input_ids"]).view(-1).tolist()) for b in bins for s in b])
+        return call(self, samples)
+
+    monkeypatch.setattr(multimodal.MultimodalPackedCollator, "__call__", recording)
+    common = dict(output_dir=str(tmp_path), optim="sgd", learning_rate=0.0, max_grad_norm=0.0,
+                  gradient_accumulation_steps=ga, per_device_train_batch_size=1, num_train_epochs=1, report_to="none",
+                  use_cpu=True, save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+    cap = H.GradCapture()
+    hf_gradfix.patch({"packing": {"enabled": True, "token_budget": budget}})
+    try:
+        if path == "trainer":
+            feats = [{k: v for k, v in V.process_one(family, s, proc).items() if k != "idx"} for s in raw]
+            trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**common),
+                                           train_dataset=H.ListDataset(feats), callbacks=[cap])
+        else:
+            from trl import SFTConfig, SFTTrainer
+            from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+            import datasets
+
+            data = datasets.Dataset.from_list([{k: v for k, v in s.items() if k != "idx"} for s in raw])
+            trainer = SFTTrainer(model=model, args=SFTConfig(**common, assistant_only_loss=True, max_length=None, bf16=False),
+                                 train_dataset=data, processing_class=proc, callbacks=[cap])
+            one = DataCollatorForVisionLanguageModeling(processor=proc, assistant_only_loss=True)
+            feats = []
+            for s in data:  # the ground truth's samples: TRL's own collator on each sample (as stored) alone
+                b = one([dict(s)])
+                feats.append({k: (v[0] if k in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids") else v)
+                              for k, v in b.items() if k != "attention_mask" and torch.is_tensor(v)})
+        trainer.train()
+    finally:
+        hf_gradfix.unpatch()
+    model.load_state_dict(init)
+    by_ids = {tuple(f["input_ids"].tolist()): f for f in feats}
+    windows = [sum(rows[k * ga:(k + 1) * ga], []) for k in range(len(cap.grads))]
+    return model, cap.grads, [[by_ids[i] for i in w] for w in windows], trainer
+
+
+def _gt(model, window):
+    """d/dθ of (sum over the window's documents alone of their summed CE) / (their target count)."""
+    model.zero_grad(set_to_none=True)
+    total, count = 0.0, 0
+    for f in window:
+        labels = P.labels_of(f)
+        total = total + P.summed_loss(model(**P.alone_inputs(f), use_cache=False).logits[0], labels)
+        count += int(labels[1:].ne(-100).sum())
+    (total / count).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family,path,ga", [("qwen2_5_vl", "trainer", 2), ("gemma3", "trainer", 1),
+                                            ("qwen2_5_vl", "sft", 1), ("idefics3", "sft", 2)])
+def test_trainer_and_sft_trainer_pack_vlm_exactly(family, path, ga, tmp_path, monkeypatch):
+    """packing.enabled on a vision dataset: Trainer (processed samples) and TRL's SFTTrainer (its raw vision samples,
+    its own collator per sample, assistant-only labels): every window's gradient within 1e-5 of the window's documents
+    each alone (summed CE / the window's target count), and the epoch covers every document once."""
+    model, grads, windows, trainer = _trainer_run(family, path, ga, 160, tmp_path, monkeypatch)
+    assert grads and sum(len(w) for w in windows) == 6
+    for g, window in zip(grads, windows):
+        err = P.grad_rel(g, _gt(model, window))
+        assert err <= GRAD_TOL, (family, path, err)
