@@ -288,10 +288,14 @@ def _trainer_run(family, path, ga, budget, tmp_path, monkeypatch):
     cap = H.GradCapture()
     hf_gradfix.patch({"packing": {"enabled": True, "token_budget": budget}})
     try:
-        if path == "trainer":
+        if path in ("trainer", "stream"):
             feats = [{k: v for k, v in V.process_one(family, s, proc).items() if k != "idx"} for s in raw]
+            dataset = H.ListDataset(feats)
+            if path == "stream":  # an IterableDataset: hf_gradfix's StreamingPacker packs it online
+                common.update(max_steps=1)
+                dataset = _Stream(feats)
             trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**common),
-                                           train_dataset=H.ListDataset(feats), callbacks=[cap])
+                                           train_dataset=dataset, callbacks=[cap])
         else:
             from trl import SFTConfig, SFTTrainer
             from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
@@ -316,6 +320,15 @@ def _trainer_run(family, path, ga, budget, tmp_path, monkeypatch):
     return model, cap.grads, [[by_ids[i] for i in w] for w in windows], trainer
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, feats):
+        super().__init__()
+        self.feats = feats
+
+    def __iter__(self):
+        yield from (dict(f) for f in self.feats)
+
+
 def _gt(model, window):
     """d/dθ of (sum over the window's documents alone of their summed CE) / (their target count)."""
     model.zero_grad(set_to_none=True)
@@ -329,13 +342,13 @@ def _gt(model, window):
 
 
 @pytest.mark.parametrize("family,path,ga", [("qwen2_5_vl", "trainer", 2), ("gemma3", "trainer", 1),
-                                            ("qwen2_5_vl", "sft", 1), ("idefics3", "sft", 2)])
+                                            ("llava", "stream", 2), ("qwen2_5_vl", "sft", 1), ("idefics3", "sft", 2)])
 def test_trainer_and_sft_trainer_pack_vlm_exactly(family, path, ga, tmp_path, monkeypatch):
-    """packing.enabled on a vision dataset: Trainer (processed samples) and TRL's SFTTrainer (its raw vision samples,
+    """packing.enabled on a vision dataset: Trainer (processed samples, map-style and an IterableDataset) and TRL's SFTTrainer (its raw vision samples,
     its own collator per sample, assistant-only labels): every window's gradient within 1e-5 of the window's documents
     each alone (summed CE / the window's target count), and the epoch covers every document once."""
     model, grads, windows, trainer = _trainer_run(family, path, ga, 160, tmp_path, monkeypatch)
-    assert grads and sum(len(w) for w in windows) == 6
+    assert grads and sum(len(w) for w in windows) == 6  # (a stream: max_steps 1, the window holds the whole stream)
     for g, window in zip(grads, windows):
         err = P.grad_rel(g, _gt(model, window))
         assert err <= GRAD_TOL, (family, path, err)

@@ -29,16 +29,29 @@ logger = logging.getLogger("hf_gradfix")
 
 _PLANS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _VIEWS: "weakref.WeakKeyDictionary[Any, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
-_PROBE_SAMPLES = 16
+_IS_VISION: "weakref.WeakKeyDictionary[Any, tuple[Any, bool]]" = weakref.WeakKeyDictionary()
+_PROBE_SAMPLES = 16  # samples the guard probes (image and text-only ones, from the first _SCAN)
+_SCAN = 64  # samples read to tell a vision dataset (text-only samples of some families carry no image key)
+
+
+def _head(dataset: Any, n: int) -> list:
+    """The first ``n`` samples (map-style or a stream); [] where the dataset cannot be read."""
+    try:
+        if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+            return [dataset[i] for i in range(min(n, len(dataset)))]
+        out = []
+        for s in dataset:
+            out.append(s)
+            if len(out) >= n:
+                break
+        return out
+    except Exception:  # noqa: BLE001 - an unreadable dataset: the packing path's own checks say why
+        return []
 
 
 def _first(dataset: Any) -> Any:
-    try:
-        if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-            return dataset[0] if len(dataset) else None
-        return next(iter(dataset), None)
-    except Exception:  # noqa: BLE001 - an unreadable dataset: the packing path's own checks say why
-        return None
+    head = _head(dataset, 1)
+    return head[0] if head else None
 
 
 def _is_raw_vision(sample: Any, trainer) -> bool:
@@ -52,10 +65,14 @@ def is_vision_dataset(trainer) -> bool:
     vision samples with TRL's vision collator)."""
     from ...packing.multimodal import is_multimodal_sample
 
-    sample = _first(trainer.train_dataset)
-    if not isinstance(sample, Mapping):
-        return False
-    return is_multimodal_sample(sample) or _is_raw_vision(sample, trainer)
+    dataset = trainer.train_dataset
+    cached = _IS_VISION.get(trainer)
+    if cached is not None and cached[0] is dataset:
+        return cached[1]
+    answer = any(isinstance(s, Mapping) and (is_multimodal_sample(s) or _is_raw_vision(s, trainer))
+                 for s in _head(dataset, _SCAN))
+    _IS_VISION[trainer] = (dataset, answer)
+    return answer
 
 
 def _one(trainer, raw: Mapping) -> dict:
@@ -130,15 +147,12 @@ def prepare_vlm_for_packing(trainer, cfg) -> str:
     from ...packing.multimodal_guard import check_vlm_packs_correctly
 
     model = trainer.model
+    from ...packing.multimodal_guard import has_images
+
     data = processed_dataset(trainer, trainer.train_dataset)
-    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        samples = [data[i] for i in range(min(len(data), _PROBE_SAMPLES))]
-    else:
-        samples = []
-        for s in data:
-            samples.append(s)
-            if len(samples) >= _PROBE_SAMPLES:
-                break
+    head = _head(data, _SCAN)  # the probe: image samples first found, and text-only ones
+    with_images = [s for s in head if has_images(s)][: _PROBE_SAMPLES // 2]
+    samples = with_images + [s for s in head if not has_images(s)][: _PROBE_SAMPLES - len(with_images)]
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     line = f"packing: vision-language, {cfg.mode} mode, rows of <= {cfg.token_budget} tokens, attention {attention}"
     if not cfg.guard:
