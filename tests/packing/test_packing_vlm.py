@@ -352,3 +352,20 @@ def test_trainer_and_sft_trainer_pack_vlm_exactly(family, path, ga, tmp_path, mo
     for g, window in zip(grads, windows):
         err = P.grad_rel(g, _gt(model, window))
         assert err <= GRAD_TOL, (family, path, err)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])
+def test_rows_mode_two_rows_equal_each_document_alone(family):
+    """mode="rows": two bins, two tail-padded rows (Qwen: [4, 2, T] positions; Idefics3: the per-row image stacks
+    re-padded with all-zero images to the larger count): every document equals itself alone."""
+    model, feats, _ = setup(family)
+    ref_logits, _ = _alone(model, feats, family)
+    rows = MultimodalPackedCollator(rope_index_fn(model), mode="rows", pad_token_id=V.pad_id(family))
+    batch = rows([feats[:2], feats[2:]])
+    check_packed_batch(batch)
+    assert batch["input_ids"].shape[0] == 2 and "cu_seq_lens_q" not in batch
+    batch.pop("labels")
+    with torch.no_grad():
+        out = model(**batch, use_cache=False).logits
+    pieces = P.split_row(out[0], feats[:2]) + P.split_row(out[1], feats[2:])
+    assert P.worst_rel(pieces, ref_logits) <= LOGIT_TOL
