@@ -257,6 +257,14 @@ def test_a_cut_placeholder_run_is_refused_in_one_line():
     budget = MultimodalPackedCollator(None, max_tokens=len(s["input_ids"]) - 1)
     with pytest.raises(PackedBatchError, match="over the token budget"):
         budget([s])
+    # before training, the dataset check: a sample longer than the row (its image tokens counted), by index
+    from hf_gradfix.packing import validate_packing_dataset
+
+    data = [{k: v for k, v in f.items() if k != "idx"} for f in feats]
+    longest = max(len(f["input_ids"]) for f in feats)
+    at = next(i for i, f in enumerate(feats) if len(f["input_ids"]) == longest)
+    with pytest.raises(PackedBatchError, match=f"index {at}, column 'input_ids': has {longest} tokens"):
+        validate_packing_dataset(data, token_budget=longest - 1)
 
 
 # ------------------------------------------------------------------ through the Trainer and TRL's SFTTrainer
