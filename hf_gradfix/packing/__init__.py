@@ -1,5 +1,5 @@
 """Padding-free packing: bin packing, a rank-balanced batch sampler, an online packer for streams, up-front
-dataset validation, a varlen collator, varlen attention (torch's own FlashAttention kernel, and a reference for
+dataset validation, a varlen collator (and its vision-language form, ``multimodal``), varlen attention (torch's own FlashAttention kernel, and a reference for
 CPU), and a guard that refuses models which mix packed sequences.
 
 ``binpack``, ``sampler``, ``stream``, ``validate`` and ``collator`` need only torch/numpy; ``attention`` and
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .binpack import pack
 from .collator import PackedBatchError, PackedCollator, check_packed_batch
+from .multimodal import MultimodalPackedCollator, rope_index_fn
 from .sampler import PackedBatchSampler
 from .stream import StreamingPacker
 from .validate import PackedDataError, validate_packing_dataset
@@ -29,6 +30,10 @@ def __getattr__(name: str):
         from . import guard
 
         return getattr(guard, name)
+    if name in ("check_vlm_packs_correctly", "VLMPackingPlan"):
+        from . import multimodal_guard
+
+        return getattr(multimodal_guard, name)
     raise AttributeError(f"module 'hf_gradfix.packing' has no attribute {name!r}")
 
 
@@ -39,6 +44,10 @@ __all__ = [
     "StreamingPacker",
     "validate_packing_dataset",
     "PackedCollator",
+    "MultimodalPackedCollator",
+    "rope_index_fn",
+    "check_vlm_packs_correctly",
+    "VLMPackingPlan",
     "check_packed_batch",
     "pack",
     "register_reference_varlen_attention",

@@ -84,6 +84,9 @@ def _checked_dataset(trainer, cfg: PackingConfig):
     if getattr(trainer.args, "remove_unused_columns", False) and hasattr(trainer, "_remove_unused_columns"):
         if getattr(dataset, "column_names", None) is not None:
             dataset = _remove_unused_columns(trainer, dataset)
+    from .multimodal import processed_dataset
+
+    dataset = processed_dataset(trainer, dataset)  # TRL's raw vision samples through its own collator, one by one
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise ConfigError(
             f"hf_gradfix.packing.enabled: the train dataset is a {type(dataset).__name__} without random access; "
@@ -171,7 +174,9 @@ def packed_train_dataloader(trainer, cfg: PackingConfig):
                                  cost_coeff=cost_coeff)
     sampler.set_epoch(0)
     pad_id = getattr(config, "pad_token_id", None)
-    collator = PackedCollator(
+    from .multimodal import vlm_collator
+
+    collator = vlm_collator(trainer, cfg, budget) or PackedCollator(
         cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id),
         position_ids_start=_POSITION_START.get(trainer, 0),
     )
@@ -242,6 +247,16 @@ def prepare_model_for_packing(trainer, cfg: PackingConfig) -> str:
             config.use_cache = False  # a cache created inside forward switches packed detection off
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     dims = _nd_dims(trainer)
+    from .multimodal import is_vision_dataset, prepare_vlm_for_packing
+
+    if is_vision_dataset(trainer):
+        if dims is not None and dims.cp > 1:
+            raise ConfigError("hf_gradfix.packing.enabled: a vision-language dataset with context parallelism "
+                              f"(cp={dims.cp}) is not supported (image tokens would be split over the cp ranks); "
+                              "set parallel cp to 1 or packing.enabled: false")
+        if not _is_stream(trainer.train_dataset):
+            _checked_dataset(trainer, cfg)  # bad rows first: one line naming the index, before any forward
+        return prepare_vlm_for_packing(trainer, cfg)
     if dims is not None and dims.cp > 1:
         return _prepare_model_for_cp_packing(trainer, cfg, dims.cp, attention)
     if cfg.mode == "varlen" and cfg.attention == "auto":
@@ -487,13 +502,15 @@ def _streaming_train_dataloader(trainer, cfg: PackingConfig, budget: int):
     dims = _nd_dims(trainer)
     world = dims.dp if dims is not None else trainer.accelerator.num_processes
     vocab, label_vocab = _vocab_sizes(trainer.model)
+    from .multimodal import processed_dataset, vlm_collator
+
     packer = StreamingPacker(
-        trainer.train_dataset, budget, buffer_size=cfg.buffer_size, num_replicas=world, rank="all",
+        processed_dataset(trainer, trainer.train_dataset), budget, buffer_size=cfg.buffer_size, num_replicas=world, rank="all",
         vocab_size=vocab, label_vocab_size=label_vocab,
     )
     config = getattr(trainer.model, "config", None)
     pad_id = getattr(config, "pad_token_id", None)
-    collator = PackedCollator(
+    collator = vlm_collator(trainer, cfg, budget) or PackedCollator(
         cfg.mode, max_tokens=budget, pad_token_id=0 if pad_id is None else int(pad_id),
         position_ids_start=_POSITION_START.get(trainer, 0),
     )
