@@ -371,7 +371,8 @@ def check_packed_batch(batch: Mapping[str, Any], *, ignore_index: int = IGNORE_I
     """Raise :class:`PackedBatchError` if a packed batch could mix sequences or targets; return ``None`` if fine.
 
     Checks: no ``attention_mask``, ``past_key_values`` or ``use_cache=True``; 2-D ``input_ids`` with matching
-    2-D integer ``position_ids`` (and ``labels``); with ``cu_seq_lens_q/k``: batch size 1, 1-D int32, equal,
+    2-D integer ``position_ids`` (mRoPE: ``[4, rows, T]``, whose row 0, the text positions, is checked) (and
+    ``labels``); with ``cu_seq_lens_q/k``: batch size 1, 1-D int32, equal,
     from 0 to T and strictly increasing, ``position_ids`` restarted exactly at those boundaries, and Python-int
     ``max_length_q/k`` equal to the longest sequence; labels ``ignore_index`` at every sequence start (the
     boundaries are read from ``cu_seq_lens`` if present, else from ``position_ids`` the way transformers does).
@@ -412,10 +413,19 @@ def check_packed_batch(batch: Mapping[str, Any], *, ignore_index: int = IGNORE_I
             "packed batch has no position_ids: without restarted positions sdpa/eager attend across sequences "
             "and absolute-position models see wrong positions"
         )
+    if position_ids.dim() == 3 and tuple(position_ids.shape[1:]) == (n_rows, T):
+        # mRoPE: [4, rows, T] = the text positions (what the packed mask and FlashAttention read) + the 3 rope rows
+        if position_ids.shape[0] != 4:
+            raise PackedBatchError(
+                f"position_ids of shape {tuple(position_ids.shape)}: {position_ids.shape[0]}-row mRoPE positions do "
+                "not isolate packed documents (transformers builds the packed mask only from row 0 of a 4-row "
+                "[4, rows, T] tensor); prepend the per-document text positions (MultimodalPackedCollator does)"
+            )
+        position_ids = position_ids[0]
     if position_ids.dim() != 2 or tuple(position_ids.shape) != (n_rows, T):
         raise PackedBatchError(
-            f"position_ids must have the shape of input_ids {(n_rows, T)}, got {tuple(position_ids.shape)} "
-            "(3-D mRoPE positions are not supported for packing)"
+            f"position_ids must have the shape of input_ids {(n_rows, T)} (or [4, {n_rows}, {T}] for mRoPE: text "
+            f"positions + 3 rope rows), got {tuple(position_ids.shape)}"
         )
     if position_ids.is_floating_point() or position_ids.dtype == torch.bool:
         raise PackedBatchError(f"position_ids must be integers, got {position_ids.dtype}")
