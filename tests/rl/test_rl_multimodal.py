@@ -72,6 +72,9 @@ def grpo_batch(family, n=6, seed=0):
     extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "image_sizes") if k in batch}
     if family == "qwen2_5_vl":
         extra["num_images"] = [int(f["image_grid_thw"].shape[0]) if "image_grid_thw" in f else 0 for f in feats]
+    elif family == "idefics3":  # the images of each sample (its stack holds their tiles), TRL's count
+        extra["pixel_attention_mask"] = batch["pixel_attention_mask"]
+        extra["num_images"] = [V.IMAGE_COUNTS[i % len(V.IMAGE_COUNTS)] for i in range(n)]
     else:
         extra["num_images"] = [int(f["pixel_values"].shape[0]) if "pixel_values" in f else 0 for f in feats]
     if mm is not None:
@@ -125,7 +128,7 @@ def _maxdiff(a, b) -> float:
     return float((a - b).detach().abs().max())
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "idefics3"])
 def test_packed_multimodal_log_probs_and_grpo_gradient_are_exact(family):
     model = _model(family)
     b = grpo_batch(family)
