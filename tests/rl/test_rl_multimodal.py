@@ -141,6 +141,8 @@ def test_packed_multimodal_log_probs_and_grpo_gradient_are_exact(family):
         assert lp2.shape == lp.shape
         assert _maxdiff(lp, lp2) <= FP32_TOL, (family, batch_size, _maxdiff(lp, lp2))
         got = _grpo_grads(model, lp2, b["mask"], b["keep"], adv)
+        print(f"{family} batch_size={batch_size}: log-probs {_maxdiff(lp, lp2):.2e}, GRPO gradient vs reference "
+              f"{H.rel_err(got, ref):.2e} (padded: {H.rel_err(_grpo_grads(model, lp, b['mask'], b['keep'], adv), ref):.2e})")
         assert any("visual" in n or "vision" in n for n in got)  # the tower gets its gradient through the row
         assert H.rel_err(got, ref) <= GRAD_TOL, (family, batch_size, H.rel_err(got, ref))
 
@@ -151,6 +153,7 @@ def test_controls_fail():
     b = grpo_batch("qwen2_5_vl")
     lp, _, _ = _padded(model, b)
     bad, _, _ = _packed(model, b, mrope=False)
+    print(f"control: {_maxdiff(lp, bad):.2e}")
     assert _maxdiff(lp, bad) > 10 * FP32_TOL, _maxdiff(lp, bad)  # fails the check above by far
     # LLaVA: the chunk's images in the wrong order (samples 0 and 2 swap their image slots' contents)
     model = _model("llava")
@@ -159,6 +162,7 @@ def test_controls_fail():
     extra = dict(b["extra"])
     extra["pixel_values"] = extra["pixel_values"].flip(0)
     bad, _, _ = _packed(model, b, extra=extra)
+    print(f"control: {_maxdiff(lp, bad):.2e}")
     assert _maxdiff(lp, bad) > 10 * FP32_TOL, _maxdiff(lp, bad)  # fails the check above by far
 
 
