@@ -203,3 +203,22 @@ def test_hook_packs_images_and_keeps_gemma3_padded():
         assert any("token_type_ids" in m and "bidirectional" in m for m in keep_.messages), keep_.messages
     finally:
         logger.removeHandler(keep_)
+
+
+def test_grpo_trainer_run_with_images_packed_is_the_padded_run():
+    """TRL's GRPOTrainer end to end with the tiny Qwen2.5-VL and its processor (1-3 images of different sizes per
+    prompt, generation included): with packing.rl_forwards every log-prob forward runs packed with its images, and
+    the step's gradient is the padded run's (same generations: the generation does not depend on the setting)."""
+    import vlm_rl
+
+    packed, g_packed, warned = vlm_rl.run_vlm_grpo(patch_config={"packing": {"rl_forwards": True}})
+    padded, g_padded, _ = vlm_rl.run_vlm_grpo()
+    calls = RP.rl_packing_of(packed).calls
+    assert calls["packed multimodal"] == calls["packed"] >= 1 and not any(k.startswith("padded") for k in calls), calls
+    assert not warned, warned
+    assert RP.rl_packing_of(padded) is None
+    assert len(g_packed) == len(g_padded) == 1
+    assert sum(float(v.norm()) for v in g_packed[0].values()) > 0
+    err = H.rel_err(g_packed[0], g_padded[0])
+    print(f"GRPOTrainer run, packed vs padded gradient: {err:.2e}")
+    assert err <= GRAD_TOL, err
