@@ -237,7 +237,15 @@ def _trace_vision_cached(key: str, images: int, height: int, width: int, dtype: 
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             if not flat:  # the model's own image path: tower, feature selection, projector
-                out = model.get_image_features(pixel_values=pixels)
+                try:
+                    out = model.get_image_features(pixel_values=pixels)
+                except (DataDependentOutputException, ValueError, TypeError, RuntimeError, IndexError) as exc:
+                    first = (str(exc).splitlines() or [""])[0][:160]
+                    raise PlanError(
+                        f"{type(config).__name__}: its image path (get_image_features on {images} image(s) of "
+                        f"{height}x{width}) cannot be traced under fake tensors ({type(exc).__name__}: {first}); the "
+                        "planner counts flattened-patch towers (Qwen-VL, GLM-4V) and per-image towers that take "
+                        "[images, C, S, S] (LLaVA): plan without --image-size") from None
             elif tower is None:
                 raise PlanError(f"{type(config).__name__}: no module of the model holds its vision config, so the "
                                 "planner cannot find its vision tower; plan without --image-size")

@@ -190,3 +190,16 @@ def test_fixed_resolution_tower_llava():
         out = model(input_ids=ids, pixel_values=torch.randn(4, 3, 112, 112), labels=ids)
     out.loss.backward()
     assert abs(planned.saved - state["bytes"]) / state["bytes"] <= 0.10, (planned.saved, state["bytes"])
+
+
+def test_an_image_path_that_cannot_be_traced_is_one_line():
+    """Idefics3 (per-sample image stacks; its image path drops padding images by a data-dependent mask): refused in
+    one line naming the config class and the fix, not a traceback."""
+    import vlm as V
+
+    config = V.build_vlm("idefics3").config
+    with pytest.raises(PlanError) as err:
+        estimate(config, ParallelDims(1), Settings(seq_len=64, micro_batch=1, dtype="fp32",
+                                                   vision=VisionRun(64, 64, 1)))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("Idefics3Config: its image path") and "plan without --image-size" in line
