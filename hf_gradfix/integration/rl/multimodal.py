@@ -124,6 +124,8 @@ def pack_multimodal(inputs: dict[str, Any], input_ids: torch.Tensor, attention_m
     mm = extra.get("mm_token_type_ids")
     if mm is not None:
         out["mm_token_type_ids"] = mm[start:end][mask][None]
+    if extra.get("token_type_ids") is not None:  # packed like the tokens (only reached by a measurement: refused above)
+        out["token_type_ids"] = extra["token_type_ids"][start:end][mask][None]
     if rope_fn is None or not mrope:
         return out
     num = list(extra.get("num_images") or [0] * end)
