@@ -135,6 +135,7 @@ class VisionTrace:
     block_saved: float  # the most one tower block saves (full recomputation keeps one block's)
     block_inputs: float  # sum over blocks of each block's input (what checkpointing keeps per block)
     tower_size: tuple[int, int]
+    blocks_total: float = 0.0  # what all the blocks save (the rest of ``saved``: patch embedding, merger / projector)
 
 
 def _precomputed(vc, grid) -> dict:
@@ -268,7 +269,7 @@ def _trace_vision_cached(key: str, images: int, height: int, width: int, dtype: 
         else:
             rows = int(math.prod(feats.shape[:-1]))
     return VisionTrace(images, total[0], rows // max(1, images), max(per_block, default=0.0), sum(inputs),
-                       (height, width))
+                       (height, width), sum(per_block))
 
 
 def vision_term(config, vision: VisionRun, *, rows: int, seq_len: int, packing: bool, dtype: str, attention: str,
@@ -306,10 +307,14 @@ def vision_term(config, vision: VisionRun, *, rows: int, seq_len: int, packing: 
     tr = trace_vision(config, images=images, height=vision.height, width=vision.width, dtype=dtype,
                       attention=attention)
     full = recompute == "full" and tr.block_inputs > 0
-    kept = (tr.block_inputs + tr.block_saved) if full else tr.saved
+    # checkpointed blocks keep their inputs and re-run one block at a time; what runs outside the blocks (patch
+    # embedding, merger / projector) keeps its saved tensors
+    outside = tr.saved - tr.blocks_total
+    kept = (tr.block_inputs + tr.block_saved + outside) if full else tr.saved
     size_note = "" if (th, tw) == (vision.height, vision.width) else f" (the tower sees {th}x{tw})"
     how = (f"vision tower + projector on {images} image(s) of {vision.height}x{vision.width}{size_note}: "
-           + (f"checkpointed blocks' inputs {_fmt(tr.block_inputs)} + one block {_fmt(tr.block_saved)}" if full
+           + (f"checkpointed blocks' inputs {_fmt(tr.block_inputs)} + one block {_fmt(tr.block_saved)} + outside "
+              f"the blocks {_fmt(outside)}" if full
               else f"saved {_fmt(tr.saved)}")
            + f", counted from its forward; {k:,} image tokens per image, {where}")
     return {"bytes": float(kept), "saved": tr.saved, "images": images, "tokens_per_image": k, "tower_size": [th, tw],
