@@ -89,6 +89,10 @@ def decoder_layers(model) -> list[tuple[str, Any]]:
     import torch.nn as nn
 
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    # a vision-language model: the decoder's blocks, not its vision tower's (a sub-module holding the vision config)
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    towers = [n + "." for n, m in model.named_modules() if n and vision is not None and getattr(m, "config", None) is vision]
+    lists = [(n, m) for n, m in lists if not n.startswith(tuple(towers))] or lists
     if not lists:
         raise InvalidArgumentError(f"{type(model).__name__}: no nn.ModuleList of blocks found")
     no_split = set(getattr(model, "_no_split_modules", None) or ())
@@ -283,7 +287,7 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
     from torch.multiprocessing.reductions import StorageWeakRef
     TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode", feature=_TRACE)
     tree_leaves = private("torch.utils._pytree", "tree_leaves", feature=_TRACE)
-    from transformers import AutoModelForCausalLM
+    from .common import build_model_for_config
 
     config = prepare_config(_CONFIGS[key])
     _phase(f"tracing one forward and backward of {micro_batch} x {seq_len:,} tokens "
@@ -324,7 +328,7 @@ def _trace_cached(key: str, micro_batch: int, seq_len: int, dtype: str, attentio
         layer_live.clear()
 
     with FakeTensorMode():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        model = build_model_for_config(config, dtype=torch_dtype)  # a VLM config: its whole model
         model.train()
         used = set_trace_attention(model, attention)
         layers = decoder_layers(model)
@@ -457,7 +461,7 @@ def _inference_cached(key: str, micro_batch: int, seq_len: int, dtype: str, atte
     import torch
     FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode", feature=_TRACE)
     from torch.multiprocessing.reductions import StorageWeakRef
-    from transformers import AutoModelForCausalLM
+    from .common import build_model_for_config
 
     config = prepare_config(_CONFIGS[key])
     _phase(f"tracing one no-grad forward of {micro_batch} x {seq_len:,} tokens ({dtype}) under fake tensors"
@@ -468,7 +472,7 @@ def _inference_cached(key: str, micro_batch: int, seq_len: int, dtype: str, atte
     peak = [0]
 
     with FakeTensorMode():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        model = build_model_for_config(config, dtype=torch_dtype)  # a VLM config: its whole model
         model.eval()  # TRL disables dropout; a no-grad forward keeps no masks either way
         set_trace_attention(model, attention)
         skip = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}

@@ -135,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--mean-completion-len", type=float,
                     help="mean completion length (default: --completion-len): the real tokens of a packed row and the "
                          "positions TRL's fused head scores")
+    vis = ap.add_argument_group(
+        "vision-language models", "the vision tower's activations at the given image size and count (measured from "
+        "its forward under fake tensors) and the image tokens each image adds to a row (docs/plan.md, Vision-language "
+        "models); --seq-len counts a row's tokens WITH its image tokens")
+    vis.add_argument("--image-size", help="HEIGHTxWIDTH in pixels of each image as the processor hands it to the "
+                     "tower (e.g. 448x448); a fixed-resolution tower (LLaVA, Gemma 3) resizes to its own size")
+    vis.add_argument("--images-per-sample", type=int, help="images per sample, 0 .. 4096 (default 1 with --image-size)")
+    vis.add_argument("--text-len", type=int, help="text tokens per sample beside its image tokens, 0 .. 2**24: with "
+                     "packing, how many samples (and so images) share a row (default: the most images a row holds)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--gpu-memory", help="e.g. 80GiB, 40GB")
     g.add_argument("--gpu", help="GPU name, e.g. h100, a100-40gb, rtx4090")
@@ -341,7 +350,7 @@ def _mesh_and_settings(ns, config):
                  update_proj_gap=ns.update_proj_gap if ns.update_proj_gap is not None else gap,
                  offload_optimizer=offload, deepspeed=deepspeed,
                  pp=1 if getattr(mesh, "pp", 1) > 1 else pp, pp_schedule=schedule, pp_virtual_stages=virtual,
-                 packing=packing, rl=_rl_run(ns, rl_packed), loss_head=loss_head)
+                 packing=packing, rl=_rl_run(ns, rl_packed), loss_head=loss_head, vision=_vision_run(ns))
     if getattr(mesh, "ep", 1) > 1:
         for flag, on in (("--suggest", ns.suggest), ("--simulate / --timeline", ns.simulate or ns.timeline)):
             if on:
@@ -435,6 +444,25 @@ def _rl_run(ns, config_packed: bool):
                  beta=DEFAULT_BETA[ns.rl] if ns.beta is None else ns.beta,
                  forwards=ns.rl_forwards or ("packed" if config_packed else "padded"),
                  mean_prompt_len=ns.mean_prompt_len, mean_completion_len=ns.mean_completion_len)
+
+
+def _vision_run(ns):
+    """The images of the command line (None without --image-size); its companions without it are refused."""
+    from .vision import VisionRun, parse_image_size
+
+    if ns.image_size is None:
+        for flag, value in (("--images-per-sample", ns.images_per_sample), ("--text-len", ns.text_len)):
+            if value is not None:
+                raise PlanError(f"{flag} {value}: needs --image-size HEIGHTxWIDTH (the images' size); add it, or drop "
+                                f"{flag}")
+        return None
+    if ns.simulate or ns.timeline:
+        raise PlanError(f"--image-size {ns.image_size} with --simulate / --timeline: the fake-tensor step traces text rows "
+                        "only; drop --simulate (the closed form counts the vision tower)")
+    h, w = parse_image_size(ns.image_size)
+    run = VisionRun(h, w, 1 if ns.images_per_sample is None else ns.images_per_sample, ns.text_len)
+    run.check()
+    return run
 
 
 def _deepspeed_zero(resolved, zero: int | None, offload: bool) -> tuple[int | None, bool]:
@@ -723,7 +751,9 @@ def _plan(ns, progress):
     if ns.dtype_note:  # the dtype the closed form and the trace both plan
         progress.line(ns.dtype_note)
     progress.phase(f"loading {ns.model}'s config (the first use imports torch and transformers) ...")
-    config = load_model_config(ns.model)
+    from .vision import with_text_sizes
+
+    config = with_text_sizes(load_model_config(ns.model))  # a VLM config: the decoder's sizes at its top level
     gpu = parse_memory(ns.gpu_memory or ns.gpu) if (ns.gpu_memory or ns.gpu) else None
     mesh, s = _mesh_and_settings(ns, config)
     layers = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", 0) or 0

@@ -33,6 +33,22 @@ def _tp_style(name: str, plan: dict) -> str | None:
     return None
 
 
+def build_model_for_config(config, **kwargs):
+    """``AutoModelForCausalLM.from_config``, or for a vision-language config that it does not map (Qwen2.5-VL,
+    LLaVA, ...: a config with a ``vision_config``) ``AutoModelForImageTextToText.from_config`` (tower, projector,
+    decoder and head; a text-only forward of it runs the decoder alone)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError:
+        if getattr(config, "vision_config", None) is None:
+            raise
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_config(config, **kwargs)
+
+
 def _fmt(b: float) -> str:
     for unit, div in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
         if b >= div:

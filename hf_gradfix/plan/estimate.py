@@ -235,10 +235,10 @@ class ParamInfo:
 
 def build_meta_model(config):
     import torch
-    from transformers import AutoModelForCausalLM
+    from .common import build_model_for_config
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return build_model_for_config(config)  # a VLM config: its whole model (vision tower included)
 
 
 def param_table(config, *, targets=None, exclude=(), min_size: int = 0, model=None) -> list[ParamInfo]:
@@ -347,6 +347,9 @@ class Settings:
     # where the head is a plain tensor at its forward: not under tp (a DTensor head), nor on a pp stage that FSDP2
     # shards or under the zero-bubble schedule)
     loss_head: str = "stock"
+    # a vision-language model's images (vision.py's VisionRun: image size, images per sample): the vision tower's
+    # activations and the image tokens of a row, an additive term of the activations
+    vision: Any = None
 
     def check(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -382,6 +385,14 @@ class Settings:
                                 "knows TRL's fused head (activation_model='traced')")
             if self.pp > 1:
                 raise PlanError("--rl with --pp: TRL's GRPO / RLOO trainers do not run pipeline stages; drop --pp")
+        if self.vision is not None:
+            self.vision.check()
+            if self.rl is not None:
+                raise PlanError("--image-size with --rl: the vision tower of an RL run is not planned; drop "
+                                "--image-size / --images-per-sample (the plan then counts the text rows only)")
+            if self.activation_model != "traced":
+                raise PlanError(f"activation_model={self.activation_model!r} with --image-size: only the traced count "
+                                "measures the vision tower (activation_model='traced')")
 
 
 COMPONENTS = ("parameters", "master_weights", "gradients", "optimizer_state", "reference_model", "activations",
@@ -562,6 +573,9 @@ def estimate(config, mesh, settings: Settings, *, gpu_memory: float | None = Non
     from ..parallel import pipeline_schedule as pl
 
     settings.check()
+    from .vision import with_text_sizes
+
+    config = with_text_sizes(config)  # a VLM config: the decoder's sizes where the closed form reads them
     if settings.rl is not None and settings.seq_len != settings.rl.seq_len:
         from dataclasses import replace
 
@@ -885,6 +899,22 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         act_how += f"; x {stage.in_flight:g} micro-batches in flight ({settings.pp_schedule})"
     if stock_why is not None:
         act_how += f"; loss.head lean is not used here ({stock_why}): the stock head is counted"
+    vision_info = None
+    if settings.vision is not None and (stage is None or stage.first):
+        from .vision import vision_term
+
+        # the tower runs first and its backward last: its saved tensors sit under the whole text step's peak
+        vision_info = vision_term(config, settings.vision, rows=settings.micro_batch, seq_len=settings.seq_len,
+                                  packing=settings.packing, dtype=trace_dtype, attention=settings.attention,
+                                  recompute="none")
+        full_info = (vision_term(config, settings.vision, rows=settings.micro_batch, seq_len=settings.seq_len,
+                                 packing=settings.packing, dtype=trace_dtype, attention=settings.attention,
+                                 recompute="full") if settings.recompute == "full" else vision_info)
+        in_flight = stage.in_flight if stage is not None else 1.0
+        act_none += in_flight * vision_info["bytes"]
+        act_full += in_flight * full_info["bytes"]
+        act_how += f"; {full_info['how'] if settings.recompute == 'full' else vision_info['how']}"
+        vision_info = full_info if settings.recompute == "full" else vision_info
     act = act_full if settings.recompute == "full" else act_none
     rl_info = None
     ref_b = 0.0
@@ -1048,6 +1078,7 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
                **({"ep": ep_info} if ep_info is not None else {}),
                **({"rl": rl_info, "fused_head": rl_head} if rl is not None else {}),
                **({"lean_head": lean} if lean is not None else {}),
+               **({"vision": vision_info} if vision_info is not None else {}),
                # loss.head lean asked for where the run keeps the stock head: the one reason
                **({"stock_head_reason": stock_why} if stock_why is not None else {})},
     )

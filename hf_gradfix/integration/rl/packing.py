@@ -25,8 +25,10 @@ else the pure-PyTorch reference on CPU) for the rest of the run (generation then
 checkpointing's recomputation run another attention), then the packing guard
 (:func:`hf_gradfix.packing.guard.check_model_packs_correctly`) runs a packed-vs-separate probe on it. A model the
 guard refuses keeps its attention and its padded forwards, with one warning naming why. Batches that cannot be
-packed exactly stay padded for that call (one warning per reason): images or other multimodal inputs, an attention
-mask with a hole inside a sample, a completion with no prompt token in front of it.
+packed exactly stay padded for that call (one warning per reason): multimodal inputs of a layout :mod:`.multimodal`
+does not pack (Gemma 3's ``token_type_ids``, tiles, ...), an attention mask with a hole inside a sample, a completion
+with no prompt token in front of it. Images of the layouts it knows (patches + grids with 4-row mRoPE positions per
+document, one row per image, per-sample stacks) are packed with the chunk, in document order.
 
 Version-gated like :mod:`.policy_gradient`: TRL 1.16 and the method as TRL's GRPO / RLOO code defines it; a subclass with its
 own log-prob forward, another TRL release, or context parallelism keeps TRL's padded forwards (one warning).
@@ -159,19 +161,32 @@ def packed_per_token_logps(model: Any, input_ids: torch.Tensor, attention_mask: 
                            batch_size: int | None = None, compute_entropy: bool = False,
                            compute_aux_loss: bool = False, *, position_ids_start: int = 0,
                            autocast: Any = None, counts: Counter | None = None,
+                           multimodal: dict[str, Any] | None = None, rope_fn: Any = None, mrope: bool = True,
                            **controls: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """TRL's ``_get_per_token_logps_and_entropies`` on packed rows: the same ``(logps, entropies, aux_loss)`` for a
     model TRL gave its fused LM head (``trl.trainer.utils.add_fused_lm_head``), one packed row per TRL chunk of
     ``batch_size`` samples. ``autocast``: a context manager factory (TRL runs the forward under
     ``accelerator.autocast()``); ``counts`` receives the real and padded token counts; ``controls``: the wrong rows of
-    :func:`pack_chunk` for the tests."""
+    :func:`pack_chunk` for the tests. ``multimodal``: the batch's image inputs as TRL passes them (``.multimodal``
+    lays each chunk's out in its row; ``rope_fn``: the model's per-document rope index, 4-row positions;
+    ``mrope=False``: 2-D positions instead, a control)."""
     batch_size = batch_size or input_ids.size(0)
+    if multimodal:
+        from .multimodal import varlen_kwargs_allowed
+
+        if not varlen_kwargs_allowed(multimodal):  # the tower would read them: positions delimit the documents
+            controls = {**controls, "document_mask": False}
     logps, entropies, aux_losses = [], [], []
     for start in range(0, input_ids.size(0), batch_size):
         end = min(start + batch_size, input_ids.size(0))
         chunk = pack_chunk(input_ids[start:end], attention_mask[start:end], logits_to_keep,
                            position_ids_start=position_ids_start, **controls)
         inputs = dict(chunk.inputs)
+        if multimodal:
+            from .multimodal import pack_multimodal
+
+            inputs = pack_multimodal(inputs, input_ids, attention_mask, multimodal, start, end, rope_fn=rope_fn,
+                                     text_start=position_ids_start, mrope=mrope)
         if compute_aux_loss:
             inputs["output_router_logits"] = True
         with (autocast() if autocast is not None else contextlib.nullcontext()):
@@ -302,11 +317,15 @@ def _forward(trainer, packing: RLPacking, model, input_ids, attention_mask, logi
         return original(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                         compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
 
-    given = sorted(k for k, v in extra.items() if v is not None)
+    given = {k: v for k, v in extra.items() if v is not None}
     if given:
-        _warn_once(trainer, packing, "multimodal", f"log-prob forwards with {', '.join(given)} stay padded "
-                   "(packing.rl_forwards packs text-only batches).")
-        return padded("multimodal inputs")
+        from .multimodal import multimodal_reason
+
+        mm_why = multimodal_reason(given, int(input_ids.size(0)))
+        if mm_why is not None:
+            _warn_once(trainer, packing, f"multimodal {mm_why}", f"log-prob forwards with {', '.join(sorted(given))} "
+                       f"stay padded: {mm_why}.")
+            return padded("multimodal inputs")
     why = unpackable_reason(attention_mask, logits_to_keep)
     if why is not None:
         _warn_once(trainer, packing, why, f"a log-prob forward with {why} stays padded (packing it would change "
@@ -321,6 +340,12 @@ def _forward(trainer, packing: RLPacking, model, input_ids, attention_mask, logi
     if not verdict.packs:
         return padded("model refused by the packing guard")
     packing.calls["packed"] += 1
+    rope_fn = None
+    if given:
+        from ...packing.multimodal import rope_index_fn
+
+        packing.calls["packed multimodal"] += 1
+        rope_fn = rope_index_fn(unwrapped)  # an mRoPE family: its own rope index per document (4-row positions)
     try:
         from trl.extras.profiling import profiling_context
 
@@ -331,7 +356,7 @@ def _forward(trainer, packing: RLPacking, model, input_ids, attention_mask, logi
         return packed_per_token_logps(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
             position_ids_start=verdict.position_ids_start, autocast=trainer.accelerator.autocast,
-            counts=packing.tokens,
+            counts=packing.tokens, multimodal=given or None, rope_fn=rope_fn,
         )
 
 
