@@ -91,6 +91,8 @@ STEPS: dict[str, Step] = {
     "ddp_worker.py --jobs launch": Step(120, "tests/parallel/test_ddp.py (harness.run_ddp_many: every DDP job in one launch)", how=_G),
     "nonfinite_worker.py launch": Step(74, "tests/trainer/test_nonfinite.py::test_two_ranks_agree_to_skip_when_one_rank_sees_a_nan", how=_L),
     "ddp_packing_worker.py launch": Step(59, "tests/packing/test_packing_stream.py, tests/packing/test_packing_trainer.py", how=_L),
+    "vlm_loss_worker.py launch": Step(290, "tests/loss/test_vlm_families.py, benchmarks/bench_vlm_loss.py (18 VLM cases in one 2-rank launch)",
+                                      how="one run of its test, this 2-core host shared (load average 8-10)"),
     "token_window_worker.py launch": Step(56, "tests/loss/test_token_window.py", how=_L),
     "gns DDP worker launch": Step(73, "tests/diagnostics/test_noise_scale.py::test_ddp_small_batches_are_local_and_big_batch_global", how=_L),
     "hf-gradfix launch of ZeRO-3": Step(70, "tests/parallel/test_deepspeed_config.py::test_hf_gradfix_launch_runs_zero3_on_cpu", how=_L),
