@@ -58,7 +58,14 @@ class _Step:
     # its targets as drawn ("labels", "shift_labels"), copied at the step's start: a trainer may replace or edit them
     # in the same mapping
     drawn_targets: dict = field(default_factory=dict, repr=False)
-    returned: float | None = None  # the last loss hf_gradfix's compute_loss returned (already normalized)
+    # the last loss hf_gradfix's compute_loss returned (already normalized), detached: read back only where the loss
+    # reaching backward is another tensor (:func:`..trainer.windows._accumulation_division`), so a step whose loss
+    # reaches backward as returned costs no host sync
+    returned: Any = None
+    returned_loss: Any = None  # (that loss tensor itself, its in-place version counter when returned)
+    # (the drawn targets themselves, their in-place version counters): compute_loss given these, unedited, was given
+    # the drawn targets, and needs no count to tell (a host sync per micro-batch)
+    drawn_refs: dict = field(default_factory=dict, repr=False)
     rescaled_by: float | None = None  # a division by the accumulation steps after compute_loss, undone
 
 

@@ -4,10 +4,10 @@ Stock transformers applies the update of a window whose loss or gradients are Na
 NaN and the only signal is ``grad_norm: nan`` (the logged loss even looks finite, ``logging_nan_inf_filter``
 drops the bad value).  :func:`attach` (called by ``patch()`` and ``GradFixCallback``) adds a guard to the trainer:
 
-- every micro-batch's loss is checked as ``training_step`` returns it (transformers already reads it back
-  for ``logging_nan_inf_filter``), remembering the step and micro-batch;
-- before the optimizer step the gradients are checked too (an overflow in the backward of a finite loss), and
-  the verdict is agreed by every rank (one all-reduce of a flag), so all ranks take the same decision;
+- every micro-batch's loss is kept as ``training_step`` returns it, remembering the step and micro-batch;
+- before the optimizer step the window's losses and its gradients (an overflow in the backward of a finite loss) are
+  checked, read back together (one host sync per window, none per micro-batch), and the verdict is agreed by every
+  rank (one all-reduce of a flag), so all ranks take the same decision;
 - ``warn`` (default): a warning naming the step and the micro-batch(es), then stock behaviour (the update is
   applied: never worse than stock, and stock stays reachable);
 - ``skip``: that optimizer step is skipped: weights, optimizer state and the lr schedule stay as they were
@@ -28,7 +28,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ...config import GradFixConfig
-from ...diagnostics.finite import tensors_finite
+from ...diagnostics.finite import norms_finite_flags, tensors_finite
 from ...errors import InvalidArgumentError, NonFiniteError
 from ..internal_callbacks import add_internal_callback
 
@@ -99,6 +99,8 @@ class NonFiniteGuard(TrainerCallback):
         self.mode = mode
         self.micro_batch = 0  # micro-batches seen since the last optimizer step
         self.bad: list[tuple[int, float]] = []  # (micro-batch, loss value) with a non-finite loss, this window
+        # (micro-batch, its loss, detached): read back once, before the optimizer step (see _read_window)
+        self.losses: list[tuple[int, torch.Tensor]] = []
         self.skipped_steps: list[int] = []
         self.flagged_steps: list[int] = []
         self._overflow_set = False
@@ -110,9 +112,28 @@ class NonFiniteGuard(TrainerCallback):
     def after_micro_batch(self, loss: Any) -> None:
         self.micro_batch += 1
         if torch.is_tensor(loss) and loss.numel() and loss.is_floating_point():
-            value = loss.detach()
-            if not bool(torch.isfinite(value).all()):
-                self.bad.append((self.micro_batch, float(value.float().reshape(-1)[0])))
+            self.losses.append((self.micro_batch, loss.detach()))
+
+    def _read_window(self, params: list) -> bool:
+        """Read the window's loss flags and values and the gradients' finiteness back together (one host sync; a
+        second only where a 2-norm is not finite: an overflow of finite values or a NaN); sets ``self.bad``.
+        Returns whether this rank's gradients are finite."""
+        grads = [_local(p.grad) for p in params if getattr(p, "grad", None) is not None]
+        flags = norms_finite_flags(grads)
+        losses, self.losses = self.losses, []
+        if not flags and not losses:
+            return True
+        device = flags[0].device if flags else losses[0][1].device
+        parts = [f.float().reshape(1).to(device) for f in flags]
+        for _, value in losses:
+            value = value.to(device)
+            parts += [torch.isfinite(value).all().float().reshape(1), value.float().reshape(-1)[:1]]
+        read = torch.cat(parts).tolist()
+        norms_ok, values = read[:len(flags)], read[len(flags):]
+        for i, (micro, _) in enumerate(losses):
+            if not values[2 * i]:
+                self.bad.append((micro, values[2 * i + 1]))
+        return all(norms_ok) or tensors_finite(grads)
 
     # ---- per optimizer step
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -124,7 +145,7 @@ class NonFiniteGuard(TrainerCallback):
         # under DeepSpeed the gradients live in the engine's partitions (p.grad is None): its overflow check, which
         # reduces over every rank, says whether they were finite
         engine_skipped = self.engine is not None and not self.engine.was_step_applied()
-        local_grads_ok = grads_finite(params) and not engine_skipped
+        local_grads_ok = self._read_window(params) and not engine_skipped
         device = next((p.device for p in params), None)
         loss_bad_anywhere, grads_bad_anywhere = agree_any([bool(self.bad), not local_grads_ok], device)
         bad, micro = self.bad, self.micro_batch

@@ -33,6 +33,7 @@ from .windows import (
     _IdleMicroBatch,
     _never_opened,
     _sequence_sharded,
+    _version,
     _watch_backward,
 )
 from .workloads import detect_rl, pipeline_step, pipeline_window
@@ -118,7 +119,9 @@ def count_window(trainer, state, window: _Window, decided: bool) -> str:
     has_labels = any(_has_labels(b) for b in batches)
     local = 0.0
     if state.probed and has_labels and state.disabled_reason is None:
-        local = float(sum(int(count_targets(b, state.chain.count_rule)) for b in batches))
+        # summed on the device and read back with the flags below: one host sync per window, not one per micro-batch
+        counts = [count_targets(b, state.chain.count_rule) for b in batches]
+        local = torch.stack([c.to(device=trainer.args.device, dtype=torch.float64) for c in counts]).sum()
     disabled = state.disabled_reason is not None or state.rewritten is not None
     total, ranks_with_labels, ranks_undecided, micro_batches, ranks_disabled = _all_reduce_sum(
         trainer,
@@ -190,7 +193,10 @@ def training_step(trainer, parent, /, model, inputs, *args, **kwargs):
     explicit = window is None or not window.holds(inputs)
     targets = {k: v.clone() for k, v in inputs.items() if k in ("labels", "shift_labels") and torch.is_tensor(v)} \
         if isinstance(inputs, Mapping) else {}
-    step = _Step(explicit=explicit, count=num_items if explicit else None, drawn=inputs, drawn_targets=targets)
+    refs = {k: (v, _version(v)) for k, v in inputs.items() if k in ("labels", "shift_labels") and torch.is_tensor(v)} \
+        if isinstance(inputs, Mapping) else {}
+    step = _Step(explicit=explicit, count=num_items if explicit else None, drawn=inputs, drawn_targets=targets,
+                 drawn_refs=refs)
     stock_step = explicit and (num_items is None or not _has_labels(inputs))
     if stock_step and num_items is None and not state.explicit_logged:
         logger.info(

@@ -104,8 +104,15 @@ def _close_short_window(trainer: Trainer, batches: list, num_batches: int, devic
     return batches
 
 
-def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) -> list[float]:
-    tensor = torch.tensor(values, dtype=dtype, device=trainer.args.device)
+def _all_reduce_sum(trainer: Trainer, values: list, dtype=torch.float64) -> list[float]:
+    """``values`` summed over every rank, read back together (one host sync); an entry may be a device tensor (a
+    count not yet read back)."""
+    device = trainer.args.device
+    if any(torch.is_tensor(v) for v in values):
+        tensor = torch.stack([v.detach().to(device=device, dtype=dtype).reshape(()) if torch.is_tensor(v)
+                              else torch.tensor(v, dtype=dtype, device=device) for v in values])
+    else:
+        tensor = torch.tensor(values, dtype=dtype, device=device)
     if trainer.accelerator.num_processes > 1:
         tensor = trainer.accelerator.reduce(tensor, reduction="sum")
     return tensor.tolist()
@@ -144,8 +151,14 @@ def _accumulation_division(trainer: Trainer, step: _Step, loss: Any) -> int | No
     ``model_accepts_loss_kwargs`` is False; transformers 4.57's own step when it was given no count) would take 1/k of
     the gradient. Measured, not assumed from a class: the value compute_loss returned against the value backward
     receives."""
+    if step.returned is None or not torch.is_tensor(loss) or loss.numel() != 1:
+        return None
+    if step.returned_loss is not None and loss is step.returned_loss[0] and _version(loss) == step.returned_loss[1]:
+        return None  # the very tensor compute_loss returned, unedited: nothing divided it (no read back)
     returned = step.returned
-    if returned is None or not torch.is_tensor(loss) or loss.numel() != 1 or not math.isfinite(returned):
+    if torch.is_tensor(returned):
+        returned = float(returned.float().sum())
+    if not math.isfinite(returned):
         return None
     if abs(returned) < 1e-30:
         return None
@@ -156,6 +169,37 @@ def _accumulation_division(trainer: Trainer, step: _Step, loss: Any) -> int | No
         if k > 1 and math.isclose(ratio * k, 1.0, rel_tol=1e-3):
             return k
     return None
+
+
+def _version(tensor: Any) -> int | None:
+    """A tensor's in-place version counter (None where it has none: an inference tensor)."""
+    try:
+        return tensor._version
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _record_returned(step: _Step, loss: Any) -> None:
+    """Remember the loss compute_loss returned for :func:`_accumulation_division`, without reading it back."""
+    if torch.is_tensor(loss):
+        step.returned = loss.detach()
+        step.returned_loss = (loss, _version(loss))
+
+
+def _same_targets(step: _Step, inputs: Any) -> bool:
+    """Whether ``inputs`` holds the very target tensors the step drew, unedited (then they count the same; no read
+    back needed)."""
+    if not isinstance(inputs, collections.abc.Mapping) or not step.drawn_refs:
+        return False
+    for key in ("labels", "shift_labels"):
+        drawn, seen = step.drawn_refs.get(key), inputs.get(key)
+        if drawn is None or seen is None:
+            if drawn is not None or torch.is_tensor(seen):
+                return False
+            continue
+        if seen is not drawn[0] or drawn[1] is None or _version(seen) != drawn[1]:
+            return False
+    return True
 
 
 @contextlib.contextmanager
