@@ -91,8 +91,8 @@ def build(cfg, device: str, attn: str = "sdpa"):
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    with torch.device(device):  # initialized on the device (a 1B init on the host takes a while)
+        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").to(dtype)
     if attn != "sdpa":
         from hf_gradfix.packing.attention import set_attention_implementation
 
@@ -165,7 +165,7 @@ def section_throughput(device: str, quick: bool, model=None) -> dict:
     else:
         attn = "sdpa"  # CPU: the reference varlen kernel through hf_gradfix's packing; padding-free arms of TRL skipped
     model = model if model is not None else build(cfg, device, attn)
-    batch = 4 if quick else 8
+    batch = 4  # padded: up to 4 x 4096 tokens (128k-vocabulary logits in fp32: ~8 GiB)
     counted = {"padded": 0, "real": 0}
 
     def padded_collate(features):
@@ -416,7 +416,8 @@ def profile_summary(fn: Callable[[], Any], device: str, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
-def run(device: str, sections, quick: bool, log=print, total_s: float | None = None) -> dict:
+def run(device: str, sections, quick: bool, log=print, total_s: float | None = None,
+        on_section: Callable[[dict], None] | None = None) -> dict:
     results: dict[str, Any] = dict(environment=G.environment(device), quick=quick, sections={}, goals={},
                                    profiles={}, started=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     start = time.perf_counter()
@@ -448,6 +449,8 @@ def run(device: str, sections, quick: bool, log=print, total_s: float | None = N
                 profiles.append((goal, prof))
         results["sections"][name] = res
         log(f"gpu_check_1b: {name}: {res['status']} ({res['seconds']} s): {res['summary']}")
+        if on_section is not None:  # written after every section: a run stopped later keeps what it measured
+            on_section(results)
     for goal, fn in profiles:  # item 5: where the time of a missed goal goes (every goal's in --quick)
         left = None if total_s is None else total_s - (time.perf_counter() - start)
         if left is not None and left < 10:
@@ -456,9 +459,11 @@ def run(device: str, sections, quick: bool, log=print, total_s: float | None = N
         try:
             with G.time_limit(None if quick else min(PROFILE_BUDGET_S, left or PROFILE_BUDGET_S)):
                 results["profiles"][goal] = profile_summary(fn, device)
-        except Exception as e:
+        except BaseException as e:  # SectionTimeout too: the rest is kept
             results["profiles"][goal] = f"profile failed: {type(e).__name__}: {str(e)[:200]}"
         G._free(device)
+        if on_section is not None:
+            on_section(results)
     results.setdefault("goals", {})["plan"] = dict(goal=GOALS["plan"], verdict="measured by gpu_check.py --only plan",
                                                    section="-")
     return results
@@ -502,10 +507,14 @@ def main(argv=None) -> int:
         print(f"gpu_check_1b: --only {','.join(unknown)}: unknown; allowed: {','.join(SECTIONS)}")
         return 2
     total = a.budget_s if a.budget_s is not None else (None if a.quick else 450.0)
-    results = run(a.device, sections, a.quick, total_s=total)
     command = "python " + " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:]))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(render(results, command))
+
+    def save(results: dict) -> None:
+        Path(a.out).write_text(render(results, command))
+
+    results = run(a.device, sections, a.quick, total_s=total, on_section=save)
+    save(results)
     print(f"gpu_check_1b: wrote {a.out}")
     return 0 if all(r["status"] in ("measured", "passed") for r in results["sections"].values()) else 1
 

@@ -10,7 +10,8 @@ of a device tensor waits for the device to drain its queue. :class:`HostSyncCoun
   to the host (``.cpu()``, ``.to("cpu")``, ``.numpy()``) is host-resident, as is whatever is computed from
   host-resident tensors only; a host-resident tensor sent ``.to(device)`` is device-resident again (on a CPU run
   ``.to(args.device)`` is that upload). Only the literal ``"cpu"`` names the host: a ``torch.device`` (``args.device``,
-  ``x.device``) stands for the device a GPU run would have there. Tensors made before the counter (the model's parameters) are device-resident.
+  ``x.device``) stands for the device a GPU run would have there. What runs inside a DataLoader's fetch (the
+  dataset, the collator) runs on the host in a GPU run too and is not counted. Tensors made before the counter (the model's parameters) are device-resident.
   Reading a host-resident tensor is free and not counted;
 - **on CUDA** (``cuda=True``): ``torch.cuda.set_sync_debug_mode("warn")``, each of its warnings one sync.
 
@@ -82,14 +83,24 @@ def owner_of_frame(filename: str) -> str:
     return "user"
 
 
-def _caller() -> tuple[str, str]:
+_LOADER_DIR = os.path.join(_TORCH_DIR, "utils", "data") + os.sep
+
+
+def _caller() -> tuple[str, str] | None:
+    """(owner, ``file:line``) of the innermost frame outside torch; None inside a DataLoader's fetch (the dataset
+    and the collator run on the host in a GPU run too)."""
     frame = sys._getframe(2)
+    found = None
     while frame is not None:
-        name = os.path.abspath(frame.f_code.co_filename)
-        if not (name.startswith(_TORCH_DIR) or name == _THIS or name.startswith(_STDLIB) or name.startswith("<")):
-            return owner_of_frame(name), f"{name}:{frame.f_lineno}"
+        name = frame.f_code.co_filename
+        if name.startswith(_LOADER_DIR):
+            return None
+        if found is None:
+            path = os.path.abspath(name)
+            if not (path.startswith(_TORCH_DIR) or path == _THIS or path.startswith(_STDLIB) or name.startswith("<")):
+                found = owner_of_frame(path), f"{path}:{frame.f_lineno}"
         frame = frame.f_back
-    return "torch", "?"
+    return found or ("torch", "?")
 
 
 def _tensors(value: Any, out: list) -> list:
@@ -138,8 +149,6 @@ class _Mode(TorchFunctionMode):
             if device_inputs and not kwargs.get("non_blocking", False):
                 op = name
             to_host = True
-            if name == "to" and not device_inputs:  # on a CPU run .to(args.device): the upload a GPU run makes
-                to_host, upload = False, True
         elif name in ("cuda", "to"):
             upload = name == "cuda" or "device" in kwargs or any(
                 isinstance(a, (torch.device, str)) for a in args[1:])
@@ -196,13 +205,14 @@ class HostSyncCounter:
 
     # ---- recording
     def _record(self, op: str) -> None:
-        owner, where = _caller()
-        self.events.append(SyncEvent(op, owner, where))
+        caller = _caller()
+        if caller is not None:
+            self.events.append(SyncEvent(op, *caller))
 
     def _showwarning(self, message, category, filename, lineno, file=None, line=None):
         if "synchronizing" in str(message).lower():
-            owner, where = _caller()
-            self.cuda_events.append(SyncEvent("cuda", owner, where))
+            caller = _caller() or ("torch", "DataLoader")
+            self.cuda_events.append(SyncEvent("cuda", *caller))
             return
         self._saved[1](message, category, filename, lineno, file, line)
 

@@ -42,6 +42,9 @@ class _Window:
     # and the trainer have set everything a compute_loss may read (e.g. current_gradient_accumulation_steps)
     pending: bool = False
     on_counted: list[Callable[[], None]] = field(default_factory=list, repr=False)  # run once the count is known
+    # id(micro-batch) -> its host copy (packing: the targets brought to the host in one transfer for the window's
+    # check), counted without a read
+    host: dict = field(default_factory=dict, repr=False)
 
     def holds(self, batch: Any) -> bool:
         return any(batch is b for b in self.batches)

@@ -108,6 +108,8 @@ def _all_reduce_sum(trainer: Trainer, values: list, dtype=torch.float64) -> list
     """``values`` summed over every rank, read back together (one host sync); an entry may be a device tensor (a
     count not yet read back)."""
     device = trainer.args.device
+    if trainer.accelerator.num_processes == 1 and not any(torch.is_tensor(v) for v in values):
+        return [float(v) for v in values]  # values already on the host: nothing to reduce or read back
     if any(torch.is_tensor(v) for v in values):
         tensor = torch.stack([v.detach().to(device=device, dtype=dtype).reshape(()) if torch.is_tensor(v)
                               else torch.tensor(v, dtype=dtype, device=device) for v in values])
