@@ -323,7 +323,7 @@ def section_lean(device: str, quick: bool) -> dict:
         rows.append(r)
     eight = next((r for r in rows if r["tokens"] == (128 if quick else 8192)), rows[0])
     ratio = eight.get("mem_ratio")
-    summary = "; ".join(f"{r['vocab'] // 1000}k x {r['tokens']}: lean {r['lean_ms']} ms vs stock {r['stock_ms']} ms, "
+    summary = "; ".join(f"vocab {r['vocab']} x {r['tokens']} tokens: lean {r['lean_ms']} ms vs stock {r['stock_ms']} ms, "
                         f"memory {r.get('mem_ratio', '-')}x, " +
                         (f"fused {r['fused_ms']} ms" if "fused_ms" in r else f"fused: {r['skipped']}") for r in rows)
 
