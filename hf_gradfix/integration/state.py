@@ -106,7 +106,7 @@ class GradFixState:
     # that relabels): the rest of that window runs as stock, and every rank leaves the fix at the next window
     rewritten: str | None = None
     eval_totals: _EvalTotals | None = None
-    last_aux: float = 0.0
+    last_aux: Any = 0.0  # the last micro-batch's aux-loss share: a float, or a detached tensor read by eval only
     in_probe: bool = False
     no_labels_logged: bool = False
     disabled_reason: str | None = None  # set when a probe failed and on_undetermined is "warn"
@@ -187,3 +187,25 @@ def _replicated_divisor(trainer: Trainer) -> int:
         if callable(get):
             size *= int(get())
     return max(1, size)
+
+
+_PENDING_READS = "_gradfix_pending_reads"
+
+
+def defer_read(trainer: Any, values: Any, on_read: Callable[[list[float]], None]) -> None:
+    """Have ``values`` (a device tensor) read back with the plugin's next read of this trainer (the window's count),
+    in the same transfer, and ``on_read`` called with them as floats; :func:`take_pending_reads` hands them over."""
+    trainer.__dict__.setdefault(_PENDING_READS, []).append((values, on_read))
+
+
+def take_pending_reads(trainer: Any) -> list:
+    """The reads :func:`defer_read` left for this trainer (now the caller's to read and hand back), oldest first."""
+    return trainer.__dict__.pop(_PENDING_READS, None) or []
+
+
+def read_pending(pending: list, flat: list[float]) -> None:
+    """Hand each deferred read its floats (``flat``: the pending tensors' values, in order)."""
+    for values, on_read in pending:
+        k = values.numel()
+        on_read(flat[:k])
+        flat = flat[k:]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from ..state import GradFixState, _nd_dims, _replicated_divisor, _Step, _tp_size
+from ..state import GradFixState, _nd_dims, _replicated_divisor, _Step, _tp_size, read_pending, take_pending_reads
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -106,9 +106,11 @@ def _close_short_window(trainer: Trainer, batches: list, num_batches: int, devic
 
 def _all_reduce_sum(trainer: Trainer, values: list, dtype=torch.float64) -> list[float]:
     """``values`` summed over every rank, read back together (one host sync); an entry may be a device tensor (a
-    count not yet read back)."""
+    count not yet read back). The reads other parts of the plugin deferred to this one (the non-finite guard's
+    verdict of the previous window, :func:`..state.defer_read`) come back in the same transfer, not reduced."""
     device = trainer.args.device
-    if trainer.accelerator.num_processes == 1 and not any(torch.is_tensor(v) for v in values):
+    pending = take_pending_reads(trainer)
+    if trainer.accelerator.num_processes == 1 and not pending and not any(torch.is_tensor(v) for v in values):
         return [float(v) for v in values]  # values already on the host: nothing to reduce or read back
     if any(torch.is_tensor(v) for v in values):
         tensor = torch.stack([v.detach().to(device=device, dtype=dtype).reshape(()) if torch.is_tensor(v)
@@ -117,7 +119,12 @@ def _all_reduce_sum(trainer: Trainer, values: list, dtype=torch.float64) -> list
         tensor = torch.tensor(values, dtype=dtype, device=device)
     if trainer.accelerator.num_processes > 1:
         tensor = trainer.accelerator.reduce(tensor, reduction="sum")
-    return tensor.tolist()
+    if not pending:
+        return tensor.tolist()
+    flat = torch.cat([tensor.reshape(-1)] + [v.detach().reshape(-1).to(device=tensor.device, dtype=dtype)
+                                             for v, _ in pending]).tolist()
+    read_pending(pending, flat[len(values):])
+    return flat[: len(values)]
 
 
 def _draw_window(epoch_iterator, num_batches: int) -> list:
