@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh                  # --profile full: every section in order of value (~5.5 min on an H100)
 #   bash scripts/gpu_check.sh --profile rerun  # the smaller second call (~2.5 min)
 #   bash scripts/gpu_check.sh --install-only   # steps 2-3 alone, on any machine (tests run it on CPU)
+#   bash scripts/gpu_check.sh --real-size      # benchmarks/gpu_check_1b.py instead: the 1B-class check (~8 min)
 #   (any other arguments go to benchmarks/gpu_check.py, e.g. --only packing,guard)
 #
 # On a machine without CUDA: prints one line ("gpu_check: skipped: ...") and exits 0, writing nothing.
@@ -20,7 +21,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python3}"
 
 install_only=0
+real_size=0
 [ "${1:-}" = "--install-only" ] && { install_only=1; shift; }
+[ "${1:-}" = "--real-size" ] && { real_size=1; shift; }
 
 # ---- 1. is there a CUDA device at all? (nothing installed or written before this answer)
 has_cuda=$install_only
@@ -46,6 +49,10 @@ args=("$@")
 limit="${GPU_CHECK_TIMEOUT_S:-}"
 if [ -z "$limit" ]; then
     case " ${args[*]} " in *" rerun "*) limit=170 ;; *) limit=470 ;; esac
+fi
+if [ "$real_size" = 1 ]; then
+    [ "${#args[@]}" = 2 ] && [ "${args[0]}" = --profile ] && args=()  # the default profile is gpu_check.py's
+    limit="${GPU_CHECK_TIMEOUT_S:-480}"
 fi
 
 {
@@ -86,8 +93,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 # ---- 4. run, bounded
 cd "$root" || exit 1
-log "running benchmarks/gpu_check.py ${args[*]} --out-dir $out (timeout ${limit} s)"
-timeout -k 10 "$limit" "$py" benchmarks/gpu_check.py --out-dir "$out" "${args[@]}"
+if [ "$real_size" = 1 ]; then
+    log "running benchmarks/gpu_check_1b.py ${args[*]} --out $out/gpu-check-1b.md (timeout ${limit} s)"
+    timeout -k 10 "$limit" "$py" benchmarks/gpu_check_1b.py --out "$out/gpu-check-1b.md" "${args[@]}"
+else
+    log "running benchmarks/gpu_check.py ${args[*]} --out-dir $out (timeout ${limit} s)"
+    timeout -k 10 "$limit" "$py" benchmarks/gpu_check.py --out-dir "$out" "${args[@]}"
+fi
 rc=$?
 [ "$rc" = 124 ] && log "stopped at the ${limit} s bound: $out holds the sections that finished"
 exit "$rc"

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["tensors_finite"]
+__all__ = ["norms_finite_flags", "tensors_finite"]
 
 
 def _norms_finite(tensors: list[torch.Tensor], order: float) -> torch.Tensor:
@@ -27,14 +27,30 @@ def _norms_finite(tensors: list[torch.Tensor], order: float) -> torch.Tensor:
     return torch.isfinite(torch.stack([n.float() for n in norms])).all()
 
 
-def tensors_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True when every element of every floating-point tensor is finite (local values: pass a DTensor's
-    ``to_local()``). One host sync per device, two only where a 2-norm overflows."""
+def _by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         t = t.detach()
         if t.numel() and t.is_floating_point():
             by_device.setdefault(t.device, []).append(t)
+    return by_device
+
+
+def norms_finite_flags(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The fast pass of :func:`tensors_finite` without reading it back: one boolean device tensor per device, True
+    where every 2-norm there is finite (then every element is). A caller reads them together with its other values
+    (one host sync) and settles a False one with :func:`tensors_finite`.
+
+    >>> [bool(f) for f in norms_finite_flags([torch.ones(2), torch.tensor([float("inf")])])]
+    [False]
+    """
+    return [_norms_finite(ts, 2.0) for ts in _by_device(tensors).values()]
+
+
+def tensors_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when every element of every floating-point tensor is finite (local values: pass a DTensor's
+    ``to_local()``). One host sync per device, two only where a 2-norm overflows."""
+    by_device = _by_device(tensors)
     if not by_device:
         return True
     if bool(torch.stack([_norms_finite(ts, 2.0).cpu() for ts in by_device.values()]).all()):

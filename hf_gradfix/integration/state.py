@@ -42,6 +42,9 @@ class _Window:
     # and the trainer have set everything a compute_loss may read (e.g. current_gradient_accumulation_steps)
     pending: bool = False
     on_counted: list[Callable[[], None]] = field(default_factory=list, repr=False)  # run once the count is known
+    # id(micro-batch) -> its host copy (packing: the targets brought to the host in one transfer for the window's
+    # check), counted without a read
+    host: dict = field(default_factory=dict, repr=False)
 
     def holds(self, batch: Any) -> bool:
         return any(batch is b for b in self.batches)
@@ -58,7 +61,14 @@ class _Step:
     # its targets as drawn ("labels", "shift_labels"), copied at the step's start: a trainer may replace or edit them
     # in the same mapping
     drawn_targets: dict = field(default_factory=dict, repr=False)
-    returned: float | None = None  # the last loss hf_gradfix's compute_loss returned (already normalized)
+    # the last loss hf_gradfix's compute_loss returned (already normalized), detached: read back only where the loss
+    # reaching backward is another tensor (:func:`..trainer.windows._accumulation_division`), so a step whose loss
+    # reaches backward as returned costs no host sync
+    returned: Any = None
+    returned_loss: Any = None  # (that loss tensor itself, its in-place version counter when returned)
+    # (the drawn targets themselves, their in-place version counters): compute_loss given these, unedited, was given
+    # the drawn targets, and needs no count to tell (a host sync per micro-batch)
+    drawn_refs: dict = field(default_factory=dict, repr=False)
     rescaled_by: float | None = None  # a division by the accumulation steps after compute_loss, undone
 
 
@@ -96,7 +106,7 @@ class GradFixState:
     # that relabels): the rest of that window runs as stock, and every rank leaves the fix at the next window
     rewritten: str | None = None
     eval_totals: _EvalTotals | None = None
-    last_aux: float = 0.0
+    last_aux: Any = 0.0  # the last micro-batch's aux-loss share: a float, or a detached tensor read by eval only
     in_probe: bool = False
     no_labels_logged: bool = False
     disabled_reason: str | None = None  # set when a probe failed and on_undetermined is "warn"
@@ -177,3 +187,25 @@ def _replicated_divisor(trainer: Trainer) -> int:
         if callable(get):
             size *= int(get())
     return max(1, size)
+
+
+_PENDING_READS = "_gradfix_pending_reads"
+
+
+def defer_read(trainer: Any, values: Any, on_read: Callable[[list[float]], None]) -> None:
+    """Have ``values`` (a device tensor) read back with the plugin's next read of this trainer (the window's count),
+    in the same transfer, and ``on_read`` called with them as floats; :func:`take_pending_reads` hands them over."""
+    trainer.__dict__.setdefault(_PENDING_READS, []).append((values, on_read))
+
+
+def take_pending_reads(trainer: Any) -> list:
+    """The reads :func:`defer_read` left for this trainer (now the caller's to read and hand back), oldest first."""
+    return trainer.__dict__.pop(_PENDING_READS, None) or []
+
+
+def read_pending(pending: list, flat: list[float]) -> None:
+    """Hand each deferred read its floats (``flat``: the pending tensors' values, in order)."""
+    for values, on_read in pending:
+        k = values.numel()
+        on_read(flat[:k])
+        flat = flat[k:]

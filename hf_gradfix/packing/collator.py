@@ -30,7 +30,8 @@ import torch
 
 from ..errors import HfGradfixError, InvalidArgumentError
 
-__all__ = ["BOUNDARY_KEYS", "PackedBatchError", "PackedCollator", "check_packed_batch", "document_lengths"]
+__all__ = ["BOUNDARY_KEYS", "PackedBatchError", "PackedCollator", "check_packed_batch", "document_lengths",
+           "host_copies"]
 
 IGNORE_INDEX = -100
 
@@ -365,6 +366,36 @@ def _segment_starts(position_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
     starts[:, 0] = True  # every row starts a sequence
     return starts
+
+
+_CHECKED_KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "labels", "shift_labels")
+
+
+def host_copies(batches: list) -> list:
+    """The batches with the integer tensors :func:`check_packed_batch` reads (positions, ``cu_seq_lens``, labels)
+    brought to the host in ONE transfer for all of them (one device-to-host sync per window instead of several per
+    micro-batch); other values are the batch's own. Tensors on several devices are left as they are.
+
+    >>> b = PackedCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    >>> [c["labels"].tolist() == b["labels"].tolist() for c in host_copies([b, b])]
+    [True, True]
+    """
+    parts, where = [], []
+    for i, batch in enumerate(batches):
+        if not isinstance(batch, Mapping):
+            continue
+        for key in _CHECKED_KEYS:
+            v = batch.get(key)
+            if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool and v.numel():
+                parts.append(v)
+                where.append((i, key))
+    out = [dict(b) if isinstance(b, Mapping) else b for b in batches]
+    if not parts or len({p.device for p in parts}) != 1:
+        return out
+    flat = torch.cat([p.detach().reshape(-1).to(torch.int64) for p in parts]).to("cpu")  # the one sync
+    for (i, key), p, chunk in zip(where, parts, flat.split([p.numel() for p in parts])):
+        out[i][key] = chunk.reshape(p.shape).to(p.dtype)
+    return out
 
 
 def check_packed_batch(batch: Mapping[str, Any], *, ignore_index: int = IGNORE_INDEX) -> None:

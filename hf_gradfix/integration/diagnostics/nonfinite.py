@@ -4,12 +4,13 @@ Stock transformers applies the update of a window whose loss or gradients are Na
 NaN and the only signal is ``grad_norm: nan`` (the logged loss even looks finite, ``logging_nan_inf_filter``
 drops the bad value).  :func:`attach` (called by ``patch()`` and ``GradFixCallback``) adds a guard to the trainer:
 
-- every micro-batch's loss is checked as ``training_step`` returns it (transformers already reads it back
-  for ``logging_nan_inf_filter``), remembering the step and micro-batch;
-- before the optimizer step the gradients are checked too (an overflow in the backward of a finite loss), and
-  the verdict is agreed by every rank (one all-reduce of a flag), so all ranks take the same decision;
+- every micro-batch's loss is kept as ``training_step`` returns it, remembering the step and micro-batch;
+- before the optimizer step the window's losses and its gradients (an overflow in the backward of a finite loss) are
+  checked, read back together (one host sync per window, none per micro-batch), and the verdict is agreed by every
+  rank (one all-reduce of a flag), so all ranks take the same decision;
 - ``warn`` (default): a warning naming the step and the micro-batch(es), then stock behaviour (the update is
-  applied: never worse than stock, and stock stays reachable);
+  applied: never worse than stock, and stock stays reachable); on one process the verdict is read with the next
+  window's count (one host sync per window for both), so its warning comes at the next window's start;
 - ``skip``: that optimizer step is skipped: weights, optimizer state and the lr schedule stay as they were
   (the step counter advances, the window's gradients are dropped), with a warning;
 - ``error``: :class:`~hf_gradfix.errors.NonFiniteError` naming the step and micro-batch(es), before the update.
@@ -28,9 +29,10 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ...config import GradFixConfig
-from ...diagnostics.finite import tensors_finite
+from ...diagnostics.finite import norms_finite_flags, tensors_finite
 from ...errors import InvalidArgumentError, NonFiniteError
 from ..internal_callbacks import add_internal_callback
+from ..state import defer_read, read_pending, take_pending_reads
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -99,6 +101,8 @@ class NonFiniteGuard(TrainerCallback):
         self.mode = mode
         self.micro_batch = 0  # micro-batches seen since the last optimizer step
         self.bad: list[tuple[int, float]] = []  # (micro-batch, loss value) with a non-finite loss, this window
+        # (micro-batch, its loss, detached): read back once, before the optimizer step (see _read_window)
+        self.losses: list[tuple[int, torch.Tensor]] = []
         self.skipped_steps: list[int] = []
         self.flagged_steps: list[int] = []
         self._overflow_set = False
@@ -110,9 +114,28 @@ class NonFiniteGuard(TrainerCallback):
     def after_micro_batch(self, loss: Any) -> None:
         self.micro_batch += 1
         if torch.is_tensor(loss) and loss.numel() and loss.is_floating_point():
-            value = loss.detach()
-            if not bool(torch.isfinite(value).all()):
-                self.bad.append((self.micro_batch, float(value.float().reshape(-1)[0])))
+            self.losses.append((self.micro_batch, loss.detach()))
+
+    def _read_window(self, params: list) -> bool:
+        """Read the window's loss flags and values and the gradients' finiteness back together (one host sync; a
+        second only where a 2-norm is not finite: an overflow of finite values or a NaN); sets ``self.bad``.
+        Returns whether this rank's gradients are finite."""
+        grads = [_local(p.grad) for p in params if getattr(p, "grad", None) is not None]
+        flags = norms_finite_flags(grads)
+        losses, self.losses = self.losses, []
+        if not flags and not losses:
+            return True
+        device = flags[0].device if flags else losses[0][1].device
+        parts = [f.float().reshape(1).to(device) for f in flags]
+        for _, value in losses:
+            value = value.to(device)
+            parts += [torch.isfinite(value).all().float().reshape(1), value.float().reshape(-1)[:1]]
+        read = torch.cat(parts).tolist()
+        norms_ok, values = read[:len(flags)], read[len(flags):]
+        for i, (micro, _) in enumerate(losses):
+            if not values[2 * i]:
+                self.bad.append((micro, values[2 * i + 1]))
+        return all(norms_ok) or tensors_finite(grads)
 
     # ---- per optimizer step
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -121,19 +144,75 @@ class NonFiniteGuard(TrainerCallback):
         self._restore(optimizer)
         self._own_the_check(optimizer)  # also here: cheap, and independent of which handler dispatched on_train_begin
         params = [p for p in trainer.model.parameters() if p.requires_grad]
+        self.read_deferred()  # a previous window's verdict that no read of the plugin took along
+        step = state.global_step + 1
+        ga = max(1, int(getattr(trainer, "current_gradient_accumulation_steps", 0) or args.gradient_accumulation_steps))
+        if self._defer(params, step, ga):
+            return control
         # under DeepSpeed the gradients live in the engine's partitions (p.grad is None): its overflow check, which
         # reduces over every rank, says whether they were finite
         engine_skipped = self.engine is not None and not self.engine.was_step_applied()
-        local_grads_ok = grads_finite(params) and not engine_skipped
+        local_grads_ok = self._read_window(params) and not engine_skipped
         device = next((p.device for p in params), None)
         loss_bad_anywhere, grads_bad_anywhere = agree_any([bool(self.bad), not local_grads_ok], device)
         bad, micro = self.bad, self.micro_batch
         self.bad, self.micro_batch = [], 0
+        return self._verdict(step, ga, micro, bad, loss_bad_anywhere, grads_bad_anywhere, local_grads_ok,
+                             engine_skipped, control)
+
+    def _defer(self, params: list, step: int, ga: int) -> bool:
+        """``warn`` on one process: the window's verdict (loss flags and values, the gradients' 2-norms in float64,
+        which overflow for no finite fp32 / half gradient) stays on the device and is read with the plugin's next
+        read (the next window's count: one host sync per window for both; :func:`..state.defer_read`); its warning
+        comes then, naming this step. The update is stock's either way (``warn``). Elsewhere: read now."""
+        dist = torch.distributed
+        if self.mode != "warn" or self.engine is not None or (
+                dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        grads = [_local(p.grad).detach() for p in params if getattr(p, "grad", None) is not None]
+        grads = [g for g in grads if g.numel() and g.is_floating_point()]
+        if any(g.dtype == torch.float64 for g in grads):
+            return False
+        by_device: dict = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        losses, self.losses = self.losses, []
+        micro, self.micro_batch = self.micro_batch, 0
+        if not by_device and not losses:
+            return True
+        device = next(iter(by_device)) if by_device else losses[0][1].device
+        parts = [torch.isfinite(torch.stack(torch._foreach_norm(ts, 2.0, dtype=torch.float64))).all()
+                 .double().reshape(1).to(device) for ts in by_device.values()]
+        for _, value in losses:
+            value = value.to(device)
+            parts += [torch.isfinite(value).all().double().reshape(1), value.float().reshape(-1)[:1].double()]
+        norms = len(by_device)
+        marks = [m for m, _ in losses]
+
+        def on_read(flat: list[float]) -> None:
+            bad = [(m, flat[norms + 2 * i + 1]) for i, m in enumerate(marks) if not flat[norms + 2 * i]]
+            grads_ok = all(flat[:norms])
+            self._verdict(step, ga, micro, bad, bool(bad), not grads_ok, grads_ok, False, None)
+
+        defer_read(self.trainer, torch.cat(parts), on_read)
+        return True
+
+    def read_deferred(self) -> None:
+        """Read a deferred verdict now (its own host sync): no read of the plugin took it along."""
+        pending = take_pending_reads(self.trainer)
+        if pending:
+            read_pending(pending, torch.cat([v.detach().reshape(-1).double().cpu() for v, _ in pending]).tolist())
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.read_deferred()  # the last window's verdict
+        return control
+
+    def _verdict(self, step, ga, micro, bad, loss_bad_anywhere, grads_bad_anywhere, local_grads_ok, engine_skipped,
+                 control):
         if not (loss_bad_anywhere or grads_bad_anywhere):
             return control
-        step = state.global_step + 1
         self.flagged_steps.append(step)
-        ga = max(1, int(getattr(trainer, "current_gradient_accumulation_steps", 0) or args.gradient_accumulation_steps))
+        trainer = self.trainer
         if bad:
             where = ", ".join(f"micro-batch {m} of {max(ga, micro)} (loss {v})" for m, v in bad)
             what = f"optimizer step {step}: non-finite loss in {where}"
@@ -154,7 +233,7 @@ class NonFiniteGuard(TrainerCallback):
                 "loss.on_nonfinite: skip to drop such steps"
             )
         if self.mode == "skip":
-            self._skip(optimizer)
+            self._skip(getattr(trainer, "optimizer", None))
             self.skipped_steps.append(step)
             warnings.warn(
                 f"hf_gradfix: {what}; the update was skipped (loss.on_nonfinite: skip): weights, optimizer state and "

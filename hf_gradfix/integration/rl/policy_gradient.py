@@ -163,7 +163,8 @@ def open_window(trainer: Any, plan: RLPlan, micro_batches: int, all_reduce) -> N
     spg = int(getattr(trainer.args, "steps_per_generation", None) or trainer.args.gradient_accumulation_steps)
     first = int(trainer._step) % spg
     slices = trainer._buffered_inputs[first : first + micro_batches]
-    tokens = float(sum(float(_loss_mask(b).sum()) for b in slices))
+    # summed on the device and read back with the all-reduce: one host sync per window, not one per micro-batch
+    tokens = torch.stack([_loss_mask(b).sum().to(torch.float64) for b in slices]).sum() if slices else 0.0
     sequences = float(sum(int(b["completion_mask"].shape[0]) for b in slices))
     total_tokens, total_sequences = all_reduce([tokens, sequences])
     plan.window_tokens, plan.window_sequences = total_tokens, total_sequences

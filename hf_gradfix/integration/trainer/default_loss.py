@@ -116,7 +116,7 @@ class _GradFixDefaultLoss(Trainer):
                 aux = aux_term
         if n_used is None:
             loss = base + aux
-            state.last_aux = float(aux.detach()) if torch.is_tensor(aux) else aux
+            state.last_aux = aux.detach().clone() if torch.is_tensor(aux) else aux  # read only by eval
         else:
             share = aux
             if torch.is_tensor(aux) and model.training and state.config.loss.aux_loss != "as_is":
@@ -125,7 +125,7 @@ class _GradFixDefaultLoss(Trainer):
                 share = aux_share(self, state, aux, outputs, inputs,
                                   max(1, getattr(self, "current_gradient_accumulation_steps", 1)))
             loss = base * _dp_world(self) + share
-            state.last_aux = float(share.detach()) if torch.is_tensor(share) else share
+            state.last_aux = share.detach().clone() if torch.is_tensor(share) else share  # read only by eval
         return (loss, outputs) if return_outputs else loss
 
     def _gradfix_mean_to_window(self, mean, labels, behaviour, n, outputs, model):

@@ -108,7 +108,7 @@ def eval_loss(trainer, chain, state, model, inputs, return_outputs, kwargs):
     totals = state.eval_totals
     if totals is not None and loss is not None and not model.training:
         totals.batches += 1
-        aux = state.last_aux
+        aux = float(state.last_aux) if torch.is_tensor(state.last_aux) else state.last_aux  # kept unread in training
         mean = float(loss.detach().double().mean())
         real_rows = real_eval_rows(trainer, untouched)
         if real_rows is not None:  # accelerate padded this last batch with repeated samples: drop them

@@ -21,7 +21,7 @@ from .ga_flag import _we_divide_by_ga
 from .probe import _prepare
 from .reading import _has_labels, _split, _zero_connected
 from .window_steps import count_tensor, open_window
-from .windows import _begin_stock_window, _sequence_sharded
+from .windows import _begin_stock_window, _record_returned, _same_targets, _sequence_sharded
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -48,7 +48,7 @@ def compute_loss(trainer, parent, /, model, inputs, return_outputs=False, num_it
 
         loss = window_loss(trainer, state.rl, inputs, lambda: chain(
             model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch, **kwargs))
-        step.returned = float(loss.detach().float())
+        _record_returned(step, loss)
         return (loss, None) if return_outputs else loss
     if window_step and model.training and batch_rewritten(trainer, state, step, inputs):
         _begin_stock_window(trainer, state)  # the rest of this window as stock; every rank leaves at the next window
@@ -73,7 +73,7 @@ def compute_loss(trainer, parent, /, model, inputs, return_outputs=False, num_it
     if count is not None:
         loss, outputs = train_loss(trainer, chain, state, model, inputs, count, return_outputs, kwargs)
         if step is not None and torch.is_tensor(loss):
-            step.returned = float(loss.detach().float().sum())
+            _record_returned(step, loss)
     else:
         loss, outputs = eval_loss(trainer, chain, state, model, inputs, return_outputs, kwargs)
     return (loss, outputs) if return_outputs else loss
@@ -86,6 +86,8 @@ def batch_rewritten(trainer, state, step, inputs) -> bool:
     if not state.probed or state.chain is None or _sequence_sharded(trainer):
         return False
     if not isinstance(step.drawn, Mapping) or not isinstance(inputs, Mapping):
+        return False
+    if _same_targets(step, inputs):  # the drawn targets themselves, unedited: no count (no host sync) needed
         return False
     rule = state.chain.count_rule
     drawn = step.drawn_targets
@@ -110,7 +112,8 @@ def train_loss(trainer, chain, state, model, inputs, count, return_outputs, kwar
     global_count = float(count.sum()) if torch.is_tensor(count) else float(count)
     n = count if torch.is_tensor(count) else count_tensor(trainer, global_count)
     state.last_aux = 0.0
-    local = int(count_targets(inputs, state.chain.count_rule))  # before: user code may pop "labels"
+    # before: user code may pop "labels"; read back only where the loss does not honour the count
+    local_count = count_targets(inputs, state.chain.count_rule)
     own_aux = bool(state.aux_coef) and not state.chain_is_default and model.training
     if own_aux:  # the trainer's compute_loss adds the router loss itself (TRL): the convention is corrected after
         from ..moe import before_chain
@@ -137,6 +140,7 @@ def train_loss(trainer, chain, state, model, inputs, count, return_outputs, kwar
         return _zero_connected(loss, outputs, model), outputs
     if state.chain.honors_num_items:
         return loss, outputs  # contract: S_mb * W / N (+ the aux share)
+    local = int(local_count)
     if local == 0:
         return _zero_connected(loss, outputs, model), outputs
     return loss * (local * _dp_world(trainer) / global_count), outputs

@@ -33,6 +33,7 @@ from .windows import (
     _IdleMicroBatch,
     _never_opened,
     _sequence_sharded,
+    _version,
     _watch_backward,
 )
 from .workloads import detect_rl, pipeline_step, pipeline_window
@@ -59,8 +60,7 @@ def get_batch_samples(trainer, parent, /, epoch_iterator, num_batches, device):
         from ..parallel.nd import check_window
 
         check_window(trainer, state.nd, batches)
-    if state.config.packing.enabled:
-        _check_packed(batches)
+    host = _check_packed(batches) if state.config.packing.enabled else {}
     sharded = _sequence_sharded(trainer)
     if not state.probed and not sharded:
         # The loss is probed inside the window's first step (the window's first compute_loss), where the training
@@ -72,13 +72,13 @@ def get_batch_samples(trainer, parent, /, epoch_iterator, num_batches, device):
         if count is _NOT_COUNTED:
             count = trainer._get_num_items_in_batch(batches, device)
         batches = _close_short_window(trainer, batches, num_batches, device)
-        state.window = _Window(None, len(batches), batches, pending=True)
+        state.window = _Window(None, len(batches), batches, pending=True, host=host)
         return batches, count
     # Context / sequence parallelism: probed here, on the whole drawn sequences, before the step splits them (inside
     # the step, compute_loss sees a shard, and the probe's forwards would run in the step's context-parallel
     # region); the probe then gives the loop's per-window attributes their coming values (see _probe)
     decided = True if state.probed else _prepare(trainer, state, batches)
-    window = _Window(None, len(batches), batches)
+    window = _Window(None, len(batches), batches, host=host)
     counted = count_window(trainer, state, window, decided=decided)
     if counted == "empty":
         return batches, None
@@ -118,7 +118,11 @@ def count_window(trainer, state, window: _Window, decided: bool) -> str:
     has_labels = any(_has_labels(b) for b in batches)
     local = 0.0
     if state.probed and has_labels and state.disabled_reason is None:
-        local = float(sum(int(count_targets(b, state.chain.count_rule)) for b in batches))
+        if window.host and all(id(b) in window.host for b in batches):  # host copies (packing): no read back
+            local = float(sum(int(count_targets(window.host[id(b)], state.chain.count_rule)) for b in batches))
+        else:  # summed on the device, read back with the flags below: one host sync per window, none per micro-batch
+            counts = [count_targets(b, state.chain.count_rule) for b in batches]
+            local = torch.stack([c.to(device=trainer.args.device, dtype=torch.float64) for c in counts]).sum()
     disabled = state.disabled_reason is not None or state.rewritten is not None
     total, ranks_with_labels, ranks_undecided, micro_batches, ranks_disabled = _all_reduce_sum(
         trainer,
@@ -190,7 +194,10 @@ def training_step(trainer, parent, /, model, inputs, *args, **kwargs):
     explicit = window is None or not window.holds(inputs)
     targets = {k: v.clone() for k, v in inputs.items() if k in ("labels", "shift_labels") and torch.is_tensor(v)} \
         if isinstance(inputs, Mapping) else {}
-    step = _Step(explicit=explicit, count=num_items if explicit else None, drawn=inputs, drawn_targets=targets)
+    refs = {k: (v, _version(v)) for k, v in inputs.items() if k in ("labels", "shift_labels") and torch.is_tensor(v)} \
+        if isinstance(inputs, Mapping) else {}
+    step = _Step(explicit=explicit, count=num_items if explicit else None, drawn=inputs, drawn_targets=targets,
+                 drawn_refs=refs)
     stock_step = explicit and (num_items is None or not _has_labels(inputs))
     if stock_step and num_items is None and not state.explicit_logged:
         logger.info(
@@ -210,8 +217,12 @@ def training_step(trainer, parent, /, model, inputs, *args, **kwargs):
     return result
 
 
-def _check_packed(batches: list) -> None:
-    from ...packing.collator import check_packed_batch
+def _check_packed(batches: list) -> dict:
+    """Check the window's packed micro-batches on host copies brought over in one transfer; returns them
+    (``id(micro-batch) -> copy``) for the window's count."""
+    from ...packing.collator import check_packed_batch, host_copies
 
-    for batch in batches:
+    copies = host_copies(batches)
+    for batch in copies:
         check_packed_batch(batch)
+    return {id(b): c for b, c in zip(batches, copies)}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from ..state import GradFixState, _nd_dims, _replicated_divisor, _Step, _tp_size
+from ..state import GradFixState, _nd_dims, _replicated_divisor, _Step, _tp_size, read_pending, take_pending_reads
 
 logger = logging.getLogger("hf_gradfix")
 
@@ -104,11 +104,27 @@ def _close_short_window(trainer: Trainer, batches: list, num_batches: int, devic
     return batches
 
 
-def _all_reduce_sum(trainer: Trainer, values: list[float], dtype=torch.float64) -> list[float]:
-    tensor = torch.tensor(values, dtype=dtype, device=trainer.args.device)
+def _all_reduce_sum(trainer: Trainer, values: list, dtype=torch.float64) -> list[float]:
+    """``values`` summed over every rank, read back together (one host sync); an entry may be a device tensor (a
+    count not yet read back). The reads other parts of the plugin deferred to this one (the non-finite guard's
+    verdict of the previous window, :func:`..state.defer_read`) come back in the same transfer, not reduced."""
+    device = trainer.args.device
+    pending = take_pending_reads(trainer)
+    if trainer.accelerator.num_processes == 1 and not pending and not any(torch.is_tensor(v) for v in values):
+        return [float(v) for v in values]  # values already on the host: nothing to reduce or read back
+    if any(torch.is_tensor(v) for v in values):
+        tensor = torch.stack([v.detach().to(device=device, dtype=dtype).reshape(()) if torch.is_tensor(v)
+                              else torch.tensor(v, dtype=dtype, device=device) for v in values])
+    else:
+        tensor = torch.tensor(values, dtype=dtype, device=device)
     if trainer.accelerator.num_processes > 1:
         tensor = trainer.accelerator.reduce(tensor, reduction="sum")
-    return tensor.tolist()
+    if not pending:
+        return tensor.tolist()
+    flat = torch.cat([tensor.reshape(-1)] + [v.detach().reshape(-1).to(device=tensor.device, dtype=dtype)
+                                             for v, _ in pending]).tolist()
+    read_pending(pending, flat[len(values):])
+    return flat[: len(values)]
 
 
 def _draw_window(epoch_iterator, num_batches: int) -> list:
@@ -144,8 +160,14 @@ def _accumulation_division(trainer: Trainer, step: _Step, loss: Any) -> int | No
     ``model_accepts_loss_kwargs`` is False; transformers 4.57's own step when it was given no count) would take 1/k of
     the gradient. Measured, not assumed from a class: the value compute_loss returned against the value backward
     receives."""
+    if step.returned is None or not torch.is_tensor(loss) or loss.numel() != 1:
+        return None
+    if step.returned_loss is not None and loss is step.returned_loss[0] and _version(loss) == step.returned_loss[1]:
+        return None  # the very tensor compute_loss returned, unedited: nothing divided it (no read back)
     returned = step.returned
-    if returned is None or not torch.is_tensor(loss) or loss.numel() != 1 or not math.isfinite(returned):
+    if torch.is_tensor(returned):
+        returned = float(returned.float().sum())
+    if not math.isfinite(returned):
         return None
     if abs(returned) < 1e-30:
         return None
@@ -156,6 +178,37 @@ def _accumulation_division(trainer: Trainer, step: _Step, loss: Any) -> int | No
         if k > 1 and math.isclose(ratio * k, 1.0, rel_tol=1e-3):
             return k
     return None
+
+
+def _version(tensor: Any) -> int | None:
+    """A tensor's in-place version counter (None where it has none: an inference tensor)."""
+    try:
+        return tensor._version
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _record_returned(step: _Step, loss: Any) -> None:
+    """Remember the loss compute_loss returned for :func:`_accumulation_division`, without reading it back."""
+    if torch.is_tensor(loss):
+        step.returned = loss.detach()
+        step.returned_loss = (loss, _version(loss))
+
+
+def _same_targets(step: _Step, inputs: Any) -> bool:
+    """Whether ``inputs`` holds the very target tensors the step drew, unedited (then they count the same; no read
+    back needed)."""
+    if not isinstance(inputs, collections.abc.Mapping) or not step.drawn_refs:
+        return False
+    for key in ("labels", "shift_labels"):
+        drawn, seen = step.drawn_refs.get(key), inputs.get(key)
+        if drawn is None or seen is None:
+            if drawn is not None or torch.is_tensor(seen):
+                return False
+            continue
+        if seen is not drawn[0] or drawn[1] is None or _version(seen) != drawn[1]:
+            return False
+    return True
 
 
 @contextlib.contextmanager
