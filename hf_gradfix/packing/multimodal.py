@@ -425,6 +425,13 @@ class MultimodalPackedCollator:
                 pos[1:, r, :n] = mrope_positions(row, self.rope_fn)[1:]
                 pos[1:, r, n:] = text_pos[r, n:]  # padding: its own restarted segment, as row 0
             batch["position_ids"] = pos
+        if layout in ("stack", "per_image"):
+            # a per-image / per-sample model may hand the forward's keyword arguments on to its vision tower
+            # (LLaVA's get_image_features passes **kwargs: measured in tests/packing/test_packing_vlm.py), whose varlen
+            # attention would read the text row's boundaries as its own and fail; restarted positions alone delimit the documents (transformers builds the packed mask, or
+            # FlashAttention's boundaries via prepare_fa_kwargs_from_position_ids). The grid tower pops them itself.
+            for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+                batch.pop(key, None)
         batch.update(_images(docs, layout))
         return batch
 

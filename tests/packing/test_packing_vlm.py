@@ -377,3 +377,33 @@ def test_rows_mode_two_rows_equal_each_document_alone(family):
         out = model(**batch, use_cache=False).logits
     pieces = P.split_row(out[0], feats[:2]) + P.split_row(out[1], feats[2:])
     assert P.worst_rel(pieces, ref_logits) <= LOGIT_TOL
+
+
+@pytest.mark.parametrize("family", ["llava"])
+def test_varlen_kernel_with_a_tower_that_reads_the_forwards_kwargs(family):
+    """LLaVA hands the forward's keyword arguments on to their vision tower, so a varlen kernel there would
+    read the TEXT row's ``cu_seq_lens`` as the tower's own. The collator leaves them out for these layouts (restarted
+    positions delimit the documents, transformers derives the kernel's boundaries from them): under hf_gradfix's
+    reference varlen kernel the packed row equals each document alone; control: the same row with the text
+    boundaries put back fails in the tower (or is far off)."""
+    from hf_gradfix.packing.attention import register_reference_varlen_attention, use_attention_implementation
+
+    model, feats, collator = setup(family)
+    batch = collator(feats)
+    assert "cu_seq_lens_q" not in batch and batch["position_ids"].dim() == 2
+    ref_logits, _ = _alone(model, feats, family)
+    with use_attention_implementation(model, register_reference_varlen_attention()):
+        logits, _ = P.packed_run(model, batch)
+        err = P.worst_rel(P.split_row(logits, feats), ref_logits)
+        assert err <= LOGIT_TOL, (family, err)
+        starts = torch.nonzero(batch["position_ids"][0] == 0).flatten().tolist() + [batch["input_ids"].shape[1]]
+        cu = torch.tensor(starts, dtype=torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        bad = dict(batch, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest, max_length_k=longest)
+        try:
+            control, _ = P.packed_run(model, bad)
+        except Exception as e:  # noqa: BLE001 - the tower refuses the text row's boundaries: the failure we avoid
+            print(f"{family}: text boundaries in the tower: {type(e).__name__}: {str(e)[:120]}")
+        else:
+            cerr = P.worst_rel(P.split_row(control, feats), ref_logits)
+            assert cerr > max(CONTROL_MIN, 100 * err), (family, cerr, err)
