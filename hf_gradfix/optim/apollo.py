@@ -47,8 +47,9 @@ def next_seed(seed: int, adv: int = 0xF) -> int:
 class ApolloAdamW(LowRankAdamW):
     """APOLLO: Adam moments of a *random* rank-``rank`` projection of each gradient only set a scale.
 
-    Per step: ``R = G P`` with a Gaussian ``P`` regenerated from a stored seed (nothing else stored for
-    it; a new seed every ``update_proj_gap`` steps); Adam on ``R`` gives ``N``; each channel (row for the
+    Per step: ``R = G P`` with a Gaussian ``P`` regenerated from a stored seed on the parameter's device (nothing
+    else stored for it: the seed is the generator's whole state, so a resume that loads ``proj_seed`` draws the same
+    ``P``; a new seed every ``update_proj_gap`` steps); Adam on ``R`` gives ``N``; each channel (row for the
     ``right`` side, column for ``left``) of the raw gradient ``G`` is scaled by ``||N_c|| / ||R_c||``
     (``scale_type="channel"``) or the whole matrix by ``||N|| / ||R||`` (``"tensor"``); Fira's norm-growth
     limiter caps the update norm's growth at ``norm_growth_limit`` per step; the update is multiplied by
@@ -93,7 +94,7 @@ class ApolloAdamW(LowRankAdamW):
         return "proj_seed" in state
 
     def _projection(self, state: dict, side: int, shape: tuple[int, int], rank: int, device, dtype) -> torch.Tensor:
-        """The (d, rank) projection for the current seed, in apollo-torch's memory layout."""
+        """The (d, rank) projection for the current seed, in apollo-torch's memory layout, drawn on ``device``."""
         seed = int(state["proj_seed"])
         m, n = shape
         if side == proj.LEFT:
@@ -136,11 +137,11 @@ class ApolloAdamW(LowRankAdamW):
             norm = _norm(update, p)  # of the full update: every shard applies the same limit
             if "update_norm" in state:
                 limiter = torch.clamp(norm / (state["update_norm"] + 1e-8), min=limit) / limit
-                update = update / limiter
+                update.div_(limiter)  # in place: same numbers, one full-size temporary fewer
                 state["update_norm"] = norm / limiter
             else:
                 state["update_norm"] = norm
-        update = update * math.sqrt(group["scale"])
+        update.mul_(math.sqrt(group["scale"]))
         group_torch = group["compat"] == "torch"
         self._apply(_local(p), update, step_size, {**group, "compat": "torch" if group_torch else "apollo_torch"})
 
