@@ -178,3 +178,30 @@ def test_draw_on_cuda():  # pragma: no cover - GPU only
     opt2.load_state_dict(opt.state_dict())
     # int(state["proj_seed"]) runs every step: a seed moved to the GPU by torch's load would sync the stream each time
     assert all(st[k].device.type == "cpu" for st in opt2.state.values() for k in ("proj_seed", "side") if k in st)
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["one_gpu_model", "mixed_gpu_models"])
+def test_ranks_on_different_gpu_models_draw_on_the_host(monkeypatch, same):
+    """A seeded CUDA draw depends on the GPU model (Philox's grid follows the SM count): when the ranks' device
+    models differ, the projection is drawn on the host (one matrix everywhere) with one warning; else on the device."""
+    import warnings
+
+    from hf_gradfix.optim import apollo as A
+
+    opt = _make(ApolloAdamW, _model(), False)
+    monkeypatch.setattr(A, "_world", lambda: 2)
+    monkeypatch.setattr(A, "_device_model", lambda dev: ("cuda", "H100", 132))
+    other = ("cuda", "H100", 132) if same else ("cuda", "A100", 108)
+
+    def gather(out, obj):
+        out[:] = [obj, other]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = opt._draw_device(torch.device("cuda", 0))
+        again = opt._draw_device(torch.device("cuda", 0))
+    assert first == again
+    assert first.type == ("cuda" if same else "cpu")
+    assert len([w for w in caught if "different cuda models" in str(w.message)]) == (0 if same else 1)
+    assert opt._draw_device(torch.device("cpu")).type == "cpu"
