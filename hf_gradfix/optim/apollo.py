@@ -17,7 +17,7 @@ from . import projection as proj
 from .groups import OptimizerConfigError
 from .lowrank import LowRankAdamW
 from .lowrank.plan import _Plan
-from .lowrank.tensors import _is_dtensor, _local
+from .lowrank.tensors import _is_dtensor, _is_fake, _local, _world
 
 __all__ = ["ApolloAdamW", "apollo_mini", "next_seed"]
 
@@ -38,6 +38,14 @@ def _norm(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return sq.sqrt().to(x.dtype)
 
 
+def _device_model(dev: torch.device) -> tuple:
+    """What decides the numbers a seeded generator draws on ``dev``: its type, and for CUDA its model and SM count."""
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        return ("cuda", props.name, props.multi_processor_count)
+    return (dev.type,)
+
+
 def next_seed(seed: int, adv: int = 0xF) -> int:
     """The seed of the next random projection (apollo-torch's rule, kept so runs match it)."""
     gen = torch.Generator().manual_seed(int(seed))
@@ -47,8 +55,9 @@ def next_seed(seed: int, adv: int = 0xF) -> int:
 class ApolloAdamW(LowRankAdamW):
     """APOLLO: Adam moments of a *random* rank-``rank`` projection of each gradient only set a scale.
 
-    Per step: ``R = G P`` with a Gaussian ``P`` regenerated from a stored seed (nothing else stored for
-    it; a new seed every ``update_proj_gap`` steps); Adam on ``R`` gives ``N``; each channel (row for the
+    Per step: ``R = G P`` with a Gaussian ``P`` regenerated from a stored seed on the parameter's device (nothing
+    else stored for it: the seed is the generator's whole state, so a resume that loads ``proj_seed`` draws the same
+    ``P``; a new seed every ``update_proj_gap`` steps); Adam on ``R`` gives ``N``; each channel (row for the
     ``right`` side, column for ``left``) of the raw gradient ``G`` is scaled by ``||N_c|| / ||R_c||``
     (``scale_type="channel"``) or the whole matrix by ``||N|| / ||R||`` (``"tensor"``); Fira's norm-growth
     limiter caps the update norm's growth at ``norm_growth_limit`` per step; the update is multiplied by
@@ -93,12 +102,41 @@ class ApolloAdamW(LowRankAdamW):
         return "proj_seed" in state
 
     def _projection(self, state: dict, side: int, shape: tuple[int, int], rank: int, device, dtype) -> torch.Tensor:
-        """The (d, rank) projection for the current seed, in apollo-torch's memory layout."""
+        """The (d, rank) projection for the current seed, in apollo-torch's memory layout, drawn on ``device``
+        (on the host instead where the ranks' devices would draw different numbers: :meth:`_draw_device`)."""
         seed = int(state["proj_seed"])
         m, n = shape
+        at = self._draw_device(device)
         if side == proj.LEFT:
-            return proj.gaussian_projection(m, rank, seed, dtype=dtype, device=device)
-        return proj.gaussian_projection(n, rank, seed, dtype=dtype, device=device, transposed=True)
+            p = proj.gaussian_projection(m, rank, seed, dtype=dtype, device=at)
+        else:
+            p = proj.gaussian_projection(n, rank, seed, dtype=dtype, device=at, transposed=True)
+        return p.to(device)
+
+    def _draw_device(self, device) -> torch.device:
+        """Where the projection is drawn: ``device``, unless several processes run on accelerators that may draw
+        different numbers from one seed (torch's CUDA Philox kernels size their grid by the SM count: another GPU
+        model or MIG slice gives another matrix, and the replicas would diverge); then the host, as before issue 53
+        (slow on a GPU), with one warning. Decided once per device type, from every rank's device model."""
+        dev = torch.device(device)
+        if dev.type in ("cpu", "meta"):
+            return dev
+        verdict = getattr(self, "_draw_on_device", {})
+        self._draw_on_device = verdict
+        if dev.type not in verdict:
+            ok = True
+            if _world() > 1:
+                mine = _device_model(dev)
+                every: list = [None] * _world()
+                torch.distributed.all_gather_object(every, mine)
+                ok = all(x == mine for x in every)
+                if not ok:
+                    self._warn_once("apollo_draw", (
+                        f"{self._name}: the ranks run on different {dev.type} models ({sorted(set(map(str, every)))}), "
+                        "which draw different random projections from one seed; APOLLO draws them on the CPU and "
+                        "copies them over (the same matrix everywhere, but a slower step). Use one device model"))
+            verdict[dev.type] = ok
+        return dev if verdict[dev.type] else torch.device("cpu")
 
     def _step_projected(self, p: torch.Tensor, group: dict, plan: _Plan) -> None:
         state = self.state[p]
@@ -116,7 +154,8 @@ class ApolloAdamW(LowRankAdamW):
         m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
         g_raw = _local(p.grad)
         g = g_raw.to(m.dtype)
-        basis = self._projection(state, side, tuple(p.shape), rank, g.device, g.dtype)
+        device = torch.device("cpu") if _is_fake(g) else g.device  # a fake trace draws on the host, as before
+        basis = self._projection(state, side, tuple(p.shape), rank, device, g.dtype).to(g.device)
         r = proj.project(g, basis, side)
         state["step"] += 1
         t = float(state["step"])
@@ -136,11 +175,11 @@ class ApolloAdamW(LowRankAdamW):
             norm = _norm(update, p)  # of the full update: every shard applies the same limit
             if "update_norm" in state:
                 limiter = torch.clamp(norm / (state["update_norm"] + 1e-8), min=limit) / limit
-                update = update / limiter
+                update.div_(limiter)  # in place: same numbers, one full-size temporary fewer
                 state["update_norm"] = norm / limiter
             else:
                 state["update_norm"] = norm
-        update = update * math.sqrt(group["scale"])
+        update.mul_(math.sqrt(group["scale"]))
         group_torch = group["compat"] == "torch"
         self._apply(_local(p), update, step_size, {**group, "compat": "torch" if group_torch else "apollo_torch"})
 

@@ -16,7 +16,8 @@ Rules (Ultra-Scale Playbook, "memory usage in transformers"; N = parameter count
   (``auto`` reduces the in-features, so under FSDP2 the basis is not divided by ``d``); everything else AdamW.
 * activations (default ``activation_model="traced"``): every tensor the architecture's own forward saves for
   backward, counted on fake tensors at the planned shape (``activations.py``: any architecture, fused attention
-  by default), plus the logits and the fp32 loss gradients.  ``"formula"`` is the same count written out by
+  by default), plus the fp32 loss gradients (the logits are not held: the step keeps only the loss; under pp the
+  schedule keeps the last stage's output).  ``"formula"`` is the same count written out by
   hand for SwiGLU decoders (Llama, Mistral, Qwen2: equal to the trace there, a test checks it); the Playbook's
   GPT formula ``L s b h (34 + 5 a s / h)`` is reported alongside.  Full recomputation keeps each layer's input
   plus one recomputed layer's footprint (the larger of its re-run forward and its backward working set, both
@@ -534,8 +535,9 @@ def _decoder_layer_activation(config, tokens: float, e: int, tp: int) -> float:
 
 
 def _head_activation(config, tokens: float, e: int, seq: float = 0) -> float:
-    """Final norm, rotary cos/sin, logits kept in the output (e T v), the fp32 log-softmax saved by the loss
-    (4 T v), and two transient fp32 T x v tensors of the loss (the upcast / shifted logits, then their gradient)."""
+    """Final norm, rotary cos/sin, the logits (e T v: returned with the output, which the step drops before
+    backward, so :func:`estimate` does not hold them), the fp32 log-softmax saved by the loss (4 T v), and the
+    loss backward's two fp32 T x v gradients (of the log-softmax's output, then of its input)."""
     h, v = config.hidden_size, config.vocab_size
     hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
     return 4 * tokens * h + 4 * tokens + 2 * e * tokens * h + 2 * e * seq * hd + e * tokens * v + 12 * tokens * v
@@ -836,12 +838,18 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         layer_bwd += kv_gathered  # a layer's backward (and its recomputation) holds them too
         layer_rc += kv_gathered
         bwd_each = [b + kv_gathered for b in bwd_each]
-    # what the head keeps per micro-batch (final norm, loss log-softmax, the logits) lives on the last stage; the
+    # what the head keeps per micro-batch (final norm, loss log-softmax) lives on the last stage; the
     # first keeps the input ids its embedding saves (int64); without pp one rank has both (the trace's outside
     # already holds the ids)
     last = stage is None or stage.last
     first_saved = 8 * tokens if stage is not None and stage.first and not stage.last else 0.0
-    head_kept = (head_saved + logits_b) if last else 0.0
+    # The logits are not held without pp: the training step keeps only the loss (Trainer.compute_loss returns it
+    # without the model output; so does the GPU check's step), and no backward saves them (the loss upcasts them to
+    # fp32 and log_softmax saves its own output, counted in head_saved). Counting them held was issue 53's
+    # over-count: +7.8 % of the activations at Llama-3.2-1B, seq 2048, bf16 (docs/plan.md, "Activations against the
+    # allocator"). Under pp torch's schedule keeps the last stage's output (the stock head's logits) for its backward.
+    logits_held = logits_b if stage is not None else 0.0
+    head_kept = (head_saved + logits_held) if last else 0.0
     loss_now = loss_t if last else 0.0
     # without recompute the peak is where backward starts (everything saved + the loss gradients), or in a
     # layer's backward for a model whose layer working set outweighs the loss gradients: layer k's working set
@@ -854,10 +862,10 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     in_backward = max((sum(per_layer[:k]) + b for k, b in enumerate(bwd_each)), default=0.0)
     peak_mb = head_kept + first_saved + max(sum(per_layer) + loss_now, in_backward)
     # full recompute: the checkpointed layer inputs, plus the larger of the loss (end of forward) and one
-    # recomputed layer's backward footprint (by then only the logits of the head are still alive)
+    # recomputed layer's backward footprint (by then the head has released everything but logits_held)
     ckpt = len(per_layer) * hidden
     saved_mb_full = ckpt + head_kept + first_saved
-    peak_mb_full = ckpt + first_saved + (max(head_kept + loss_now, logits_b + layer_rc) if last else layer_rc)
+    peak_mb_full = ckpt + first_saved + (max(head_kept + loss_now, logits_held + layer_rc) if last else layer_rc)
     if settings.activation_model == "playbook" and stage is None:
         peak_mb = pb_act * eb / 2 + head_kept + loss_now
     mask_b = 0.0
@@ -887,8 +895,10 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
     elif tr is not None:
         act_how = (f"counted from the forward ({tr.attention} attention): {len(per_layer)} layers x "
                    f"{_fmt(sum(per_layer) / max(1, len(per_layer)))}"
-                   + (f" + outside the layers {_fmt(tr.outside)} + logits {_fmt(tr.logits)} + fp32 loss gradients "
-                      f"{_fmt(tr.loss_transient)}" if last else " + the input ids" if first_saved else "")
+                   + (f" + outside the layers {_fmt(tr.outside)} + fp32 loss gradients {_fmt(tr.loss_transient)} "
+                      + (f"+ logits {_fmt(tr.logits)} (the pipeline schedule keeps the stage's output)" if stage is not None
+                         else f"(the {_fmt(tr.logits)} of logits are not held: the step keeps only the loss)")
+                      if last else " + the input ids" if first_saved else "")
                    + (f"; a recomputed layer peaks at {_fmt(layer_rc)}" if settings.recompute == "full" else ""))
     if cp_flex:
         act_how += (f"; CP x packing: SDPA saves each layer's all-gathered K/V ({_fmt(kv_gathered)} more per layer "
@@ -1031,7 +1041,7 @@ def _estimate_rank(config, mesh, settings: Settings, *, gpu_memory: float | None
         "activations": (f"{'full recompute: layer inputs + 1 layer' if settings.recompute == 'full' else 'all layers' if stage is None else 'the stage' + chr(39) + 's layers'}"
                         f", {int(tokens):,} tokens/rank{' (seq / cp)' if mesh.cp > 1 else ''}"
                         f"{', attention/MLP / tp (norms replicated)' if tp > 1 else ''}"
-                        + (f"; {act_how}" if act_how else ", + logits and fp32 log-softmax")
+                        + (f"; {act_how}" if act_how else ", + fp32 log-softmax and loss gradients (logits not held)")
                         + ("; incl. autocast's bf16 weight copies" if amp and not fsdp else "")),
         "comm_buffers": comm_txt,
         "fragmentation": f"{100 * settings.fragmentation:.0f} % allocator/fragmentation margin",

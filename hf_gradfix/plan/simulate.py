@@ -264,9 +264,11 @@ def simulate(config, mesh, settings: Settings, *, steps: int = 2, fake: bool = T
                         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if (amp and not sharded) else \
                             contextlib.nullcontext()
                         with autocast:
-                            out = _lean_loss(model, ids) if lean else model(input_ids=ids, labels=ids)
-                        (out if lean else out.loss).backward()
-                        del out  # the logits would otherwise live on into the next micro-batch's forward
+                            # the loss only, as Trainer.compute_loss returns it: the output (its logits) is
+                            # dropped before backward
+                            loss = _lean_loss(model, ids) if lean else model(input_ids=ids, labels=ids).loss
+                        loss.backward()
+                        del loss
                     opt.step()
                     opt.zero_grad()
                     say(f"step {step + 1}/{steps} traced ({micro_batches if last else 1} micro-batch(es) forward and "

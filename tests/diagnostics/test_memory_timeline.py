@@ -93,10 +93,10 @@ def test_simulated_step_equals_the_measured_step_per_category(optimizer, grad_ac
     for step in range(2):
         batches = [torch.randint(0, cfg.vocab_size, (2, 64)) for _ in range(grad_accum)]
         with rec.step() if step else contextlib.nullcontext():
-            for ids in batches:
-                out = model(input_ids=ids, labels=ids)
-                out.loss.backward()
-                del out
+            for ids in batches:  # the loss only, as Trainer.compute_loss returns it (the output is dropped)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                del loss
             opt.step()
             opt.zero_grad()
     meas = rec.last
@@ -374,10 +374,13 @@ def test_callback_prediction_follows_gradient_accumulation(ga, tmp_path):
 
 
 def test_callback_prediction_of_micro_batches_of_varying_length(tmp_path):
-    """Predicted at the largest micro-batch throughout: near the measured peak, mostly above it."""
+    """Predicted at the largest micro-batch throughout, as unpadded rows: near the measured peak. Since issue 53
+    neither the prediction nor the Trainer's step holds the logits through backward (the equal-length runs of
+    test_callback_prediction_follows_gradient_accumulation match within 5 %); the padded micro-batches measured here
+    hold 45 KB (4 %) more activations at the peak than that (1,137,816 B measured, 1,092,860 B predicted)."""
     trainer, cb = _trainer_with_timeline(tmp_path, 3, lengths=(16, 40))
     trainer.train()
-    assert 0.97 <= cb.predicted.peak / cb.timelines[0].peak < 1.1
+    assert 0.95 <= cb.predicted.peak / cb.timelines[0].peak < 1.1
 
 
 def test_callback_lifecycle_second_train_and_an_exception_inside_a_recorded_step(tmp_path):

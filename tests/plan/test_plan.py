@@ -331,9 +331,11 @@ def test_more_architectures_match_simulation(arch):
     for recompute in ("none", "full"):
         s = Settings(seq_len=seq_len, micro_batch=2, dtype="fp32", recompute=recompute)
         # full recomputation: the recomputed layer's footprint is the larger of its forward (up to its last saved
-        # tensor) and its backward, which over-counts parallel-residual blocks (GPT-NeoX +21 %); never under by > 10 %
+        # tensor) and its backward, which over-counts parallel-residual blocks (GPT-NeoX +21 % while the traced step
+        # held the logits through backward, +25.6 % since it keeps only the loss as the Trainer does (issue 53): the
+        # same over-counted bytes over a total without the logits); never under by > 10 %
         _assert_components_match(estimate(cfg, mesh, s), simulate(cfg, mesh, s), mesh,
-                                 activations_within=(-0.10, 0.10 if recompute == "none" else 0.25))
+                                 activations_within=(-0.10, 0.10 if recompute == "none" else 0.30))
 
 
 # Hybrid decoders (issue 37): a layer that carries state along the sequence (LFM2's short convolution, Qwen3.5's Gated

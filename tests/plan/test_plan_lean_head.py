@@ -89,9 +89,10 @@ def test_the_planner_counts_the_lean_head_instead_of_the_logits():
         b = lean.extra["lean_head"]
         assert b == lean_head_bytes(tokens, cfg.hidden_size, cfg.vocab_size, compute_bytes=4, weight_bytes=4,
                                     torch_op=b["path"] == "torch")
-        # what the stock count holds for the head, written out: the fp32 logits, the loss's saved log-softmax, its
-        # two fp32 tokens x vocab backward tensors, and the head's saved input (tokens x hidden)
-        stock_head = 4 * tokens * cfg.vocab_size * 4 + 4 * tokens * cfg.hidden_size
+        # what the stock count holds for the head, written out: the loss's saved log-softmax, its two fp32 tokens x
+        # vocab backward tensors, and the head's saved input (tokens x hidden); not the logits, which the step does
+        # not hold (issue 53, measured in tests/plan/test_plan_allocator.py)
+        stock_head = 3 * tokens * cfg.vocab_size * 4 + 4 * tokens * cfg.hidden_size
         diff = stock.components["activations"] - lean.components["activations"]
         expected = stock_head - b["kept"] - b["transient"]
         assert abs(diff - expected) <= 0.01 * stock_head, (model, diff, expected, b)
@@ -171,9 +172,12 @@ def test_the_lean_trace_under_fsdp2_drops_the_logits(dtype):
     """Issue 50, item 5: `plan --num-gpus 8 --loss-head lean --timeline` traced the stock head (FSDP2 shards the head
     outside its forward, so the trace did not run lean) beside a closed form that counts the lean one: 25.3 GiB next
     to a traced 29.5 GiB for Llama 3.1 8B. The run's lean head reads the weight FSDP2 has unsharded inside the head's
-    forward (tests/parallel/test_nd_parallel.py); the trace does the same now. Measured on FSDP2 over 2 ranks: the lean step's
-    traced peak is below the stock one by at least the logits' size, and by what the closed form's head counts differ
-    (within 10 %); the control, the stock head traced, gives the old number."""
+    forward (tests/parallel/test_nd_parallel.py); the trace does the same now. Measured on FSDP2 over 2 ranks: in fp32
+    (torch's op path) the lean step's traced peak is below the stock one by at least the logits' size, and by what the
+    closed form's head counts differ (within 10 %); the control, the stock head traced, gives the old number. In
+    amp-bf16 at these 1,024 tokens per rank the lean chunks path runs one chunk, whose fp32 transients are the stock
+    loss's: since the stock step no longer holds the logits through backward (issue 53) the two peaks are equal
+    (65,792 B apart of 432 MB), as the closed form says (122,876 B apart)."""
     from hf_gradfix.parallel import ParallelDims
     from hf_gradfix.plan import Settings, estimate
     from hf_gradfix.plan.simulate import simulate
@@ -184,11 +188,14 @@ def test_the_lean_trace_under_fsdp2_drops_the_logits(dtype):
     lean = simulate(BIG_VOCAB, mesh, Settings(**base, loss_head="lean"))
     logits = 1024 * BIG_VOCAB.vocab_size * (4 if dtype == "fp32" else 2)  # the stock head's logits, in its dtype
     drop = stock["peak"] - lean["peak"]
-    assert drop >= logits, (drop, logits)
+    if dtype == "fp32":
+        assert drop >= logits, (drop, logits)
+    else:
+        assert abs(drop) <= 0.01 * stock["peak"], (drop, stock["peak"])
     assert (lean["loss_head"], stock["loss_head"]) == ("lean", "stock")
     cf_stock = estimate(BIG_VOCAB, mesh, Settings(**base)).components["activations"]
     cf_lean = estimate(BIG_VOCAB, mesh, Settings(**base, loss_head="lean")).components["activations"]
-    assert drop == pytest.approx(cf_stock - cf_lean, rel=0.10), (drop, cf_stock - cf_lean)
+    assert drop == pytest.approx(cf_stock - cf_lean, rel=0.10, abs=0.01 * stock["peak"]), (drop, cf_stock - cf_lean)
     # the timeline carries which head it traced (the --timeline picture's title and the JSON say it)
     assert lean["timeline"].to_dict()["loss_head"] == "lean"
 

@@ -13,6 +13,8 @@ from .. import projection as proj
 from ...errors import UsageError
 from .tensors import _is_dtensor, _local, _world
 
+_HOST_KEYS = ("proj_seed", "side")  # scalars the step reads on the host
+
 
 class LowRankState:
     """Mixin of :class:`~hf_gradfix.optim.lowrank.LowRankAdamW`: moments, basis broadcast, ``load_state_dict``."""
@@ -54,6 +56,10 @@ class LowRankState:
                         # Take the saved tensor, not the cast one cast back: the round trip through the parameter
                         # dtype is lossy (an int64 proj_seed through fp32, fp32 moments through bf16).
                         self.state[p][key] = value.to(device=cur.device)
+            if p in self._plans:  # read with int() every step: on the host, or each read syncs a GPU stream
+                for key in _HOST_KEYS:
+                    if isinstance(self.state[p].get(key), torch.Tensor):
+                        self.state[p][key] = self.state[p][key].cpu()
 
     def _check_loaded_state(self, state_dict: dict) -> None:
         """Refuse, naming the matrix, a state this optimizer cannot continue from: a full-rank optimizer's (AdamW's
