@@ -52,7 +52,8 @@ TF457_TESTS=(tests/trainer/test_harness_selfcheck.py tests/loss/test_exactness.p
     tests/diagnostics/test_memory_timeline.py tests/trainer/test_ecosystem.py tests/trainer/test_trainer_contract.py
     tests/trainer/test_nonfinite.py tests/config/test_conflicts.py tests/project/test_lock.py
     tests/parallel/test_pipeline.py tests/trainer/test_stock_parity.py tests/trainer/test_trainer_matrix.py
-    tests/moe/test_moe.py tests/packing/test_packing_hybrid.py tests/loss/test_lean_head.py)
+    tests/moe/test_moe.py tests/packing/test_packing_hybrid.py tests/loss/test_lean_head.py
+    tests/packing/test_packing_vlm_rope.py)
 # The 5.x suite runs as two pytest processes: these files after the 4.57 phase (in its stream), the rest beside them
 # from the start, so that both cores stay busy to the end (one 5.x process left the second core mostly idle for the
 # last 20 minutes). Chosen from per-file times (HF_GRADFIX_TIMINGS_DIR=DIR writes them; docs/testing.md): the two
