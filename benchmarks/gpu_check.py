@@ -1156,9 +1156,9 @@ def vlm_packed_vs_alone(device: str, dtype: torch.dtype, attn: str) -> dict:
     feats = _VLM_CACHE["feats"]
     model = V.build_vlm("qwen2_5_vl", dtype=dtype, attn_implementation=attn).to(device).eval()
     truth = V.build_vlm("qwen2_5_vl").eval()
-    truth.load_state_dict({k: v.float() for k, v in model.state_dict().items()})  # the same rounded weights, fp32
-    truth = truth.to(device)
+    truth.load_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()})  # the same rounded weights
     batch = _to(MultimodalPackedCollator(rope_index_fn(truth), pad_token_id=V.pad_id("qwen2_5_vl"))(feats), device)
+    truth = truth.to(device)  # the collator ran on the host, as a DataLoader's does
     dfeats = _to([dict(f) for f in feats], device)
     ref_logits, ref_grads = P.docs_alone(truth, dfeats, grad=True)
     del truth
