@@ -32,6 +32,10 @@ Sections, in the order they run (each a row of the results table, ``passed`` / `
    the head's gradient against the stock head's.
 7. **optim**: ``opt.step()`` time and memory of AdamW, galore-torch, our GaLore (svd / randomized), APOLLO and
    APOLLO-Mini on 7B-shaped layers (hidden 4096, intermediate 11008): the low-rank state's memory.
+8. **vlm**: a tiny Qwen2.5-VL (``tests/support/vlm.py``) packed by ``MultimodalPackedCollator`` vs each document
+   alone, against fp32 eager alone on the same weights: fp32 sdpa (<= 1e-5), bf16 sdpa and bf16 ``flash_attention_2``
+   (varlen, where flash-attn imports) by :func:`half_precision_verdict`; then packed vs padded real tokens/s with
+   ``benchmarks/bench_vlm_packing.py``'s model, samples and loop (bf16, FA2 else sdpa).
 
 Not provable on one GPU (said in the results file): multi-rank DDP / FSDP2 / TP / CP exactness over NCCL, the
 rank-balanced packed sampler across ranks, FSDP2 all-gather memory. Those are proven on CPU over gloo only.
@@ -65,7 +69,7 @@ for _p in (REPO, REPO / "tests" / "support", REPO / "benchmarks"):
 __import__("suite_paths").add()  # the rooms' test modules (tests/support/suite_paths.py)
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu-check.md"
-SECTIONS = ("packing", "guard", "trainer", "throughput", "plan", "lean", "hybrid", "optim")  # in order of value
+SECTIONS = ("packing", "guard", "trainer", "throughput", "plan", "lean", "hybrid", "optim", "vlm")  # in order of value
 FP32_TOL = 1e-5  # relative error, fp32 (the project's exactness bar)
 HALF_FACTOR = 2.0  # packed half-precision error may be at most this multiple of the unpacked run's error
 CONTROL_FACTOR = 10.0  # sequence mixing must be at least this multiple of the unpacked error (the check can fail)
@@ -1118,6 +1122,129 @@ def section_hybrid(device: str, quick: bool) -> dict:
                 rows=list(rows), kernels=kernels)
 
 
+# ---------------------------------------------------------------------------------------------- 9. vlm
+VLM_COUNTS = (0, 3, 1, 0, 2)  # images per document: image documents sit after other documents in the row
+VLM_SIZES = dict(quick=dict(samples=8, budget=512, batch=4, rounds=1), full=dict(samples=192, budget=4096, batch=8,
+                                                                                  rounds=3))
+_VLM_CACHE: dict = {}
+
+
+def _to(obj, device: str):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to(v, device) for v in obj]
+    return obj
+
+
+def vlm_packed_vs_alone(device: str, dtype: torch.dtype, attn: str) -> dict:
+    """A tiny Qwen2.5-VL (``tests/support/vlm.py``) on ``device`` in ``dtype`` through ``attn``: one row packed by
+    ``MultimodalPackedCollator(rope_index_fn(model))`` against each document alone (``tests/support/vlm_packing.py``),
+    logits and gradients relative to an fp32 eager ground truth of each document alone on the same (dtype-rounded)
+    weights. Verdict: :func:`half_precision_verdict` (fp32: <= 1e-5; bf16: packed <= 2 x the same dtype's
+    documents-alone error, and the control, the row without restarted positions, >= 10 x it)."""
+    import vlm as V
+    import vlm_packing as P
+    from hf_gradfix.packing.multimodal import MultimodalPackedCollator, rope_index_fn
+
+    if "feats" not in _VLM_CACHE:
+        proc = V.build_processor("qwen2_5_vl")
+        _VLM_CACHE["feats"] = V.processed_samples(
+            "qwen2_5_vl", V.make_samples("qwen2_5_vl", len(VLM_COUNTS), seed=3, counts=VLM_COUNTS), proc)
+    feats = _VLM_CACHE["feats"]
+    model = V.build_vlm("qwen2_5_vl", dtype=dtype, attn_implementation=attn).to(device).eval()
+    truth = V.build_vlm("qwen2_5_vl").eval()
+    truth.load_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()})  # the same rounded weights
+    batch = _to(MultimodalPackedCollator(rope_index_fn(truth), pad_token_id=V.pad_id("qwen2_5_vl"))(feats), device)
+    truth = truth.to(device)  # the collator ran on the host, as a DataLoader's does
+    dfeats = _to([dict(f) for f in feats], device)
+    ref_logits, ref_grads = P.docs_alone(truth, dfeats, grad=True)
+    del truth
+    alone_logits, alone_grads = P.docs_alone(model, dfeats, grad=True)
+    logits, grads = P.packed_run(model, batch, grad=True)
+    plain = {k: v for k, v in batch.items() if k not in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                                                          "max_length_q", "max_length_k")}
+    control, _ = P.packed_run(model, plain)
+    err = dict(logits=dict(packed=P.worst_rel(P.split_row(logits, feats), ref_logits),
+                           separate=P.worst_rel(alone_logits, ref_logits),
+                           control=P.worst_rel(P.split_row(control, feats), ref_logits)),
+               grads=dict(packed=P.grad_rel(grads, ref_grads), separate=P.grad_rel(alone_grads, ref_grads)))
+    ok_l, why_l = half_precision_verdict(err["logits"]["packed"], err["logits"]["separate"], err["logits"]["control"],
+                                         dtype)
+    ok_g, why_g = half_precision_verdict(err["grads"]["packed"], err["grads"]["separate"], None, dtype)
+    # the control must be far off in every dtype (fp32: the rule above has no control, so it is asked here)
+    ok_c = err["logits"]["control"] >= CONTROL_FACTOR * max(err["logits"]["packed"], FP32_TOL)
+    del model
+    _free(device)
+    return dict(arch="qwen2_5_vl", attn=attn, dtype=str(dtype).replace("torch.", ""), logits=err["logits"],
+                grads=err["grads"], passed=ok_l and ok_g and ok_c,
+                why=f"logits {why_l}; grads {why_g}" + ("" if ok_c else "; control too close"))
+
+
+def vlm_throughput(device: str, quick: bool) -> dict:
+    """Real (non-pad) tokens/s of the same samples padded vs packed: ``benchmarks/bench_vlm_packing.py``'s model,
+    samples, padded batches and timed loop (forward + backward); bf16 and FA2 (else sdpa) on CUDA, fp32 sdpa on CPU."""
+    import bench_vlm_packing as B
+    from hf_gradfix.packing import pack
+    from hf_gradfix.packing.multimodal import MultimodalPackedCollator, rope_index_fn
+
+    size = VLM_SIZES["quick" if quick else "full"]
+    cuda = torch.device(device).type == "cuda"
+    attn = "flash_attention_2" if (cuda and flash_attn_status()[0]) else "sdpa"
+    dtype = torch.bfloat16 if (cuda and torch.cuda.is_bf16_supported()) else torch.float32
+    model = B.build_model()
+    data = B.samples(size["samples"], 0, size["budget"])
+    real = sum(len(s["input_ids"]) for s in data)
+    collator = MultimodalPackedCollator(rope_index_fn(model), max_tokens=size["budget"], pad_token_id=B.PAD)
+    batches = dict(padded=B.padded_batches(data, size["batch"]),
+                   packed=[collator([data[i] for i in b]) for b in pack([len(s["input_ids"]) for s in data],
+                                                                          budget=size["budget"])])
+    slots = {k: sum(b["input_ids"].numel() for b in v) for k, v in batches.items()}
+    model = model.to(device=device, dtype=dtype)
+    batches = {k: _to(v, device) for k, v in batches.items()}
+    for k in batches:  # warm-up
+        B.run(model, batches[k][:1], attn)
+    times: dict[str, list] = {k: [] for k in batches}
+    for _ in range(size["rounds"]):
+        for k, v in batches.items():
+            _sync(device)
+            t = time.perf_counter()
+            B.run(model, v, attn)
+            _sync(device)
+            times[k].append(time.perf_counter() - t)
+    del model
+    _free(device)
+    arms = {k: dict(micro_batches=len(batches[k]), padding=round(1 - real / slots[k], 3), seconds=round(min(t), 3),
+                    real_tokens_per_s=round(real / min(t))) for k, t in times.items()}
+    return dict(attn=attn, dtype=str(dtype).replace("torch.", ""), real_tokens=real, arms=arms,
+                ratio=round(arms["packed"]["real_tokens_per_s"] / arms["padded"]["real_tokens_per_s"], 2),
+                padding_bound=round((1 - arms["packed"]["padding"]) / (1 - arms["padded"]["padding"]), 2))
+
+
+def section_vlm(device: str, quick: bool) -> dict:
+    """VLM packing (Qwen2.5-VL, mRoPE): exactness of a packed row vs each document alone (fp32; bf16 where the device
+    has it; flash_attention_2's varlen path on CUDA where flash-attn imports), then packed vs padded real tokens/s."""
+    cuda = torch.device(device).type == "cuda"
+    cases = [(torch.float32, "sdpa")]
+    if cuda and torch.cuda.is_bf16_supported():
+        cases.append((torch.bfloat16, "sdpa"))
+        if flash_attn_status()[0]:
+            cases.append((torch.bfloat16, "flash_attention_2"))
+    rows = _section_rows()
+    for dtype, attn in cases:
+        rows.append(vlm_packed_vs_alone(device, dtype, attn))
+    tp = vlm_throughput(device, quick)
+    rows.append(dict(throughput=tp))
+    exact = [r for r in rows if "passed" in r]
+    summary = "; ".join(f"{r['attn']} {r['dtype']}: {'passed' if r['passed'] else 'FAILED'} ({r['why']})"
+                        for r in exact)
+    summary += (f"; throughput ({tp['attn']}, {tp['dtype']}): packed / padded real tokens/s {tp['ratio']}x "
+                f"(padding bound {tp['padding_bound']}x)")
+    return dict(status="passed" if all(r["passed"] for r in exact) else "FAILED", summary=summary, rows=list(rows))
+
+
 # ---------------------------------------------------------------------------------------------- running, writing
 def _sync(device: str) -> None:
     if torch.device(device).type == "cuda":
@@ -1133,6 +1260,7 @@ def _free(device: str) -> None:
 RUNNERS: dict[str, Callable[[str, bool], dict]] = {
     "packing": section_packing, "trainer": section_trainer, "guard": section_guard, "plan": section_plan,
     "throughput": section_throughput, "lean": section_lean, "hybrid": section_hybrid, "optim": section_optim,
+    "vlm": section_vlm,
 }
 
 
@@ -1196,8 +1324,10 @@ PROFILES: dict[str, dict[str, Any]] = {
     # measured on an H100 (2026-11-27): packing 22.5 s, guard 0.3, trainer 8, throughput 66, plan 6.5, optim 228
     # (the 7B-shaped SVD refreshes: ~50 s each for galore-torch and svd), 332 s together
     # lean (not yet measured on a GPU): 8 cells of one step x 4 each; optim gets what is left of the total
+    # vlm (not yet measured on a GPU; 8 s on CPU --quick): optim's budget went 185 -> 160 so the sum stays in the total
     "full": dict(quick=False, budget_s=450, sections={"packing": 45, "guard": 15, "trainer": 30, "throughput": 90,
-                                                      "plan": 30, "lean": 45, "hybrid": 25, "optim": 185}),
+                                                      "plan": 30, "lean": 45, "hybrid": 25, "optim": 160,
+                                                      "vlm": 40}),
     "rerun": dict(quick=True, budget_s=150, sections={"packing": 40, "guard": 20, "trainer": 40, "throughput": 35,
                                                       "optim": 15}),
 }
@@ -1318,6 +1448,25 @@ def render_markdown(results: dict) -> str:
             alt = f"{_fmt(r['split_grad_rel_err'])}, {r['split_ms']}" if "split_ms" in r else "-"
             lines.append(f"| {r['family']} | {layers} | {_fmt(r['grad_rel_err'])} | {_fmt(r['stock_grad_rel_err'])} | "
                          f"{r['ms']} | {alt} |")
+    vlm = results["sections"].get("vlm", {}).get("rows")
+    if vlm:
+        lines += ["", "## VLM packing (Qwen2.5-VL: one packed row vs each document alone, against fp32 eager alone)", "",
+                  "| attention | dtype | logits packed | logits alone | logits control (no restarted positions) | "
+                  "grads packed | grads alone | verdict |", "|---|---|---:|---:|---:|---:|---:|---|"]
+        for r in vlm:
+            if "passed" in r:
+                lines.append(f"| {r['attn']} | {r['dtype']} | {_fmt(r['logits']['packed'])} | "
+                             f"{_fmt(r['logits']['separate'])} | {_fmt(r['logits']['control'])} | "
+                             f"{_fmt(r['grads']['packed'])} | {_fmt(r['grads']['separate'])} | "
+                             f"{'passed' if r['passed'] else 'FAILED'}: {r['why']} |")
+        for r in vlm:
+            if "throughput" in r:
+                tp = r["throughput"]
+                lines += ["", f"VLM throughput ({tp['attn']}, {tp['dtype']}, {tp['real_tokens']} real tokens, fastest "
+                          f"round): packed / padded {tp['ratio']}x, padding bound {tp['padding_bound']}x", "",
+                          "| way | micro-batches | padding | seconds | real tokens/s |", "|---|---:|---:|---:|---:|"]
+                lines += [f"| {k} | {a['micro_batches']} | {a['padding']:.1%} | {a['seconds']} | "
+                          f"{a['real_tokens_per_s']} |" for k, a in tp["arms"].items()]
     lines += ["", "## What one GPU cannot prove", ""] + [f"- {x}" for x in results["not_provable_on_one_gpu"]]
     lines += ["", "## Raw results", "", "```json", json.dumps(results, indent=1, default=str), "```", ""]
     return "\n".join(lines)

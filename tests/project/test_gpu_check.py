@@ -510,3 +510,39 @@ def test_hybrid_section_runs_on_cpu_and_renders():
                    not_provable_on_one_gpu=[], started="now")
     text = G.render_markdown(results)
     assert "## Hybrid packing" in text and "| lfm2 | split: conv (Lfm2ShortConv" in text, text
+
+
+def test_vlm_section_runs_on_cpu_within_30_s_and_renders(tmp_path):
+    """``--device cpu --quick --only vlm``: the packed Qwen2.5-VL row within 1e-5 (fp32) of each document alone
+    against an fp32 eager ground truth, the no-restarted-positions control far off, and the packed / padded
+    throughput row in the results file; the whole run under 30 CPU seconds."""
+    import time
+
+    t = time.process_time()
+    assert G.main(["--device", "cpu", "--quick", "--only", "vlm", "--out-dir", str(tmp_path)]) == 0
+    assert time.process_time() - t < 30
+    sec = json.loads((tmp_path / "gpu-check.json").read_text())["sections"]["vlm"]
+    exact = [r for r in sec["rows"] if "passed" in r]
+    assert sec["status"] == "passed" and exact and all(r["passed"] for r in exact), sec
+    assert exact[0]["logits"]["packed"] <= 1e-5 and exact[0]["grads"]["packed"] <= 1e-5, exact[0]
+    assert exact[0]["logits"]["control"] > 1e-3, exact[0]
+    tp = next(r["throughput"] for r in sec["rows"] if "throughput" in r)
+    assert tp["arms"]["packed"]["padding"] < tp["arms"]["padded"]["padding"], tp
+    text = (tmp_path / "gpu-check.md").read_text()
+    assert "## VLM packing" in text and "| packed |" in text and "| padded |" in text, text
+
+
+def test_vlm_exactness_fails_on_a_collator_without_restarted_positions(monkeypatch):
+    """Control: a collator that drops the per-document positions (the model sees one long document) is FAILED."""
+    import hf_gradfix.packing.multimodal as M
+
+    real = M.MultimodalPackedCollator
+
+    class Planted(real):
+        def __call__(self, samples):
+            batch = super().__call__(samples)
+            return {k: v for k, v in batch.items() if not k.startswith(("position_ids", "cu_seq_lens", "max_length"))}
+
+    monkeypatch.setattr(M, "MultimodalPackedCollator", Planted)
+    row = G.vlm_packed_vs_alone("cpu", torch.float32, "sdpa")
+    assert not row["passed"] and row["logits"]["packed"] > 1e-3, row
