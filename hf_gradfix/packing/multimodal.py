@@ -53,12 +53,16 @@ Layout = Literal["grid", "stack", "per_image", "text"]
 
 
 def is_multimodal_sample(sample: Mapping[str, Any]) -> bool:
-    """Whether a sample carries image inputs or a multimodal token-type key (so it needs this packer).
+    """Whether a sample carries image inputs or a multimodal token-type key (so it needs this packer). A
+    ``token_type_ids`` alone is not one: text tokenizers (BERT-style) give segment ids under that name; Gemma 3's
+    image samples carry ``pixel_values`` beside it, and its text-only samples pack as text.
 
     >>> is_multimodal_sample({"input_ids": [1], "pixel_values": torch.zeros(1, 3, 2, 2)}), is_multimodal_sample({"input_ids": [1]})
     (True, False)
+    >>> is_multimodal_sample({"input_ids": [1, 2], "token_type_ids": [0, 0]})
+    False
     """
-    return any(k in sample for k in _IMAGE_MARKERS + ("mm_token_type_ids", "token_type_ids", "pixel_attention_mask"))
+    return any(k in sample for k in _IMAGE_MARKERS + ("mm_token_type_ids", "pixel_attention_mask"))
 
 
 def image_layout(sample: Mapping[str, Any]) -> Layout:
