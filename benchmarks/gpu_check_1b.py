@@ -393,7 +393,13 @@ def section_optim(device: str, quick: bool) -> dict:
 
 
 def section_hybrid(device: str, quick: bool) -> dict:
-    return G.section_hybrid(device, quick)
+    # a row list of its own: gpu_check's sections append to its running section's list, and a gpu_check run earlier
+    # in the same process (its tests call main() in-process) can leave rows of another section in the base one
+    G._ROWS.append([])
+    try:
+        return G.section_hybrid(device, quick)
+    finally:
+        G._ROWS.pop()
 
 
 RUNNERS: dict[str, Callable[[str, bool], dict]] = {
